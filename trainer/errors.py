@@ -1,0 +1,16 @@
+"""Errors a user can fix: the launcher prints them as one line, never a traceback."""
+
+
+class UserError(ValueError):
+  """Base class: something in the user's config, data or command is wrong.
+
+  The message names the culprit (a config key, a file, a step) and says what to do.
+  """
+
+
+class ConfigError(UserError):
+  """A config key has a bad value or does not exist."""
+
+
+class DataError(UserError):
+  """A dataset file is missing, truncated or malformed."""

@@ -1,0 +1,136 @@
+"""Loss scaling: static or dynamic, written here rather than borrowed from Keras.
+
+Why: float16 has 5 exponent bits. Gradients smaller than about 6e-8 flush to zero, so the loss is
+multiplied by a scale S before backprop, which shifts every gradient up by S; the float32
+gradients are then divided by S before the optimizer sees them. Too large an S overflows to
+inf/NaN, so the scale is adjusted as training runs. bfloat16 has float32's exponent range and needs
+no scaling; float32 needs none either.
+
+Each step (see `trainer/train_step.py`):
+  1. loss x S  -> gradients  -> divide by S in float32 (`unscale`);
+  2. every gradient on every replica is checked finite (`all_finite`);
+  3. non-finite: the optimizer is not applied (weights and slots untouched) and the step counts
+     as skipped; finite: the optimizer applies the (optionally clipped) unscaled gradients;
+  4. `update(finite)` moves the scale by the rules below, once per step, in cross-replica context.
+
+Modes:
+  'none'    S = 1 and nothing is multiplied; non-finite steps are still skipped.
+  'static'  S is fixed; non-finite steps are skipped, S never changes.
+  'dynamic' the rules below.
+
+Dynamic rules, exactly (state: `scale`, `good_steps`, `hysteresis_left`; all tf.Variables, saved
+in checkpoints):
+  start      scale = initial_scale, good_steps = 0, hysteresis_left = hysteresis.
+  finite     good_steps += 1 and hysteresis_left = hysteresis (the budget refills).
+             If good_steps == growth_interval: good_steps = 0 and
+             scale = min(scale * growth_factor, max_scale), unless that product is not finite,
+             in which case scale stays. The scale never exceeds max_scale and never becomes inf.
+  non-finite good_steps = 0 and hysteresis_left = max(hysteresis_left - 1, 0).
+             If hysteresis_left == 0: scale = max(scale * backoff_factor, min_scale).
+             So with hysteresis = 1 (the default) every non-finite step backs off; with N > 1 the
+             first N-1 non-finite steps in a row only skip, the N-th and every further one in the
+             same run back off, and one finite step refills the budget to N.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+MODES = ('none', 'static', 'dynamic')
+
+
+def all_finite(grads) -> tf.Tensor:
+  """A scalar bool: every element of every gradient is finite (None gradients are ignored)."""
+  checks = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
+  if not checks:
+    return tf.constant(True)
+  return tf.reduce_all(tf.stack(checks))
+
+
+class LossScaler(tf.Module):
+  """The loss scale and its state. Create it under the strategy's scope.
+
+  `scale_loss` and `unscale` run per replica; `update` runs once per step in cross-replica
+  context with the all-replica finite flag, so every replica holds the same state.
+  """
+
+  def __init__(self, *, mode: str = 'dynamic', initial_scale: float = 2.0**15,
+               growth_interval: int = 2000, growth_factor: float = 2.0,
+               backoff_factor: float = 0.5, min_scale: float = 1.0,
+               max_scale: float = 2.0**24, hysteresis: int = 1):
+    super().__init__(name='loss_scaler')
+    if mode not in MODES:
+      raise ValueError(f'loss scale mode must be one of {MODES}, got {mode!r}')
+    if not initial_scale > 0:
+      raise ValueError(f'initial_scale must be > 0, got {initial_scale}')
+    if growth_interval < 1 or hysteresis < 1:
+      raise ValueError('growth_interval and hysteresis must be >= 1')
+    if not 0 < min_scale <= max_scale:
+      raise ValueError(f'need 0 < min_scale <= max_scale, got {min_scale}, {max_scale}')
+    self.mode = mode
+    self.growth_interval = int(growth_interval)
+    self.growth_factor = float(growth_factor)
+    self.backoff_factor = float(backoff_factor)
+    self.min_scale = float(min_scale)
+    self.max_scale = float(max_scale)
+    self.hysteresis = int(hysteresis)
+    first = 1.0 if mode == 'none' else float(initial_scale)
+    only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+    self.scale = tf.Variable(first, dtype=tf.float32, trainable=False, name='scale',
+                             aggregation=only_first)
+    self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name='good_steps',
+                                  aggregation=only_first)
+    self.hysteresis_left = tf.Variable(self.hysteresis, dtype=tf.int64, trainable=False,
+                                       name='hysteresis_left', aggregation=only_first)
+
+  @classmethod
+  def from_config(cls, precision, policy: str) -> 'LossScaler':
+    """From `config.precision` and the resolved policy name ('auto' is dynamic only under
+    mixed_float16)."""
+    text = precision.loss_scale
+    if text == 'auto':
+      text = 'dynamic' if policy == 'mixed_float16' else 'none'
+    if text in ('none', 'dynamic'):
+      mode, initial = text, precision.initial_scale
+    else:
+      mode, initial = 'static', float(text)
+    return cls(mode=mode, initial_scale=initial, growth_interval=precision.growth_interval,
+               growth_factor=precision.growth_factor, backoff_factor=precision.backoff_factor,
+               min_scale=precision.min_scale, max_scale=precision.max_scale,
+               hysteresis=precision.get('hysteresis', 1))
+
+  def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
+    if self.mode == 'none':
+      return loss
+    return loss * tf.cast(self.scale, loss.dtype)
+
+  def unscale(self, grads):
+    """Gradients in float32, divided by the scale."""
+    grads = [None if g is None else tf.cast(g, tf.float32) for g in grads]
+    if self.mode == 'none':
+      return grads
+    scale = tf.identity(self.scale)  # read once for all gradients
+    return [None if g is None else g / scale for g in grads]
+
+  def update(self, finite: tf.Tensor) -> None:
+    """Applies the rules in the module docstring for one step. Cross-replica context."""
+    if self.mode != 'dynamic':
+      return
+    finite = tf.convert_to_tensor(finite)
+
+    def on_finite():
+      good = self.good_steps + 1
+      grow = good >= self.growth_interval
+      grown = self.scale * self.growth_factor
+      grown = tf.where(tf.math.is_finite(grown), tf.minimum(grown, self.max_scale), self.scale)
+      return (tf.where(grow, grown, self.scale), tf.where(grow, tf.zeros_like(good), good),
+              tf.constant(self.hysteresis, tf.int64))
+
+    def on_nonfinite():
+      left = tf.maximum(self.hysteresis_left - 1, 0)
+      backed = tf.maximum(self.scale * self.backoff_factor, self.min_scale)
+      return (tf.where(left == 0, backed, self.scale), tf.zeros_like(self.good_steps), left)
+
+    scale, good, left = tf.cond(finite, on_finite, on_nonfinite)
+    self.scale.assign(scale)
+    self.good_steps.assign(good)
+    self.hysteresis_left.assign(left)

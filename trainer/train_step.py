@@ -1,0 +1,176 @@
+"""The compiled inner loop: one loss-scaled optimizer update, run `steps_per_loop` times per call.
+
+A step (cross-replica context, inside one `tf.function`):
+  1. `strategy.run(replica_grads)`: forward under the GradientTape, loss averaged over the global
+     batch (`tf.nn.compute_average_loss`), loss x scale, gradients, divide by the scale in float32,
+     a per-replica finite flag. This per-replica compute is what `jit_compile` compiles.
+  2. The flags are reduced over all replicas (a SUM of non-finite counts): one non-finite gradient
+     anywhere skips the step everywhere.
+  3. `tf.cond(finite, apply, skip)`: `apply` runs `strategy.run(apply_gradients)`; `skip` does
+     nothing, so weights and optimizer slots stay bit-identical.
+  4. The loss scaler updates once with the all-replica flag; the global step advances either way;
+     skipped steps are counted; loss and metrics are accumulated for the host to read between calls.
+Nothing in a call reads a value back to the host.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+from trainer.loss_scale import LossScaler, all_finite
+
+SUM = tf.distribute.ReduceOp.SUM
+
+# compute_loss(batch, training=...) -> (per_example_loss [B], {metric name: per-example [B]})
+LossFn = Callable[..., tuple[tf.Tensor, dict[str, tf.Tensor]]]
+
+
+def variable(value, dtype, name):
+  return tf.Variable(value, dtype=dtype, trainable=False, name=name,
+                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+class TrainStep:
+  """Builds the compiled train loop for one model, optimizer and loss scaler.
+
+  Create it under the strategy's scope (it owns variables: the skip counter and the metric
+  accumulators). `global_step` is the trainer's: it also drives the learning-rate schedule.
+  """
+
+  def __init__(self, *, strategy: tf.distribute.Strategy, model, optimizer,
+               loss_scaler: LossScaler, compute_loss: LossFn, metric_names,
+               global_step: tf.Variable, global_batch_size: int, clip_norm: float = 0.0, jit_compile: bool = False,
+               inject_every: int = 0, inject_steps=()):
+    self.strategy = strategy
+    self.model = model
+    self.optimizer = optimizer
+    self.loss_scaler = loss_scaler
+    self.compute_loss = compute_loss
+    self.global_batch_size = int(global_batch_size)
+    self.clip_norm = float(clip_norm)
+    self.inject_every = int(inject_every)
+    self.inject_steps = tuple(int(s) for s in inject_steps)
+
+    self.global_step = global_step
+    self.skipped_steps = variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
+    # Accumulated between host reads (reset by `read_metrics`); not checkpointed.
+    self._sums = {name: variable(0.0, tf.float32, f'sum_{name}')
+                  for name in ('loss', *metric_names)}
+    self._count = variable(0.0, tf.float32, 'metric_steps')
+
+    replica_grads = self._replica_grads
+    if jit_compile:
+      replica_grads = tf.function(replica_grads, jit_compile=True)
+    self._replica_grads_fn = replica_grads
+    self.train_loop = tf.function(self._train_loop)
+
+  # ---- per replica -------------------------------------------------------------------------
+  def _replica_grads(self, batch):
+    variables = self.model.trainable_variables
+    with tf.GradientTape() as tape:
+      per_example_loss, metrics = self.compute_loss(batch, training=True)
+      per_example_loss = tf.cast(per_example_loss, tf.float32)
+      loss = tf.nn.compute_average_loss(per_example_loss,
+                                        global_batch_size=self.global_batch_size)
+      if self.model.losses:
+        loss += tf.nn.scale_regularization_loss(
+            tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]))
+      scaled_loss = self.loss_scaler.scale_loss(loss)
+    grads = self.loss_scaler.unscale(tape.gradient(scaled_loss, variables))
+    grads = self._maybe_inject(grads)
+    metric_shares = {k: tf.reduce_sum(tf.cast(v, tf.float32)) / self.global_batch_size
+                     for k, v in metrics.items()}
+    return loss, metric_shares, grads, all_finite(grads)
+
+  def _maybe_inject(self, grads):
+    """debug.inject_nonfinite_*: makes the gradients of chosen global steps non-finite."""
+    if not (self.inject_every or self.inject_steps):
+      return grads
+    step = self.global_step.read_value()
+    hit = tf.constant(False)
+    if self.inject_every:
+      hit = tf.logical_or(hit, tf.logical_and(step > 0, step % self.inject_every == 0))
+    if self.inject_steps:
+      hit = tf.logical_or(hit, tf.reduce_any(tf.equal(step, self.inject_steps)))
+    poison = tf.where(hit, float('inf'), 1.0)
+    first = next(i for i, g in enumerate(grads) if g is not None)
+    return [g * poison if i == first else g for i, g in enumerate(grads)]
+
+  def _apply(self, grads):
+    """Replica context. Keras 3 optimizers all-reduce (sum) gradients inside apply_gradients,
+    so each replica passes its local share; with clipping the norm is that of the summed
+    gradient, computed once here and identical on every replica."""
+    if self.clip_norm > 0:
+      context = tf.distribute.get_replica_context()
+      summed = context.all_reduce(SUM, grads)
+      norm = tf.linalg.global_norm(summed)
+      factor = self.clip_norm / tf.maximum(norm, self.clip_norm)
+      grads = [g * factor for g in grads]
+    self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+
+  # ---- cross replica -----------------------------------------------------------------------
+  def _step(self, iterator):
+    batch = next(iterator)
+    loss, metrics, grads, finite = self.strategy.run(self._replica_grads_fn, args=(batch,))
+    nonfinite = tf.cast(tf.logical_not(finite), tf.int32)
+    finite = tf.equal(self.strategy.reduce(SUM, nonfinite, axis=None), 0)
+    loss = self.strategy.reduce(SUM, loss, axis=None)
+    metrics = {k: self.strategy.reduce(SUM, v, axis=None) for k, v in metrics.items()}
+
+    def apply():
+      self.strategy.run(self._apply, args=(grads,))
+      return tf.constant(0, tf.int64)
+
+    def skip():
+      return tf.constant(1, tf.int64)
+
+    self.skipped_steps.assign_add(tf.cond(finite, apply, skip))
+    self.loss_scaler.update(finite)
+    self.global_step.assign_add(1)
+
+    counted = tf.cast(tf.math.is_finite(loss), tf.float32)
+    self._sums['loss'].assign_add(tf.where(counted > 0, loss, 0.0))
+    for k, v in metrics.items():
+      self._sums[k].assign_add(tf.where(counted > 0, v, 0.0))
+    self._count.assign_add(counted)
+
+  def _train_loop(self, iterator, num_steps):
+    for _ in tf.range(num_steps):
+      self._step(iterator)
+
+  def read_metrics(self) -> dict[str, float]:
+    """Means since the last read over steps whose loss was finite; resets the sums. Host side."""
+    count = float(self._count.numpy())
+    means = {k: (float(v.numpy()) / count if count else float('nan'))
+             for k, v in self._sums.items()}
+    for v in (*self._sums.values(), self._count):
+      v.assign(tf.zeros_like(v))
+    return means
+
+
+class EvalLoop:
+  """One pass over a (distributed) dataset inside a tf.function: sums of per-example loss and
+  metrics over every example, divided by the count, so no example is dropped or counted twice."""
+
+  def __init__(self, *, strategy, compute_loss: LossFn, metric_names):
+    self.strategy = strategy
+    self.compute_loss = compute_loss
+    self.metric_names = ('loss', *metric_names)
+    self.run = tf.function(self._run)
+
+  def _replica_sums(self, batch):
+    per_example_loss, metrics = self.compute_loss(batch, training=False)
+    sums = {'loss': tf.reduce_sum(tf.cast(per_example_loss, tf.float32))}
+    sums.update({k: tf.reduce_sum(tf.cast(v, tf.float32)) for k, v in metrics.items()})
+    count = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
+    return sums, count
+
+  def _run(self, dataset):
+    totals = {k: tf.constant(0.0) for k in self.metric_names}
+    count = tf.constant(0.0)
+    for batch in dataset:
+      sums, n = self.strategy.run(self._replica_sums, args=(batch,))
+      totals = {k: totals[k] + self.strategy.reduce(SUM, sums[k], axis=None) for k in totals}
+      count += self.strategy.reduce(SUM, n, axis=None)
+    return {k: v / count for k, v in totals.items()}, count
