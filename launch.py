@@ -28,12 +28,33 @@ def _fail(message: str) -> None:
 def parse_flags(argv):
   """absl's parser, with config mistakes turned into one line instead of a traceback."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.get('model')  # config_flags defers a file's load error to the first access
+    return rest
   except flags.Error as e:
     _fail(str(e).splitlines()[0])
-  except Exception as e:  # ml_collections raises plain KeyError/ValueError/... on bad overrides
-    flag = next((a for a in argv[1:] if a.startswith('--config')), '')
-    _fail(f'{flag}: {type(e).__name__}: {e}'.strip(': '))
+  except Exception as e:  # ml_collections raises plain KeyError/AttributeError/... on overrides
+    _fail(_explain(e, argv))
+
+
+def _explain(error: Exception, argv) -> str:
+  """One line naming the override or file behind an ml_collections error."""
+  while error.args and isinstance(error.args[0], BaseException):
+    error = error.args[0]  # ml_collections wraps the KeyError of a bad key in an AttributeError
+  text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+  # A bad key reads "'name'\nDid you mean ...?"; a bad file ends with its errno line.
+  lines = [line.strip(' \'"') for line in text.splitlines() if line.strip(' \'"')]
+  config_file = next((a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')), '')
+  if isinstance(error, KeyError) and lines:
+    for flag in (a.split('=', 1)[0] for a in argv[1:] if a.startswith('--config.')):
+      if lines[0] in flag.split('.'):
+        return f'{flag}: unknown config key. {" ".join(lines[1:2])}'.strip()
+  if isinstance(error, OSError):
+    reason = text.strip().splitlines()[-1].strip()
+    return f'--config={config_file}: cannot load the config file ({reason}).'
+  if isinstance(error, AttributeError) and 'get_config' in text:
+    return f'--config={config_file}: the file defines no get_config() function.'
+  return f'{type(error).__name__}: {lines[0] if lines else repr(error)}'
 
 
 def _default_workdir() -> str:

@@ -1,0 +1,55 @@
+"""launch.py: a bad command is one line naming the culprit, exit 2, and nothing written."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def launch(*args, cwd=ROOT):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+  return subprocess.run([sys.executable, os.path.join(ROOT, 'launch.py'), *args], cwd=cwd,
+                        env=env, capture_output=True, text=True, timeout=300)
+
+
+def error_lines(result):
+  """Lines on stderr that are ours (TF prints its own start-up noise before absl takes over)."""
+  return [l for l in result.stderr.splitlines() if l.startswith('error:')]
+
+
+@pytest.mark.parametrize('override, culprit', [
+    ('--config.train.batchsize=3', '--config.train.batchsize: unknown config key'),
+    ('--config.train.batch_size=abc', 'config.train.batch_size'),
+    ('--config.train.batch_size=0', 'config.train.batch_size=0: must be > 0'),
+    ('--config.precision.loss_scale=-4', 'config.precision.loss_scale'),
+])
+def test_bad_override_is_one_line(override, culprit, tmp_path):
+  workdir = tmp_path / 'work'
+  result = launch('--config=configs/mnist.py', override, f'--workdir={workdir}')
+  assert result.returncode == 2
+  assert 'Traceback' not in result.stderr
+  lines = error_lines(result)
+  assert len(lines) == 1 and culprit in lines[0], result.stderr[-2000:]
+  assert not workdir.exists()
+
+
+def test_missing_config_file_is_one_line(tmp_path):
+  result = launch('--config=configs/no_such.py')
+  assert result.returncode == 2 and 'Traceback' not in result.stderr
+  assert error_lines(result) == [
+      "error: --config=configs/no_such.py: cannot load the config file "
+      "([Errno 2] No such file or directory: 'configs/no_such.py')."]
+
+
+def test_launch_trains_and_prints_accuracy(mnist_dir, tmp_path):
+  result = launch('--config=configs/mnist.py', f'--config.data.dir={mnist_dir}',
+                  '--config.train.steps=20', '--config.train.steps_per_loop=10',
+                  '--config.train.log_every=10', '--config.train.checkpoint_every=10',
+                  f'--workdir={tmp_path}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  accuracy = [l for l in result.stdout.splitlines() if l.startswith('accuracy: ')]
+  assert len(accuracy) == 1 and 0.5 < float(accuracy[0].split()[1]) <= 1.0
+  assert (tmp_path / 'config.json').exists()
+  assert sorted(os.listdir(tmp_path / 'checkpoints'))[0] == 'checkpoint'

@@ -1,0 +1,87 @@
+"""The loss-scale rules of trainer/loss_scale.py, to the letter."""
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from trainer.loss_scale import LossScaler, all_finite
+
+
+def run(scaler, flags):
+  """Feeds finite (True) / non-finite (False) steps; returns [(scale, good_steps, left)]."""
+  out = []
+  for finite in flags:
+    scaler.update(tf.constant(finite))
+    out.append((float(scaler.scale.numpy()), int(scaler.good_steps.numpy()),
+                int(scaler.hysteresis_left.numpy())))
+  return out
+
+
+def test_dynamic_sequence_exact():
+  s = LossScaler(mode='dynamic', initial_scale=8.0, growth_interval=3, growth_factor=2.0,
+                 backoff_factor=0.5, min_scale=1.0, max_scale=1024.0)
+  got = run(s, [True, True, True, True, False, True, True, True, False, False])
+  assert got == [
+      (8.0, 1, 1), (8.0, 2, 1), (16.0, 0, 1),  # third finite step in a row: grow, reset
+      (16.0, 1, 1), (8.0, 0, 0),  # non-finite: back off, reset counter, budget spent
+      (8.0, 1, 1), (8.0, 2, 1), (16.0, 0, 1),  # a finite step refilled the budget
+      (8.0, 0, 0), (4.0, 0, 0),  # every non-finite step backs off (hysteresis 1)
+  ]
+
+
+def test_backoff_floor_is_min_scale():
+  s = LossScaler(mode='dynamic', initial_scale=4.0, min_scale=1.5, growth_interval=100)
+  assert [g[0] for g in run(s, [False] * 4)] == [2.0, 1.5, 1.5, 1.5]
+
+
+def test_growth_capped_at_max_scale():
+  s = LossScaler(mode='dynamic', initial_scale=96.0, max_scale=128.0, growth_interval=1)
+  assert [g[0] for g in run(s, [True] * 3)] == [128.0, 128.0, 128.0]
+
+
+def test_growth_never_reaches_inf():
+  big = float(np.finfo(np.float32).max) / 1.5
+  s = LossScaler(mode='dynamic', initial_scale=big, max_scale=math.inf, growth_interval=1)
+  scales = [g[0] for g in run(s, [True] * 3)]
+  assert all(math.isfinite(x) for x in scales)
+  assert scales[0] == pytest.approx(big, rel=1e-6)
+
+
+def test_hysteresis_budget():
+  s = LossScaler(mode='dynamic', initial_scale=64.0, hysteresis=3, growth_interval=100)
+  got = run(s, [False, False, False, False, True, False])
+  assert got == [
+      (64.0, 0, 2), (64.0, 0, 1),  # the first N-1 only skip
+      (32.0, 0, 0), (16.0, 0, 0),  # the N-th and every further one back off
+      (16.0, 1, 3),  # a finite step refills the budget
+      (16.0, 0, 2),
+  ]
+
+
+@pytest.mark.parametrize('mode', ['static', 'none'])
+def test_static_and_none_never_move(mode):
+  s = LossScaler(mode=mode, initial_scale=128.0)
+  expected = 128.0 if mode == 'static' else 1.0
+  assert [g[0] for g in run(s, [False, True, True, False])] == [expected] * 4
+  loss = tf.constant(2.0)
+  assert float(s.scale_loss(loss)) == 2.0 * expected
+  grads = s.unscale([tf.constant([expected * 3.0], tf.float16), None])
+  assert grads[1] is None and grads[0].dtype == tf.float32
+  assert float(grads[0][0]) == 3.0
+
+
+def test_all_finite():
+  assert bool(all_finite([tf.ones(3), None]))
+  assert not bool(all_finite([tf.ones(3), tf.constant([1.0, np.inf])]))
+  assert not bool(all_finite([tf.constant([np.nan])]))
+
+
+def test_from_config_auto():
+  from trainer import config as config_lib
+  p = config_lib.defaults().precision
+  assert LossScaler.from_config(p, 'mixed_float16').mode == 'dynamic'
+  assert LossScaler.from_config(p, 'mixed_bfloat16').mode == 'none'
+  p.loss_scale = '128'
+  static = LossScaler.from_config(p, 'float32')
+  assert static.mode == 'static' and float(static.scale.numpy()) == 128.0
