@@ -21,7 +21,7 @@ from typing import NamedTuple
 import keras
 import ml_collections
 import tensorflow as tf
-from absl import logging
+from absl import flags, logging
 
 from trainer import config as config_lib
 from trainer import optimizers, precision, progress
@@ -47,6 +47,8 @@ class Trainer:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
                strategy: tf.distribute.Strategy | None = None):
+    if not flags.FLAGS.is_parsed():  # used from Python, not launch.py: show the progress line
+      logging.set_verbosity(logging.INFO)
     self.config = config_lib.validate(config)
     self.workdir = os.path.abspath(workdir)
     c = self.config
