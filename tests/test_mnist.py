@@ -46,3 +46,28 @@ def test_injected_overflow_shows_in_tensorboard(mnist_dir, tmp_path):
   for tag in ('train/loss', 'train/accuracy', 'train/learning_rate', 'train/steps_per_sec',
               'eval/loss', 'eval/accuracy'):
     assert tag in s, tag
+
+
+def test_download_verifies_checksums(mnist_dir, tmp_path):
+  """The download path, against a local file:// mirror of the original files."""
+  mirror = f'file://{mnist_dir}/'
+  (x_train, _), (x_test, _) = mnist.load('', mirror=mirror, cache_dir=str(tmp_path))
+  assert x_train.shape == (60000, 28, 28) and x_test.shape == (10000, 28, 28)
+  cached = tmp_path / 'datasets' / 'mnist-idx'
+  assert sorted(p.name for p in cached.iterdir()) == sorted(mnist.FILES)
+
+  bad = tmp_path / 'bad_mirror'
+  bad.mkdir()
+  for name in mnist.FILES:  # same names, other bytes: the checksum must catch it
+    (bad / name).write_bytes(b'not mnist')
+  with pytest.raises(mnist.DataError, match='train-images-idx3-ubyte.gz'):
+    mnist.load('', mirror=f'file://{bad}/', cache_dir=str(tmp_path / 'other'))
+
+
+def test_eval_covers_the_test_set_exactly_once(mnist_dir, tmp_path):
+  config = small_config(**{'data.dir': mnist_dir, 'train.batch_size': 96})  # 10000 % 96 = 16
+  trainer = MnistCnnTrainer(config, str(tmp_path))
+  dataset = trainer.strategy.experimental_distribute_dataset(trainer.datasets.eval)
+  means, count = trainer.eval_loop.run(dataset)
+  assert int(count) == 10000
+  assert 0.0 <= float(means['accuracy']) <= 1.0

@@ -60,22 +60,29 @@ def read_idx(path: str, magic: int, shape: tuple[int, ...]) -> np.ndarray:
   return np.frombuffer(data, np.uint8, offset=header).reshape(dims)
 
 
-def _path(data_dir: str, name: str, sha256: str) -> str:
-  if data_dir:
-    return os.path.join(data_dir, name)
+def download(name: str, sha256: str, *, mirror: str = MIRROR, cache_dir: str | None = None):
+  """Downloads one file (once; cached under ~/.keras/datasets/mnist-idx), verifying SHA-256."""
   import keras  # only needed to download
-  return keras.utils.get_file(name, origin=MIRROR + name, file_hash=sha256,
-                              cache_subdir='datasets/mnist-idx')
+  try:
+    return keras.utils.get_file(name, origin=mirror + name, file_hash=sha256,
+                                cache_dir=cache_dir, cache_subdir='datasets/mnist-idx')
+  except Exception as e:  # urllib's errors, or keras's ValueError for a bad checksum
+    raise DataError(f'could not download {mirror + name} ({e}); download the four MNIST IDX '
+                    'files yourself and set config.data.dir to their folder') from None
 
 
-def load(data_dir: str = ''):
-  """((x_train, y_train), (x_test, y_test)) as uint8 arrays [N, 28, 28] and [N]."""
+def load(data_dir: str = '', **download_args):
+  """((x_train, y_train), (x_test, y_test)) as uint8 arrays [N, 28, 28] and [N].
+
+  `download_args` (mirror, cache_dir) go to `download` when `data_dir` is ''.
+  """
   if data_dir and not os.path.isdir(data_dir):
     raise DataError(f'config.data.dir={data_dir!r} is not a folder; point it at the folder '
                     "holding the four MNIST IDX .gz files, or set it to '' to download them")
   arrays = {}
   for name, (sha256, magic, shape) in FILES.items():
-    arrays[name] = read_idx(_path(data_dir, name, sha256), magic, shape)
+    path = os.path.join(data_dir, name) if data_dir else download(name, sha256, **download_args)
+    arrays[name] = read_idx(path, magic, shape)
   splits = []
   for prefix in ('train', 't10k'):
     images = arrays[f'{prefix}-images-idx3-ubyte.gz']
