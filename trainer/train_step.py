@@ -62,7 +62,11 @@ class TrainStep:
 
     replica_grads = self._replica_grads
     if jit_compile:
-      replica_grads = tf.function(replica_grads, jit_compile=True)
+      compiled = tf.function(replica_grads, jit_compile=True)
+      # Called through a plain function: given a tf.function directly, MirroredStrategy.run
+      # lifts it into one XLA cluster over all replicas unless every device is a GPU, and that
+      # fails on other devices (a replica's variables read from another device).
+      replica_grads = lambda batch: compiled(batch)  # pylint: disable=unnecessary-lambda
     self._replica_grads_fn = replica_grads
     self.train_loop = tf.function(self._train_loop)
 
