@@ -16,6 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(workdir, out_dir, steps):
   sys.path.insert(0, ROOT)
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from distribute_runs import small_mnist
+  small_mnist(4096, 1000)
   import numpy as np
   from configs import mnist
   from models.mnist_cnn import MnistCnnTrainer

@@ -149,6 +149,7 @@ def _run_workers(workdir, out, steps):
   return results
 
 
+@pytest.mark.slow  # 4 TF processes: 91 s and 143 s wall on the 2 shared cores (33-42 s CPU)
 def test_multi_worker_two_processes_train_checkpoint_and_resume(tmp_path):
   workdir = tmp_path / 'work'
   first, second = tmp_path / 'first', tmp_path / 'second'
