@@ -112,7 +112,7 @@ def main(out_dir):
     results[f'clip{clip}/skipped'] = int(mirrored.train_step.skipped_steps.numpy())
     trained[clip] = (one, mirrored)
 
-  # 2. eval under mirrored covers the test set once (remainder 10000 % 64 = 16 split too).
+  # 2. eval under mirrored covers the test set once (the last batch of 16 split 8 + 8).
   one, mirrored = trained[0.0]
   dataset = mirrored.strategy.experimental_distribute_dataset(mirrored.datasets.eval)
   means, count = mirrored.eval_loop.run(dataset)
@@ -142,6 +142,11 @@ def main(out_dir):
     state = list(t.model.weights) + list(t.optimizer.variables)
     before = local(t.strategy, state)
     scale_before = local(t.strategy, [t.loss_scaler.scale])
+    from trainer.loss_scale import all_finite
+    flags = t.strategy.run(  # at step 1, which replicas would the injection poison?
+        lambda: all_finite(t.train_step._maybe_inject([tf.ones([2])])))
+    results[f'inject{bad}/finite_per_replica'] = [
+        bool(f) for f in t.strategy.experimental_local_results(flags)]
     steps(t, 1, it)  # step 1: inf on replica `bad` only
     after = local(t.strategy, state)
     for r in range(2):

@@ -36,13 +36,15 @@ def main(workdir, out_dir, steps):
   trainer = MnistCnnTrainer(c, workdir)
   start = trainer.restore()
   metrics = trainer.train()
+  dataset = trainer.strategy.experimental_distribute_dataset(trainer.datasets.eval)
+  _, eval_count = trainer.eval_loop.run(dataset)
   task = json.loads(os.environ['TF_CONFIG'])['task']
   name = f"{task['type']}{task['index']}"
   np.savez(os.path.join(out_dir, f'{name}.npz'), *trainer.model.get_weights())
   with open(os.path.join(out_dir, f'{name}.json'), 'w') as f:
     json.dump({'start': start, 'end': int(trainer.global_step.numpy()),
                'replicas': trainer.strategy.num_replicas_in_sync,
-               'chief': trainer.is_chief, 'scratch': trainer._scratch, 'eval': metrics}, f)
+               'chief': trainer.is_chief, 'eval_count': float(eval_count), 'scratch': trainer._scratch, 'eval': metrics}, f)
 
 
 if __name__ == '__main__':

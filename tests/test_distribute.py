@@ -72,6 +72,7 @@ def test_jit_compile_under_mirrored(two_replicas):
 @pytest.mark.parametrize('bad', [1, 0])
 def test_inf_on_one_replica_skips_everywhere(two_replicas, bad):
   results, arrays = two_replicas
+  assert results[f'inject{bad}/finite_per_replica'] == [bad != 0, bad != 1]  # only `bad` gets inf
   before = [_weights(arrays, f'inject{bad}/before/replica{r}') for r in range(2)]
   after = [_weights(arrays, f'inject{bad}/after/replica{r}') for r in range(2)]
   for r in range(2):  # weights and every optimizer variable (Adam m, v, iterations) unchanged
@@ -167,6 +168,7 @@ def test_multi_worker_two_processes_train_checkpoint_and_resume(tmp_path):
   assert other['scratch'] and not os.path.exists(other['scratch'])  # removed after saving
   assert sorted(os.listdir(workdir)) == ['checkpoints', 'config.json', 'tensorboard']
   assert chief['eval'] == other['eval']
+  assert chief['eval_count'] == other['eval_count'] == 1000  # each test image once, in total
 
   # A restart of both workers resumes from the chief's checkpoint.
   chief, other = _run_workers(workdir, second, steps=4)
