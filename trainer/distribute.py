@@ -124,7 +124,8 @@ def _tpu(tpu: str) -> tf.distribute.TPUStrategy:
       tf.config.experimental_connect_to_cluster(resolver)
     tf.tpu.experimental.initialize_tpu_system(resolver)
   except Exception as e:  # resolver, connection and init raise many types; all mean "no TPU"
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = str(e).strip()
+    first = text.splitlines()[0].split('. ')[0] if text else type(e).__name__  # one sentence
     raise UserError(f'config.distribute.tpu={tpu!r}: no TPU reachable ({first}). Give the TPU '
                     "name or 'grpc://host:port' address, or run on a TPU VM with ''.") from None
   return tf.distribute.TPUStrategy(resolver)
