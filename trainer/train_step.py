@@ -3,7 +3,7 @@
 A step (cross-replica context, inside one `tf.function`):
   1. `strategy.run(replica_grads)`: forward under the GradientTape, loss averaged over the global
      batch (`tf.nn.compute_average_loss`), loss x scale, gradients, divide by the scale in float32,
-     a per-replica finite flag. This per-replica compute is what `jit_compile` compiles.
+     a per-replica non-finite flag (0/1). This per-replica compute is what `jit_compile` compiles.
   2. The flags are reduced over all replicas (a SUM of non-finite counts): one non-finite gradient
      anywhere skips the step everywhere.
   3. `tf.cond(finite, apply, skip)`: `apply` runs `strategy.run(apply_gradients)`; `skip` does
