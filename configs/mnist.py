@@ -49,7 +49,13 @@ def get_config():
   config.precision.max_scale = 16777216.0  # the scale never grows above this (2**24)
   config.precision.hysteresis = 1  # non-finite steps in a row before backing off
 
+  config.distribute = ml_collections.ConfigDict()
+  config.distribute.strategy = 'default'  # default, mirrored, multi_worker (TF_CONFIG) or tpu
+  config.distribute.devices = ''  # mirrored: e.g. 'GPU:0,GPU:1'; '' = all local GPUs
+  config.distribute.tpu = ''  # tpu: TPU name or 'grpc://host:port'; '' = this host's TPU
+
   config.debug = ml_collections.ConfigDict()
   config.debug.inject_nonfinite_every = 0  # make every N-th step's gradients inf; 0 = off
   config.debug.inject_nonfinite_steps = ''  # e.g. '10,11': global steps made non-finite
+  config.debug.inject_nonfinite_replica = -1  # replica whose gradients are poisoned; -1 = all
   return config

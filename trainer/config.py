@@ -87,10 +87,20 @@ SCHEMA: dict[str, Key] = {
     'precision.max_scale': Key(float, 16777216.0, 'cap of the dynamic scale', _positive),
     'precision.hysteresis': Key(int, 1, 'non-finite steps in a row that back the scale off',
                                 lambda v: None if v >= 1 else 'must be >= 1'),
+    'distribute.strategy': Key(str, 'default', "'default' (one device), 'mirrored' (local "
+                               "GPUs), 'multi_worker' (hosts from TF_CONFIG) or 'tpu'",
+                               _one_of('default', 'mirrored', 'multi_worker', 'tpu')),
+    'distribute.devices': Key(str, '', "mirrored only: comma-separated devices such as "
+                              "'GPU:0,GPU:1'; '' = all local GPUs"),
+    'distribute.tpu': Key(str, '', "tpu only: TPU name or 'grpc://host:port'; '' = the TPU "
+                          'of this host'),
     'debug.inject_nonfinite_every': Key(int, 0, 'make every N-th step non-finite; 0 = off',
                                         _non_negative),
     'debug.inject_nonfinite_steps': Key(str, '', 'comma-separated global steps made '
                                         'non-finite'),
+    'debug.inject_nonfinite_replica': Key(int, -1, 'replica whose gradients the injection '
+                                          'poisons; -1 = all replicas',
+                                          lambda v: None if v >= -1 else 'must be >= -1'),
 }
 
 

@@ -3,7 +3,7 @@
 A step (cross-replica context, inside one `tf.function`):
   1. `strategy.run(replica_grads)`: forward under the GradientTape, loss averaged over the global
      batch (`tf.nn.compute_average_loss`), loss x scale, gradients, divide by the scale in float32,
-     a per-replica finite flag. This per-replica compute is what `jit_compile` compiles.
+     a per-replica non-finite flag (0/1). This per-replica compute is what `jit_compile` compiles.
   2. The flags are reduced over all replicas (a SUM of non-finite counts): one non-finite gradient
      anywhere skips the step everywhere.
   3. `tf.cond(finite, apply, skip)`: `apply` runs `strategy.run(apply_gradients)`; `skip` does
@@ -41,7 +41,7 @@ class TrainStep:
   def __init__(self, *, strategy: tf.distribute.Strategy, model, optimizer,
                loss_scaler: LossScaler, compute_loss: LossFn, metric_names,
                global_step: tf.Variable, global_batch_size: int, clip_norm: float = 0.0, jit_compile: bool = False,
-               inject_every: int = 0, inject_steps=()):
+               inject_every: int = 0, inject_steps=(), inject_replica: int = -1):
     self.strategy = strategy
     self.model = model
     self.optimizer = optimizer
@@ -51,6 +51,7 @@ class TrainStep:
     self.clip_norm = float(clip_norm)
     self.inject_every = int(inject_every)
     self.inject_steps = tuple(int(s) for s in inject_steps)
+    self.inject_replica = int(inject_replica)
 
     self.global_step = global_step
     self.skipped_steps = variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
@@ -61,7 +62,11 @@ class TrainStep:
 
     replica_grads = self._replica_grads
     if jit_compile:
-      replica_grads = tf.function(replica_grads, jit_compile=True)
+      compiled = tf.function(replica_grads, jit_compile=True)
+      # Called through a plain function: given a tf.function directly, MirroredStrategy.run
+      # lifts it into one XLA cluster over all replicas unless every device is a GPU, and that
+      # fails on other devices (a replica's variables read from another device).
+      replica_grads = lambda batch: compiled(batch)  # pylint: disable=unnecessary-lambda
     self._replica_grads_fn = replica_grads
     self.train_loop = tf.function(self._train_loop)
 
@@ -81,10 +86,12 @@ class TrainStep:
     grads = self._maybe_inject(grads)
     metric_shares = {k: tf.reduce_sum(tf.cast(v, tf.float32)) / self.global_batch_size
                      for k, v in metrics.items()}
-    return loss, metric_shares, grads, all_finite(grads)
+    nonfinite = tf.cast(tf.logical_not(all_finite(grads)), tf.int32)  # 0 or 1 on this replica
+    return loss, metric_shares, grads, nonfinite
 
   def _maybe_inject(self, grads):
-    """debug.inject_nonfinite_*: makes the gradients of chosen global steps non-finite."""
+    """debug.inject_nonfinite_*: makes the gradients of chosen global steps non-finite, on
+    every replica or only on replica `inject_replica`."""
     if not (self.inject_every or self.inject_steps):
       return grads
     step = self.global_step.read_value()
@@ -93,6 +100,9 @@ class TrainStep:
       hit = tf.logical_or(hit, tf.logical_and(step > 0, step % self.inject_every == 0))
     if self.inject_steps:
       hit = tf.logical_or(hit, tf.reduce_any(tf.equal(step, self.inject_steps)))
+    if self.inject_replica >= 0:
+      replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+      hit = tf.logical_and(hit, tf.equal(replica, self.inject_replica))
     poison = tf.where(hit, float('inf'), 1.0)
     first = next(i for i, g in enumerate(grads) if g is not None)
     return [g * poison if i == first else g for i, g in enumerate(grads)]
@@ -112,9 +122,8 @@ class TrainStep:
   # ---- cross replica -----------------------------------------------------------------------
   def _step(self, iterator):
     batch = next(iterator)
-    loss, metrics, grads, finite = self.strategy.run(self._replica_grads_fn, args=(batch,))
-    nonfinite = tf.cast(tf.logical_not(finite), tf.int32)
-    finite = tf.equal(self.strategy.reduce(SUM, nonfinite, axis=None), 0)
+    loss, metrics, grads, nonfinite = self.strategy.run(self._replica_grads_fn, args=(batch,))
+    finite = tf.equal(self.strategy.reduce(SUM, nonfinite, axis=None), 0)  # all replicas
     loss = self.strategy.reduce(SUM, loss, axis=None)
     metrics = {k: self.strategy.reduce(SUM, v, axis=None) for k, v in metrics.items()}
 

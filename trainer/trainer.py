@@ -24,7 +24,7 @@ import tensorflow as tf
 from absl import flags, logging
 
 from trainer import config as config_lib
-from trainer import optimizers, precision, progress
+from trainer import distribute, optimizers, precision, progress
 from trainer.errors import ConfigError
 from trainer.loss_scale import LossScaler
 from trainer.train_step import EvalLoop, TrainStep, variable
@@ -52,11 +52,13 @@ class Trainer:
     self.config = config_lib.validate(config)
     self.workdir = os.path.abspath(workdir)
     c = self.config
+    # First: multi_worker and tpu must set up before anything touches TF devices.
+    self.strategy = strategy or distribute.build(c)
+    distribute.check_batch(self.strategy, c.train.batch_size)
     if c.train.deterministic:
       tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(c.seed)
     self.policy = precision.apply(c.precision.policy)
-    self.strategy = strategy or tf.distribute.get_strategy()
 
     self.datasets = self.build_datasets()
     steps_per_epoch = self.datasets.train_examples // c.train.batch_size
@@ -83,7 +85,8 @@ class Trainer:
           global_batch_size=c.train.batch_size, clip_norm=c.optimizer.clip_norm,
           jit_compile=_jit(c.train.jit_compile),
           inject_every=c.debug.inject_nonfinite_every,
-          inject_steps=config_lib.parse_steps(c.debug.inject_nonfinite_steps))
+          inject_steps=config_lib.parse_steps(c.debug.inject_nonfinite_steps),
+          inject_replica=c.debug.inject_nonfinite_replica)
       self.eval_loop = EvalLoop(strategy=self.strategy, compute_loss=self.compute_loss,
                                 metric_names=self.metric_names)
     self.checkpoint = tf.train.Checkpoint(
@@ -91,6 +94,8 @@ class Trainer:
         global_step=self.global_step, skipped_steps=self.train_step.skipped_steps)
     self._manager = None
     self._writer = None
+    self.is_chief = distribute.is_chief(self.strategy)  # writes the workdir (multi_worker)
+    self._scratch = None  # a non-chief worker's temporary checkpoint folder
 
   # ---- hooks -------------------------------------------------------------------------------
   def build_model(self) -> keras.Model:
@@ -108,6 +113,13 @@ class Trainer:
   # ---- workdir -----------------------------------------------------------------------------
   def _open_workdir(self):
     if self._manager is not None:
+      return
+    if not self.is_chief:
+      # Saving takes part in collectives, so a non-chief worker saves too, into a temporary
+      # folder removed after each save; its summaries go nowhere.
+      self._scratch = distribute.scratch_dir(self.strategy)
+      self._manager = tf.train.CheckpointManager(self.checkpoint, self._scratch, max_to_keep=1)
+      self._writer = tf.summary.create_noop_writer()
       return
     try:
       os.makedirs(self.workdir, exist_ok=True)
@@ -138,7 +150,7 @@ class Trainer:
   def restore(self) -> int:
     """Restores the latest checkpoint of the workdir, if any; returns the global step."""
     self._open_workdir()
-    latest = self._manager.latest_checkpoint
+    latest = tf.train.latest_checkpoint(os.path.join(self.workdir, 'checkpoints'))  # the chief's
     if latest:
       self.checkpoint.restore(latest).assert_existing_objects_matched()
       logging.info('resumed from %s at step %d', latest, int(self.global_step.numpy()))
@@ -147,6 +159,9 @@ class Trainer:
   def save(self) -> str:
     self._open_workdir()
     path = self._manager.save(checkpoint_number=int(self.global_step.numpy()))
+    if self._scratch:
+      distribute.remove_scratch(self._scratch)
+      return path
     logging.info('saved checkpoint %s', path)
     return path
 

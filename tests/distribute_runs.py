@@ -1,0 +1,184 @@
+"""Runs for tests/test_distribute.py that need the CPU split into 2 logical devices.
+
+Logical devices must be configured before TensorFlow runs any op, so these runs happen in a
+fresh process: `python tests/distribute_runs.py OUT_DIR`. It writes OUT_DIR/arrays.npz (weights,
+optimizer slots, per replica) and OUT_DIR/results.json (scalars and error messages); the tests
+assert on them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
+STEPS = 3
+
+
+def small_mnist(train_examples, test_examples=None):
+  """Reads the MNIST files once per process and keeps the first examples (faster runs)."""
+  import functools
+  from trainer.data import mnist as mnist_data
+  load = functools.lru_cache(mnist_data.load)
+
+  def subset(data_dir=''):
+    (x, y), (xt, yt) = load(data_dir)
+    return (x[:train_examples], y[:train_examples]), (xt[:test_examples], yt[:test_examples])
+
+  mnist_data.load = subset
+
+
+def split_cpu():
+  cpu = tf.config.list_physical_devices('CPU')[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+def config(**overrides):
+  from configs import mnist
+  c = mnist.get_config()
+  c.data.dir = DATA
+  c.train.batch_size = 32
+  c.train.steps = STEPS
+  c.train.steps_per_loop = 1
+  c.train.log_every = 1
+  c.train.checkpoint_every = 1
+  c.train.jit_compile = 'false'
+  c.precision.policy = 'float32'
+  c.precision.loss_scale = 'none'
+  c.optimizer.schedule = 'constant'
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def trainer(workdir, **overrides):
+  from models.mnist_cnn import MnistCnnTrainer
+  return MnistCnnTrainer(config(**overrides), workdir)
+
+
+def local(strategy, variables):
+  """[replica][variable] numpy arrays."""
+  per_var = [strategy.experimental_local_results(_tf_variable(v)) for v in variables]
+  return [[vs[r].numpy() for vs in per_var] for r in range(strategy.num_replicas_in_sync)]
+
+
+def _tf_variable(v):
+  import keras
+  return v.value if isinstance(v, keras.Variable) else v
+
+
+def steps(t, n, iterator=None):
+  iterator = iterator or iter(t.strategy.experimental_distribute_dataset(t.datasets.train))
+  for _ in range(n):
+    t.train_step.train_loop(iterator, tf.constant(1, tf.int64))
+  return iterator
+
+
+def main(out_dir):
+  split_cpu()
+  sys.path.insert(0, ROOT)
+  small_mnist(4096)  # every test image: eval must count all 10,000
+  from trainer.errors import UserError
+  arrays, results = {}, {}
+  work = os.path.join(out_dir, 'work')
+
+  # 1. mirrored on 2 replicas vs one device, same global batch, SGD with momentum, float32.
+  trained, starts = {}, {}
+  for clip in (0.0, 0.05):
+    opts = {'optimizer.name': 'sgd', 'optimizer.learning_rate': 0.1,
+            'optimizer.clip_norm': clip}
+    one = trainer(work, **opts)
+    mirrored = trainer(work, **{'distribute.strategy': 'mirrored',
+                                'distribute.devices': 'CPU:0,CPU:1', **opts})
+    results['replicas'] = mirrored.strategy.num_replicas_in_sync
+    starts[clip] = one.model.get_weights()
+    mirrored.model.set_weights(starts[clip])
+    steps(one, STEPS)
+    steps(mirrored, STEPS)
+    for i, w in enumerate(one.model.get_weights()):
+      arrays[f'clip{clip}/one/{i}'] = w
+    for r, ws in enumerate(local(mirrored.strategy, mirrored.model.weights)):
+      for i, w in enumerate(ws):
+        arrays[f'clip{clip}/replica{r}/{i}'] = w
+    results[f'clip{clip}/skipped'] = int(mirrored.train_step.skipped_steps.numpy())
+    trained[clip] = (one, mirrored)
+
+  # 2. eval under mirrored covers the test set once (the last batch of 16 split 8 + 8).
+  one, mirrored = trained[0.0]
+  dataset = mirrored.strategy.experimental_distribute_dataset(mirrored.datasets.eval)
+  means, count = mirrored.eval_loop.run(dataset)
+  results['eval/mirrored_count'] = float(count)
+  results['eval/mirrored'] = {k: float(v) for k, v in means.items()}
+  means, count = one.eval_loop.run(one.datasets.eval)
+  results['eval/one_count'] = float(count)
+  results['eval/one'] = {k: float(v) for k, v in means.items()}
+
+  # 3. jit_compile=true under mirrored: the same as the run without XLA from the same start.
+  jit = trainer(work, **{'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:1',
+                         'optimizer.name': 'sgd', 'optimizer.learning_rate': 0.1,
+                         'train.jit_compile': 'true'})
+  jit.model.set_weights(starts[0.0])
+  steps(jit, STEPS)
+  for r, ws in enumerate(local(jit.strategy, jit.model.weights)):
+    for i, w in enumerate(ws):
+      arrays[f'jit/replica{r}/{i}'] = w
+
+  # 4. inf on one replica only: every replica skips; weights and slots unchanged; backs off once.
+  for bad in (1, 0):
+    t = trainer(work, **{'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:1',
+                         'precision.loss_scale': 'dynamic', 'precision.initial_scale': 1024.0,
+                         'debug.inject_nonfinite_steps': '1',
+                         'debug.inject_nonfinite_replica': bad})
+    it = steps(t, 1)  # step 0: finite, creates non-zero Adam slots
+    state = list(t.model.weights) + list(t.optimizer.variables)
+    before = local(t.strategy, state)
+    scale_before = local(t.strategy, [t.loss_scaler.scale])
+    from trainer.loss_scale import all_finite
+    flags = t.strategy.run(  # at step 1, which replicas would the injection poison?
+        lambda: all_finite(t.train_step._maybe_inject([tf.ones([2])])))
+    results[f'inject{bad}/finite_per_replica'] = [
+        bool(f) for f in t.strategy.experimental_local_results(flags)]
+    steps(t, 1, it)  # step 1: inf on replica `bad` only
+    after = local(t.strategy, state)
+    for r in range(2):
+      for i, (b, a) in enumerate(zip(before[r], after[r])):
+        arrays[f'inject{bad}/before/replica{r}/{i}'] = b
+        arrays[f'inject{bad}/after/replica{r}/{i}'] = a
+    results[f'inject{bad}/scale_before'] = [float(s[0]) for s in scale_before]
+    results[f'inject{bad}/scale_after'] = [
+        float(s[0]) for s in local(t.strategy, [t.loss_scaler.scale])]
+    results[f'inject{bad}/skipped'] = int(t.train_step.skipped_steps.numpy())
+    results[f'inject{bad}/global_step'] = int(t.global_step.numpy())
+    steps(t, 1, it)  # step 2: finite again, applied
+    results[f'inject{bad}/skipped_after_next'] = int(t.train_step.skipped_steps.numpy())
+    results[f'inject{bad}/changed_after_next'] = bool(any(
+        not np.array_equal(a, b) for a, b in zip(after[0], local(t.strategy, state)[0])))
+
+  # 5. config errors that need two replicas.
+  for name, overrides in {
+      'odd_batch': {'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:1',
+                    'train.batch_size': 33},
+      'no_device': {'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,GPU:3'},
+  }.items():
+    try:
+      trainer(work, **overrides)
+      results[f'error/{name}'] = None
+    except UserError as e:
+      results[f'error/{name}'] = f'{type(e).__name__}: {e}'
+
+  np.savez(os.path.join(out_dir, 'arrays.npz'), **arrays)
+  with open(os.path.join(out_dir, 'results.json'), 'w') as f:
+    json.dump(results, f, indent=1)
+
+
+if __name__ == '__main__':
+  main(sys.argv[1])

@@ -1,0 +1,51 @@
+"""One worker of the two-process MultiWorkerMirroredStrategy test (tests/test_distribute.py).
+
+  TF_CONFIG=... python tests/multi_worker_run.py WORKDIR OUT_DIR STEPS
+
+Trains MNIST for STEPS global steps (resuming from WORKDIR), then writes OUT_DIR/<task>.npz
+with the final weights and OUT_DIR/<task>.json with the step it started from and ended at.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(workdir, out_dir, steps):
+  sys.path.insert(0, ROOT)
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from distribute_runs import small_mnist
+  small_mnist(4096, 1000)
+  import numpy as np
+  from configs import mnist
+  from models.mnist_cnn import MnistCnnTrainer
+
+  c = mnist.get_config()
+  c.data.dir = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
+  c.distribute.strategy = 'multi_worker'
+  c.train.batch_size = 32
+  c.train.steps = int(steps)
+  c.train.steps_per_loop = 2
+  c.train.log_every = 2
+  c.train.checkpoint_every = 2
+  c.train.jit_compile = 'false'
+  c.precision.policy = 'float32'
+  trainer = MnistCnnTrainer(c, workdir)
+  start = trainer.restore()
+  metrics = trainer.train()
+  dataset = trainer.strategy.experimental_distribute_dataset(trainer.datasets.eval)
+  _, eval_count = trainer.eval_loop.run(dataset)
+  task = json.loads(os.environ['TF_CONFIG'])['task']
+  name = f"{task['type']}{task['index']}"
+  np.savez(os.path.join(out_dir, f'{name}.npz'), *trainer.model.get_weights())
+  with open(os.path.join(out_dir, f'{name}.json'), 'w') as f:
+    json.dump({'start': start, 'end': int(trainer.global_step.numpy()),
+               'replicas': trainer.strategy.num_replicas_in_sync,
+               'chief': trainer.is_chief, 'eval_count': float(eval_count), 'scratch': trainer._scratch, 'eval': metrics}, f)
+
+
+if __name__ == '__main__':
+  main(*sys.argv[1:])
