@@ -3,7 +3,9 @@
   python launch.py --config=configs/mnist.py [--workdir=runs/x] [--config.train.batch_size=256]
 
 Without --workdir a new folder under ./runs/ is made; pass the same --workdir again to resume.
-A mistake in the command or config is one line naming the culprit, exit code 2.
+A mistake in the command or config is one line naming the culprit, exit code 2. SIGTERM or
+Ctrl-C saves a checkpoint at the end of the current loop and exits with code 0; the same command
+resumes.
 """
 from __future__ import annotations
 
@@ -26,14 +28,66 @@ def _fail(message: str) -> None:
 
 
 def parse_flags(argv):
-  """absl's parser, with config mistakes turned into one line instead of a traceback."""
+  """absl's parser, with config mistakes turned into one line naming the flag or key."""
+  path = _config_path(argv)
+  if path and not os.path.isfile(path.split(':', 1)[0]):
+    _fail(f'--config={path}: no such file; pass a config file such as configs/mnist.py')
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    _fail(str(e).splitlines()[0])
-  except Exception as e:  # ml_collections raises plain KeyError/ValueError/... on bad overrides
-    flag = next((a for a in argv[1:] if a.startswith('--config')), '')
-    _fail(f'{flag}: {type(e).__name__}: {e}'.strip(': '))
+    _fail(_flag_error(str(e)))
+  except Exception as e:  # ml_collections raises plain KeyError/AttributeError on bad overrides
+    _fail(_config_error(argv, path, e))
+
+
+def _config_path(argv) -> str | None:
+  for i, arg in enumerate(argv[1:], 1):
+    if arg.startswith('--config='):
+      return arg.split('=', 1)[1]
+    if arg == '--config' and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _flag_error(text: str) -> str:
+  """absl's message, first line; for an exception inside get_config(), its last line too."""
+  lines = [l.strip() for l in text.splitlines() if l.strip()]
+  first = lines[0].removeprefix('flag ')
+  if 'Error whilst parsing config file' in text and len(lines) > 1:
+    return f'{first} {lines[-1]}'
+  return first
+
+
+def _config_error(argv, path, e: Exception) -> str:
+  if isinstance(e, AttributeError) and 'get_config' in str(e):
+    return (f'--config={path}: the file defines no get_config(); a config file returns its '
+            'ml_collections.ConfigDict from get_config() (see configs/mnist.py)')
+  overrides = [a for a in argv[1:] if a.startswith('--config.')]
+  if isinstance(e, (KeyError, AttributeError)) and overrides:
+    missing = str(e).strip('"\' ')
+    culprit = next((a for a in overrides
+                    if missing in a.split('=', 1)[0].removeprefix('--config.').split('.')),
+                   overrides[0])
+    key = culprit.split('=', 1)[0].removeprefix('--config.')
+    return f'{culprit}: the config has no key {key}{_did_you_mean(path, key)}'
+  culprit = overrides[0] if len(overrides) == 1 else f'--config={path}'
+  return f'{culprit}: {type(e).__name__}: {e}'
+
+
+def _did_you_mean(path: str, key: str) -> str:
+  """'; did you mean train.batch_size?' from the keys of the config file, or ''."""
+  import difflib
+  import importlib.util
+  from trainer import config as config_lib
+  try:
+    spec = importlib.util.spec_from_file_location('_config_for_hint', path.split(':', 1)[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    known = list(config_lib.flatten(module.get_config()))
+  except Exception:  # only a hint: the error itself is already clear
+    return ''
+  close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+  return f'; did you mean {close[0]}?' if close else '; see the keys in ' + path
 
 
 def _default_workdir() -> str:
@@ -47,6 +101,7 @@ def main(argv):
   # Imported here so that --help and flag errors do not wait for TensorFlow.
   import models
   from trainer.errors import UserError
+  from trainer.preemption import Preempted
   config = _CONFIG.value
   try:
     trainer_class = models.get_trainer_class(config.model)
@@ -54,6 +109,9 @@ def main(argv):
     metrics = trainer.train()
   except UserError as e:
     _fail(str(e))
+  except Preempted as e:  # SIGTERM/SIGINT: a checkpoint was saved; not a failure
+    print(str(e), file=sys.stderr)
+    sys.exit(0)
   logging.info('workdir: %s', trainer.workdir)
   print('final eval: ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
   if 'accuracy' in metrics:

@@ -87,6 +87,8 @@ SCHEMA: dict[str, Key] = {
     'precision.max_scale': Key(float, 16777216.0, 'cap of the dynamic scale', _positive),
     'precision.hysteresis': Key(int, 1, 'non-finite steps in a row that back the scale off',
                                 lambda v: None if v >= 1 else 'must be >= 1'),
+    'precision.max_consecutive_skips': Key(int, 50, 'skipped steps in a row that stop training '
+                                           'with an error; 0 = never stop', _non_negative),
     'debug.inject_nonfinite_every': Key(int, 0, 'make every N-th step non-finite; 0 = off',
                                         _non_negative),
     'debug.inject_nonfinite_steps': Key(str, '', 'comma-separated global steps made '

@@ -1,0 +1,44 @@
+"""Restoring the newest readable checkpoint of a `tf.train.CheckpointManager`.
+
+Writes are already atomic in TensorFlow: `Checkpoint.write` puts the data and index files in a
+temporary folder and renames them into place, and the manager rewrites its `checkpoint` state file
+with an atomic rename after that; a process killed mid-save leaves the previous checkpoint named
+in the state file and loadable (tests/test_reliability_checkpoints.py kills one mid-save). What can
+still happen is a damaged file (a full disk, a bad copy): then the newest checkpoint that reads
+is restored, with a warning naming the ones skipped.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+from absl import logging
+
+from trainer.errors import UserError
+
+
+def restore_newest_readable(checkpoint: tf.train.Checkpoint,
+                            manager: tf.train.CheckpointManager) -> str | None:
+  """Restores the newest checkpoint that loads and matches `checkpoint`; returns its path, or
+  None when the folder holds none. Raises UserError when there are some and none loads."""
+  candidates = list(reversed(manager.checkpoints))
+  if manager.latest_checkpoint and manager.latest_checkpoint not in candidates:
+    candidates.insert(0, manager.latest_checkpoint)
+  failures = []
+  for path in candidates:
+    try:
+      checkpoint.restore(path).assert_existing_objects_matched()
+    except (tf.errors.OpError, ValueError, AssertionError) as e:
+      reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      logging.warning('checkpoint %s is unreadable (%s: %s); trying the previous one', path,
+                      type(e).__name__, reason[:200])
+      failures.append(path)
+      continue
+    if failures:
+      logging.warning('restored %s instead of the newer unreadable %s', path,
+                      ', '.join(failures))
+    return path
+  if failures:
+    raise UserError(f'no checkpoint in {manager.directory} can be restored (tried '
+                    f'{", ".join(failures)}); a different model or config.precision than the '
+                    'run that wrote them? Use a new --workdir, or delete that folder to start '
+                    'over.')
+  return None
