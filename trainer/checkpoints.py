@@ -9,6 +9,8 @@ is restored, with a warning naming the ones skipped.
 """
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 from absl import logging
 
@@ -26,19 +28,21 @@ def restore_newest_readable(checkpoint: tf.train.Checkpoint,
   for path in candidates:
     try:
       checkpoint.restore(path).assert_existing_objects_matched()
-    except (tf.errors.OpError, ValueError, AssertionError) as e:
-      reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      logging.warning('checkpoint %s is unreadable (%s: %s); trying the previous one', path,
-                      type(e).__name__, reason[:200])
-      failures.append(path)
+    # A damaged file surfaces as OpError (DataLoss, NotFound), IndexError, ValueError, a
+    # protobuf DecodeError ...; a structure mismatch as AssertionError.
+    except Exception as e:  # pylint: disable=broad-except
+      lines = str(e).strip().splitlines()
+      reason = f'{type(e).__name__}: {lines[0][:200] if lines else ""}'.rstrip(': ')
+      logging.warning('checkpoint %s is unreadable (%s); trying the previous one', path, reason)
+      failures.append((path, reason))
       continue
     if failures:
       logging.warning('restored %s instead of the newer unreadable %s', path,
-                      ', '.join(failures))
+                      ', '.join(p for p, _ in failures))
     return path
   if failures:
-    raise UserError(f'no checkpoint in {manager.directory} can be restored (tried '
-                    f'{", ".join(failures)}); a different model or config.precision than the '
-                    'run that wrote them? Use a new --workdir, or delete that folder to start '
-                    'over.')
+    names = ', '.join(os.path.basename(p) for p, _ in failures)
+    raise UserError(f'no checkpoint in {manager.directory} can be restored (tried {names}; '
+                    f'newest: {failures[0][1]}); were they written by another model or '
+                    'config? Use a new --workdir, or delete that folder to start over.')
   return None
