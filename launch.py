@@ -10,7 +10,10 @@ resumes.
 from __future__ import annotations
 
 import datetime
+import difflib
+import importlib.util
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -64,30 +67,32 @@ def _config_error(argv, path, e: Exception) -> str:
             'ml_collections.ConfigDict from get_config() (see configs/mnist.py)')
   overrides = [a for a in argv[1:] if a.startswith('--config.')]
   if isinstance(e, (KeyError, AttributeError)) and overrides:
-    missing = str(e).strip('"\' ')
-    culprit = next((a for a in overrides
-                    if missing in a.split('=', 1)[0].removeprefix('--config.').split('.')),
-                   overrides[0])
+    known = _config_keys(path)
+    names = [a.split('=', 1)[0].removeprefix('--config.') for a in overrides]
+    # The first override naming no key of the config file; without the file's keys, the one
+    # holding the name in the error ("'batch_sise'\nDid you mean ...").
+    first_line = (str(e).splitlines() or [''])[0]
+    missing = first_line.strip('"\'\\ ')
+    culprit = next((o for o, n in zip(overrides, names) if known and n not in known), None) or \
+        next((o for o, n in zip(overrides, names) if missing in n.split('.')), overrides[0])
     key = culprit.split('=', 1)[0].removeprefix('--config.')
-    return f'{culprit}: the config has no key {key}{_did_you_mean(path, key)}'
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    hint = f'; did you mean {close[0]}?' if close else f'; see the keys in {path}'
+    return f'{culprit}: the config has no key {key}{hint}'
   culprit = overrides[0] if len(overrides) == 1 else f'--config={path}'
   return f'{culprit}: {type(e).__name__}: {e}'
 
 
-def _did_you_mean(path: str, key: str) -> str:
-  """'; did you mean train.batch_size?' from the keys of the config file, or ''."""
-  import difflib
-  import importlib.util
+def _config_keys(path: str) -> list[str]:
+  """The dotted keys of the config file's get_config(), or [] when it cannot be loaded."""
   from trainer import config as config_lib
   try:
-    spec = importlib.util.spec_from_file_location('_config_for_hint', path.split(':', 1)[0])
+    spec = importlib.util.spec_from_file_location('_config_keys', path.split(':', 1)[0])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    known = list(config_lib.flatten(module.get_config()))
-  except Exception:  # only a hint: the error itself is already clear
-    return ''
-  close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-  return f'; did you mean {close[0]}?' if close else '; see the keys in ' + path
+    return list(config_lib.flatten(module.get_config()))
+  except Exception:  # only used to name the culprit better; the error is reported anyway
+    return []
 
 
 def _default_workdir() -> str:
