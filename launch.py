@@ -3,11 +3,15 @@
   python launch.py --config=configs/mnist.py [--workdir=runs/x] [--config.train.batch_size=256]
 
 Without --workdir a new folder under ./runs/ is made; pass the same --workdir again to resume.
-A mistake in the command or config is one line naming the culprit, exit code 2.
+A mistake in the command or config is one line naming the culprit, exit code 2. SIGTERM or
+Ctrl-C saves a checkpoint at the end of the current loop and exits with code 0; the same command
+resumes.
 """
 from __future__ import annotations
 
 import datetime
+import difflib
+import importlib.util
 import os
 import sys
 
@@ -26,35 +30,70 @@ def _fail(message: str) -> None:
 
 
 def parse_flags(argv):
-  """absl's parser, with config mistakes turned into one line instead of a traceback."""
+  """absl's parser, with config mistakes turned into one line naming the flag or key."""
+  path = _config_path(argv)
+  if path and not os.path.isfile(path.split(':', 1)[0]):
+    _fail(f'--config={path}: no such file; pass a config file such as configs/mnist.py')
   try:
     rest = flags.FLAGS(argv)
     _CONFIG.value.get('model')  # config_flags defers a file's load error to the first access
     return rest
   except flags.Error as e:
-    _fail(str(e).splitlines()[0])
-  except Exception as e:  # ml_collections raises plain KeyError/AttributeError/... on overrides
-    _fail(_explain(e, argv))
+    _fail(_flag_error(str(e)))
+  except Exception as e:  # ml_collections raises plain KeyError/AttributeError on bad overrides
+    _fail(_config_error(argv, path, e))
 
 
-def _explain(error: Exception, argv) -> str:
-  """One line naming the override or file behind an ml_collections error."""
-  while error.args and isinstance(error.args[0], BaseException):
-    error = error.args[0]  # ml_collections wraps the KeyError of a bad key in an AttributeError
-  text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
-  # A bad key reads "'name'\nDid you mean ...?"; a bad file ends with its errno line.
-  lines = [line.strip(' \'"') for line in text.splitlines() if line.strip(' \'"')]
-  config_file = next((a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')), '')
-  if isinstance(error, KeyError) and lines:
-    for flag in (a.split('=', 1)[0] for a in argv[1:] if a.startswith('--config.')):
-      if lines[0] in flag.split('.'):
-        return f'{flag}: unknown config key. {" ".join(lines[1:2])}'.strip()
-  if isinstance(error, OSError):
-    reason = text.strip().splitlines()[-1].strip()
-    return f'--config={config_file}: cannot load the config file ({reason}).'
-  if isinstance(error, AttributeError) and 'get_config' in text:
-    return f'--config={config_file}: the file defines no get_config() function.'
-  return f'{type(error).__name__}: {lines[0] if lines else repr(error)}'
+def _config_path(argv) -> str | None:
+  for i, arg in enumerate(argv[1:], 1):
+    if arg.startswith('--config='):
+      return arg.split('=', 1)[1]
+    if arg == '--config' and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _flag_error(text: str) -> str:
+  """absl's message, first line; for an exception inside get_config(), its last line too."""
+  lines = [l.strip() for l in text.splitlines() if l.strip()]
+  first = lines[0].removeprefix('flag ')
+  if 'Error whilst parsing config file' in text and len(lines) > 1:
+    return f'{first} {lines[-1]}'
+  return first
+
+
+def _config_error(argv, path, e: Exception) -> str:
+  if isinstance(e, AttributeError) and 'get_config' in str(e):
+    return (f'--config={path}: the file defines no get_config(); a config file returns its '
+            'ml_collections.ConfigDict from get_config() (see configs/mnist.py)')
+  overrides = [a for a in argv[1:] if a.startswith('--config.')]
+  if isinstance(e, (KeyError, AttributeError)) and overrides:
+    known = _config_keys(path)
+    names = [a.split('=', 1)[0].removeprefix('--config.') for a in overrides]
+    # The first override naming no key of the config file; without the file's keys, the one
+    # holding the name in the error ("'batch_sise'\nDid you mean ...").
+    first_line = (str(e).splitlines() or [''])[0]
+    missing = first_line.strip('"\'\\ ')
+    culprit = next((o for o, n in zip(overrides, names) if known and n not in known), None) or \
+        next((o for o, n in zip(overrides, names) if missing in n.split('.')), overrides[0])
+    key = culprit.split('=', 1)[0].removeprefix('--config.')
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    hint = f'; did you mean {close[0]}?' if close else f'; see the keys in {path}'
+    return f'{culprit}: the config has no key {key}{hint}'
+  culprit = overrides[0] if len(overrides) == 1 else f'--config={path}'
+  return f'{culprit}: {type(e).__name__}: {e}'
+
+
+def _config_keys(path: str) -> list[str]:
+  """The dotted keys of the config file's get_config(), or [] when it cannot be loaded."""
+  from trainer import config as config_lib
+  try:
+    spec = importlib.util.spec_from_file_location('_config_keys', path.split(':', 1)[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(config_lib.flatten(module.get_config()))
+  except Exception:  # only used to name the culprit better; the error is reported anyway
+    return []
 
 
 def _default_workdir() -> str:
@@ -68,6 +107,7 @@ def main(argv):
   # Imported here so that --help and flag errors do not wait for TensorFlow.
   import models
   from trainer.errors import UserError
+  from trainer.preemption import Preempted
   config = _CONFIG.value
   try:
     trainer_class = models.get_trainer_class(config.model)
@@ -75,6 +115,9 @@ def main(argv):
     metrics = trainer.train()
   except UserError as e:
     _fail(str(e))
+  except Preempted as e:  # SIGTERM/SIGINT: a checkpoint was saved; not a failure
+    print(str(e), file=sys.stderr)
+    sys.exit(0)
   logging.info('workdir: %s', trainer.workdir)
   print('final eval: ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
   if 'accuracy' in metrics:

@@ -20,7 +20,9 @@ def error_lines(result):
 
 
 @pytest.mark.parametrize('override, culprit', [
-    ('--config.train.batchsize=3', '--config.train.batchsize: unknown config key'),
+    ('--config.train.batchsize=3',
+     '--config.train.batchsize=3: the config has no key train.batchsize; did you mean '
+     'train.batch_size?'),
     ('--config.train.batch_size=abc', 'config.train.batch_size'),
     ('--config.train.batch_size=0', 'config.train.batch_size=0: must be > 0'),
     ('--config.precision.loss_scale=-4', 'config.precision.loss_scale'),
@@ -39,8 +41,8 @@ def test_missing_config_file_is_one_line(tmp_path):
   result = launch('--config=configs/no_such.py')
   assert result.returncode == 2 and 'Traceback' not in result.stderr
   assert error_lines(result) == [
-      "error: --config=configs/no_such.py: cannot load the config file "
-      "([Errno 2] No such file or directory: 'configs/no_such.py')."]
+      'error: --config=configs/no_such.py: no such file; pass a config file such as '
+      'configs/mnist.py']
 
 
 def test_launch_trains_and_prints_accuracy(mnist_dir, tmp_path):

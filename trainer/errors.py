@@ -14,3 +14,7 @@ class ConfigError(UserError):
 
 class DataError(UserError):
   """A dataset file is missing, truncated or malformed."""
+
+
+class CollapseError(UserError):
+  """Training stopped: too many steps in a row had non-finite gradients (see skip_guard.py)."""

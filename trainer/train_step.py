@@ -6,8 +6,9 @@ A step (cross-replica context, inside one `tf.function`):
      a per-replica non-finite flag (0/1). This per-replica compute is what `jit_compile` compiles.
   2. The flags are reduced over all replicas (a SUM of non-finite counts): one non-finite gradient
      anywhere skips the step everywhere.
-  3. `tf.cond(finite, apply, skip)`: `apply` runs `strategy.run(apply_gradients)`; `skip` does
-     nothing, so weights and optimizer slots stay bit-identical.
+  3. `tf.cond(finite, apply, skip)`: `apply` runs `strategy.run(apply_gradients)`; `skip` leaves
+     weights and optimizer slots bit-identical and only records (and prints) which variables had
+     non-finite gradients (`trainer/skip_guard.py`; the loop stops early on a collapse).
   4. The loss scaler updates once with the all-replica flag; the global step advances either way;
      skipped steps are counted; loss and metrics are accumulated for the host to read between calls.
 Nothing in a call reads a value back to the host.
@@ -19,6 +20,7 @@ from typing import Callable
 import tensorflow as tf
 
 from trainer.loss_scale import LossScaler, all_finite
+from trainer.skip_guard import SkipGuard
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -41,7 +43,8 @@ class TrainStep:
   def __init__(self, *, strategy: tf.distribute.Strategy, model, optimizer,
                loss_scaler: LossScaler, compute_loss: LossFn, metric_names,
                global_step: tf.Variable, global_batch_size: int, clip_norm: float = 0.0, jit_compile: bool = False,
-               inject_every: int = 0, inject_steps=(), inject_replica: int = -1):
+               inject_every: int = 0, inject_steps=(), inject_replica: int = -1,
+               max_consecutive_skips: int = 0):
     self.strategy = strategy
     self.model = model
     self.optimizer = optimizer
@@ -55,6 +58,8 @@ class TrainStep:
 
     self.global_step = global_step
     self.skipped_steps = variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
+    self.guard = SkipGuard(strategy=strategy, variables=model.trainable_variables,
+                           max_consecutive_skips=max_consecutive_skips)
     # Accumulated between host reads (reset by `read_metrics`); not checkpointed.
     self._sums = {name: variable(0.0, tf.float32, f'sum_{name}')
                   for name in ('loss', *metric_names)}
@@ -132,9 +137,11 @@ class TrainStep:
       return tf.constant(0, tf.int64)
 
     def skip():
+      self.guard.record(grads, self.global_step, self.loss_scaler.scale)
       return tf.constant(1, tf.int64)
 
     self.skipped_steps.assign_add(tf.cond(finite, apply, skip))
+    self.guard.count(finite)
     self.loss_scaler.update(finite)
     self.global_step.assign_add(1)
 
@@ -147,6 +154,8 @@ class TrainStep:
   def _train_loop(self, iterator, num_steps):
     for _ in tf.range(num_steps):
       self._step(iterator)
+      if self.guard.collapsed():  # stops early; the trainer raises CollapseError
+        break
 
   def read_metrics(self) -> dict[str, float]:
     """Means since the last read over steps whose loss was finite; resets the sums. Host side."""

@@ -24,7 +24,7 @@ import tensorflow as tf
 from absl import flags, logging
 
 from trainer import config as config_lib
-from trainer import distribute, optimizers, precision, progress
+from trainer import checkpoints, distribute, optimizers, precision, preemption, progress
 from trainer.errors import ConfigError
 from trainer.loss_scale import LossScaler
 from trainer.train_step import EvalLoop, TrainStep, variable
@@ -86,7 +86,8 @@ class Trainer:
           jit_compile=_jit(c.train.jit_compile),
           inject_every=c.debug.inject_nonfinite_every,
           inject_steps=config_lib.parse_steps(c.debug.inject_nonfinite_steps),
-          inject_replica=c.debug.inject_nonfinite_replica)
+          inject_replica=c.debug.inject_nonfinite_replica,
+          max_consecutive_skips=c.precision.max_consecutive_skips)
       self.eval_loop = EvalLoop(strategy=self.strategy, compute_loss=self.compute_loss,
                                 metric_names=self.metric_names)
     self.checkpoint = tf.train.Checkpoint(
@@ -148,12 +149,13 @@ class Trainer:
     self._writer = tf.summary.create_file_writer(os.path.join(self.workdir, 'tensorboard'))
 
   def restore(self) -> int:
-    """Restores the latest checkpoint of the workdir, if any; returns the global step."""
+    """Restores the newest readable checkpoint of the workdir, if any (an unreadable newest
+    one falls back to the previous, with a warning); returns the global step."""
     self._open_workdir()
-    latest = tf.train.latest_checkpoint(os.path.join(self.workdir, 'checkpoints'))  # the chief's
-    if latest:
-      self.checkpoint.restore(latest).assert_existing_objects_matched()
-      logging.info('resumed from %s at step %d', latest, int(self.global_step.numpy()))
+    restored = checkpoints.restore_newest_readable(  # every worker reads the chief's folder
+        self.checkpoint, os.path.join(self.workdir, 'checkpoints'))
+    if restored:
+      logging.info('resumed from %s at step %d', restored, int(self.global_step.numpy()))
     return int(self.global_step.numpy())
 
   def save(self) -> str:
@@ -189,20 +191,27 @@ class Trainer:
     train_ds = self.datasets.train.skip(step) if step else self.datasets.train
     iterator = iter(self.strategy.experimental_distribute_dataset(train_ds))
     elapsed, steps_timed = 0.0, 0
-    while step < total:
-      n = min(t.steps_per_loop, total - step)
-      start = time.perf_counter()
-      self.train_step.train_loop(iterator, tf.constant(n, tf.int64))
-      step = int(self.global_step.numpy())  # the one host sync per call
-      elapsed += time.perf_counter() - start
-      steps_timed += n
-      if step % t.log_every == 0 or step == total:
-        self._log(step, steps_timed / elapsed)
-        elapsed, steps_timed = 0.0, 0
-      if t.eval_every and step % t.eval_every == 0 and step < total:
-        self._log_eval(step)
-      if step % t.checkpoint_every == 0 or step == total:
-        self.save()
+    with preemption.Watcher() as watcher:
+      while step < total:
+        n = min(t.steps_per_loop, total - step)
+        start = time.perf_counter()
+        self.train_step.train_loop(iterator, tf.constant(n, tf.int64))
+        step = int(self.global_step.numpy())  # the one host sync per call
+        self.train_step.guard.check(step=step, scale=float(self.loss_scaler.scale.numpy()),
+                                    checkpoint=self._manager.latest_checkpoint)
+        elapsed += time.perf_counter() - start
+        steps_timed += n
+        if step % t.log_every == 0 or step == total:
+          self._log(step, steps_timed / elapsed)
+          elapsed, steps_timed = 0.0, 0
+        if t.eval_every and step % t.eval_every == 0 and step < total:
+          self._log_eval(step)
+        saved = step % t.checkpoint_every == 0 or step == total
+        if saved:
+          self.save()
+        if watcher.requested:
+          path = self._manager.latest_checkpoint if saved else self.save()
+          raise preemption.Preempted(watcher.received.name, step, total, path)
     return self._log_eval(step)
 
   def _log(self, step: int, steps_per_sec: float):
