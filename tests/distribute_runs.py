@@ -40,6 +40,7 @@ def split_cpu():
 
 def config(**overrides):
   from configs import mnist
+  from trainer.config import set_dotted
   c = mnist.get_config()
   c.data.dir = DATA
   c.train.batch_size = 32
@@ -52,11 +53,7 @@ def config(**overrides):
   c.precision.loss_scale = 'none'
   c.optimizer.schedule = 'constant'
   for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split('.')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+    set_dotted(c, key, value)
   return c
 
 

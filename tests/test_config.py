@@ -39,11 +39,7 @@ def test_missing_keys_are_filled():
 ])
 def test_bad_values_name_the_key(key, value, words):
   raw = config_lib.defaults().to_dict()  # a plain dict: ConfigDict would refuse a wrong type
-  *parents, leaf = key.split('.')
-  node = raw
-  for part in parents:
-    node = node[part]
-  node[leaf] = value
+  config_lib.set_dotted(raw, key, value)
   with pytest.raises(ConfigError) as info:
     config_lib.validate(ml_collections.ConfigDict(raw))
   assert words in str(info.value)

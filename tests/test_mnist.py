@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import small_config
+from tiny import tiny_config
 from models.mnist_cnn import MnistCnnTrainer
 from trainer.data import mnist
 from trainer.events import read_scalars
@@ -17,7 +17,7 @@ def test_loader_reads_the_real_files(mnist_dir):
 
 @pytest.mark.parametrize('policy', ['float32', 'mixed_bfloat16', 'mixed_float16'])
 def test_short_run_trains_in_each_policy(policy, mnist_dir, tmp_path):
-  config = small_config(**{'data.dir': mnist_dir, 'precision.policy': policy,
+  config = tiny_config(**{'data.dir': mnist_dir, 'precision.policy': policy,
                            'train.steps': 40, 'train.steps_per_loop': 10,
                            'train.log_every': 10, 'train.checkpoint_every': 40})
   trainer = MnistCnnTrainer(config, str(tmp_path))
@@ -33,7 +33,7 @@ def test_short_run_trains_in_each_policy(policy, mnist_dir, tmp_path):
 
 
 def test_injected_overflow_shows_in_tensorboard(mnist_dir, tmp_path):
-  config = small_config(**{'data.dir': mnist_dir, 'precision.policy': 'mixed_float16',
+  config = tiny_config(**{'data.dir': mnist_dir, 'precision.policy': 'mixed_float16',
                            'train.steps': 12, 'train.steps_per_loop': 2, 'train.log_every': 2,
                            'train.checkpoint_every': 12, 'precision.initial_scale': 1024.0,
                            'debug.inject_nonfinite_steps': '6'})
@@ -65,7 +65,7 @@ def test_download_verifies_checksums(mnist_dir, tmp_path):
 
 
 def test_eval_covers_the_test_set_exactly_once(mnist_dir, tmp_path):
-  config = small_config(**{'data.dir': mnist_dir, 'train.batch_size': 96})  # 10000 % 96 = 16
+  config = tiny_config(**{'data.dir': mnist_dir, 'train.batch_size': 96})  # 10000 % 96 = 16
   trainer = MnistCnnTrainer(config, str(tmp_path))
   dataset = trainer.strategy.experimental_distribute_dataset(trainer.datasets.eval)
   means, count = trainer.eval_loop.run(dataset)

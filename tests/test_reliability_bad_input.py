@@ -27,11 +27,7 @@ def one_line(error) -> str:
 
 def invalid(key, value):
   values = config_lib.defaults().to_dict()  # a plain dict, so any type can go in
-  node = values
-  *parents, leaf = key.split('.')
-  for part in parents:
-    node = node[part]
-  node[leaf] = value
+  config_lib.set_dotted(values, key, value)
   with pytest.raises(ConfigError) as info:
     config_lib.validate(ml_collections.ConfigDict(values))
   message = one_line(info.value)

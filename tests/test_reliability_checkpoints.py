@@ -12,7 +12,7 @@ from tensorflow.python.checkpoint import checkpoint_management
 from trainer.errors import UserError
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _reliability_tiny import TinyTrainer, tiny_config, weights  # noqa: E402
+from tiny import TinyTrainer, tiny_config, weights  # noqa: E402
 
 
 def trained(workdir, steps=15):

@@ -9,7 +9,7 @@ import tensorflow as tf
 from trainer.errors import CollapseError, UserError
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _reliability_tiny import TinyTrainer, tiny_config, weights  # noqa: E402
+from tiny import TinyTrainer, tiny_config, weights  # noqa: E402
 
 STORM = ','.join(str(s) for s in range(7, 40))  # every step from 7 on is non-finite
 
@@ -97,7 +97,7 @@ import tensorflow as tf
 cpu = tf.config.list_physical_devices('CPU')[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 sys.path.insert(0, sys.argv[1])
-from _reliability_tiny import TinyTrainer, tiny_config
+from tiny import TinyTrainer, tiny_config
 from trainer.errors import CollapseError
 strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
 config = tiny_config(**{'precision.max_consecutive_skips': 3, 'train.steps': 20,

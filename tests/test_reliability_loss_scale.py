@@ -10,7 +10,7 @@ import tensorflow as tf
 from trainer.loss_scale import LossScaler
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _reliability_tiny import TinyTrainer, tiny_config  # noqa: E402
+from tiny import TinyTrainer, tiny_config  # noqa: E402
 
 
 def run(scaler, pattern):

@@ -16,8 +16,8 @@ def run_steps(trainer, n):
 
 
 @pytest.mark.parametrize('policy', ['float32', 'mixed_float16'])
-def test_nonfinite_step_is_skipped_bit_identically(toy_trainer, policy):
-  trainer = toy_trainer(**{'debug.inject_nonfinite_steps': '3', 'precision.policy': policy,
+def test_nonfinite_step_is_skipped_bit_identically(tiny_trainer, policy):
+  trainer = tiny_trainer(**{'debug.inject_nonfinite_steps': '3', 'precision.policy': policy,
                            'precision.loss_scale': 'dynamic'})
   run_steps(trainer, 3)  # steps 0, 1, 2 apply
   before = snapshot(trainer)
@@ -36,8 +36,8 @@ def test_nonfinite_step_is_skipped_bit_identically(toy_trainer, policy):
              for a, v in zip(after[0], trainer.model.trainable_variables))
 
 
-def test_skip_without_loss_scaling(toy_trainer):
-  trainer = toy_trainer(**{'debug.inject_nonfinite_every': 2, 'precision.loss_scale': 'none'})
+def test_skip_without_loss_scaling(tiny_trainer):
+  trainer = tiny_trainer(**{'debug.inject_nonfinite_every': 2, 'precision.loss_scale': 'none'})
   run_steps(trainer, 6)  # steps 2 and 4 injected
   assert int(trainer.train_step.skipped_steps.numpy()) == 2
   assert int(trainer.optimizer.iterations.numpy()) == 4
@@ -45,8 +45,8 @@ def test_skip_without_loss_scaling(toy_trainer):
   assert all(np.isfinite(v.numpy()).all() for v in trainer.model.trainable_variables)
 
 
-def test_learning_rate_follows_global_step_not_optimizer_iterations(toy_trainer):
-  trainer = toy_trainer(**{'optimizer.schedule': 'cosine', 'train.steps': 10,
+def test_learning_rate_follows_global_step_not_optimizer_iterations(tiny_trainer):
+  trainer = tiny_trainer(**{'optimizer.schedule': 'cosine', 'train.steps': 10,
                            'debug.inject_nonfinite_steps': '0,1,2'})
   run_steps(trainer, 5)
   assert int(trainer.optimizer.iterations.numpy()) == 2
@@ -55,25 +55,25 @@ def test_learning_rate_follows_global_step_not_optimizer_iterations(toy_trainer)
   assert expected < trainer.config.optimizer.learning_rate
 
 
-def test_clipping_acts_on_unscaled_gradients(toy_trainer):
+def test_clipping_acts_on_unscaled_gradients(tiny_trainer):
   """With a static scale of 1024 and clip_norm c, the update equals the float32 unscaled run."""
   common = {'optimizer.name': 'sgd', 'optimizer.momentum': 0.0, 'optimizer.clip_norm': 0.01,
             'optimizer.learning_rate': 1.0, 'train.steps': 1}
   results = []
   for scale in ('none', '1024'):
-    trainer = toy_trainer(**common, **{'precision.loss_scale': scale})
+    trainer = tiny_trainer(**common, **{'precision.loss_scale': scale})
     w0 = [v.numpy().copy() for v in trainer.model.trainable_variables]
     run_steps(trainer, 1)
     delta = [v.numpy() - a for v, a in zip(trainer.model.trainable_variables, w0)]
     results.append(delta)
     norm = np.sqrt(sum((d.astype('float64') ** 2).sum() for d in delta))  # lr = 1
-    assert norm == pytest.approx(0.01, rel=1e-3)  # the toy's raw gradient norm is >> 0.01
+    assert norm == pytest.approx(0.01, rel=1e-3)  # the tiny model's raw gradient norm is >> 0.01
   for a, b in zip(*results):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
 
 
-def test_checkpoint_round_trip_restores_scale_counter_and_step(toy_trainer, tmp_path):
-  trainer = toy_trainer(**{'precision.policy': 'mixed_float16', 'precision.growth_interval': 4,
+def test_checkpoint_round_trip_restores_scale_counter_and_step(tiny_trainer, tmp_path):
+  trainer = tiny_trainer(**{'precision.policy': 'mixed_float16', 'precision.growth_interval': 4,
                            'precision.initial_scale': 8.0, 'debug.inject_nonfinite_steps': '1'})
   run_steps(trainer, 7)
   state = (float(trainer.loss_scaler.scale.numpy()), int(trainer.loss_scaler.good_steps.numpy()),
@@ -82,7 +82,7 @@ def test_checkpoint_round_trip_restores_scale_counter_and_step(toy_trainer, tmp_
   weights, slots = snapshot(trainer)
   trainer.save()
 
-  fresh = toy_trainer(**{'precision.policy': 'mixed_float16', 'precision.growth_interval': 4})
+  fresh = tiny_trainer(**{'precision.policy': 'mixed_float16', 'precision.growth_interval': 4})
   assert int(fresh.global_step.numpy()) == 0
   assert fresh.restore() == 7
   assert (float(fresh.loss_scaler.scale.numpy()), int(fresh.loss_scaler.good_steps.numpy()),
@@ -91,10 +91,10 @@ def test_checkpoint_round_trip_restores_scale_counter_and_step(toy_trainer, tmp_
     np.testing.assert_array_equal(a, b)
 
 
-def test_train_resumes_at_saved_step(toy_trainer):
-  first = toy_trainer(**{'train.steps': 10})
+def test_train_resumes_at_saved_step(tiny_trainer):
+  first = tiny_trainer(**{'train.steps': 10})
   first.train()
-  second = toy_trainer(**{'train.steps': 20})
+  second = tiny_trainer(**{'train.steps': 20})
   assert second.restore() == 10
   second.train()
   assert int(second.global_step.numpy()) == 20

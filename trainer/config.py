@@ -110,11 +110,13 @@ def defaults() -> ml_collections.ConfigDict:
   """A ConfigDict with every key of the schema at its default."""
   config = ml_collections.ConfigDict()
   for name, key in SCHEMA.items():
-    _set(config, name, key.default)
+    set_dotted(config, name, key.default)
   return config
 
 
-def _set(config, dotted, value):
+def set_dotted(config, dotted: str, value) -> None:
+  """config['a']['b'] = value for dotted 'a.b', on a ConfigDict or a plain dict; missing parents
+  are created (as ConfigDicts)."""
   *parents, leaf = dotted.split('.')
   node = config
   for part in parents:
@@ -168,12 +170,12 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     try:
       value = _get(config, name)
     except KeyError:
-      _set(config, name, key.default)
+      set_dotted(config, name, key.default)
       continue
     value = _coerce(name, key, value)
     if key.check is not None and (complaint := key.check(value)):
       raise ConfigError(f'config.{name}={value!r}: {complaint}.')
-    _set(config, name, value)
+    set_dotted(config, name, value)
 
   p, t = config.precision, config.train
   if p.min_scale > p.max_scale:

@@ -46,11 +46,7 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
   config.train.checkpoint_every = 5
   config.precision.policy = 'float32'
   for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split('.')
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
+    config_lib.set_dotted(config, key, value)
   return config
 
 
