@@ -78,3 +78,41 @@ class CausalSelfAttention(keras.layers.Layer):
 
   def get_config(self):
     return {**super().get_config(), 'num_heads': self.num_heads, 'dropout': self.dropout}
+
+
+@keras.saving.register_keras_serializable(package='trainer')
+class TokenAndPositionEmbedding(keras.layers.Layer):
+  """Token ids [batch, time] -> token embedding + learned position embedding [batch, time, d].
+
+  Same pattern: float32 tables built in `build`, the looked-up rows cast to the compute dtype.
+  Inputs longer than `max_length` fail with an error naming both lengths.
+  """
+
+  def __init__(self, vocab_size: int, max_length: int, d_model: int, **kwargs):
+    super().__init__(**kwargs)
+    self.vocab_size, self.max_length, self.d_model = int(vocab_size), int(max_length), int(d_model)
+
+  def build(self, input_shape):
+    init = keras.initializers.RandomNormal(stddev=0.02)
+    self.token_table = self.add_weight(name='token_table', shape=(self.vocab_size, self.d_model),
+                                       initializer=init, dtype=self.variable_dtype)
+    self.position_table = self.add_weight(name='position_table',
+                                          shape=(self.max_length, self.d_model),
+                                          initializer=init, dtype=self.variable_dtype)
+
+  def call(self, ids):
+    time = tf.shape(ids)[1]
+    tf.debugging.assert_less_equal(
+        time, self.max_length,
+        message=f'{self.name}: sequence longer than max_length={self.max_length}')
+    dtype = self.compute_dtype
+    tokens = tf.gather(tf.cast(self.token_table, dtype), ids)
+    positions = tf.cast(self.position_table[:time], dtype)
+    return tokens + positions[None]
+
+  def compute_output_shape(self, input_shape):
+    return (*input_shape, self.d_model)
+
+  def get_config(self):
+    return {**super().get_config(), 'vocab_size': self.vocab_size,
+            'max_length': self.max_length, 'd_model': self.d_model}
