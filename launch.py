@@ -17,6 +17,9 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file in configs/.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Folder for checkpoints, TensorBoard events and '
                                "config.json (default: a new folder under ./runs/).")
+_AUDIT = flags.DEFINE_bool('audit', False, 'Build the model, print a table of every layer\'s '
+                           'dtypes and parameters with precision hazards, write it to '
+                           '<workdir>/audit.md, and exit without training.')
 flags.mark_flags_as_required(['config'])
 
 
@@ -51,6 +54,10 @@ def main(argv):
   try:
     trainer_class = models.get_trainer_class(config.model)
     trainer = trainer_class(config, _WORKDIR.value or _default_workdir())
+    if _AUDIT.value:
+      from trainer import audit
+      print(audit.report(trainer))
+      return
     metrics = trainer.train()
   except UserError as e:
     _fail(str(e))
