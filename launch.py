@@ -17,6 +17,10 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file in configs/.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Folder for checkpoints, TensorBoard events and '
                                "config.json (default: a new folder under ./runs/).")
+_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export'],
+                          'train (or resume); eval: evaluate the latest checkpoint of --workdir; '
+                          'export: write it as a SavedModel and a .keras file to '
+                          '<workdir>/export.')
 _AUDIT = flags.DEFINE_bool('audit', False, 'Build the model, print a table of every layer\'s '
                            'dtypes and parameters with precision hazards, write it to '
                            '<workdir>/audit.md, and exit without training.')
@@ -51,6 +55,8 @@ def main(argv):
   import models
   from trainer.errors import UserError
   config = _CONFIG.value
+  if _MODE.value != 'train' and not _WORKDIR.value:
+    _fail(f'--mode={_MODE.value} needs --workdir=<the folder of a training run>')
   try:
     trainer_class = models.get_trainer_class(config.model)
     trainer = trainer_class(config, _WORKDIR.value or _default_workdir())
@@ -58,7 +64,15 @@ def main(argv):
       from trainer import audit
       print(audit.report(trainer))
       return
-    metrics = trainer.train()
+    from trainer import lifecycle
+    if _MODE.value == 'export':
+      for kind, path in lifecycle.export(trainer).items():
+        print(f'{kind}: {path}')
+      return
+    if _MODE.value == 'eval':
+      metrics = lifecycle.evaluate_checkpoint(trainer)
+    else:
+      metrics = trainer.train()
   except UserError as e:
     _fail(str(e))
   logging.info('workdir: %s', trainer.workdir)

@@ -63,6 +63,10 @@ SCHEMA: dict[str, Key] = {
     'train.jit_compile': Key(str, 'auto', "XLA for the per-replica step: 'auto' is on for "
                              'GPU/TPU, off on CPU', _one_of('auto', 'true', 'false')),
     'train.deterministic': Key(bool, False, 'op determinism: a resumed run is bit-identical'),
+    'train.init_from': Key(str, '', "a workdir (or checkpoint) whose model weights a new run "
+                           "starts from; '' = random init"),
+    'train.profile_steps': Key(str, '', "'start,end': a TF profiler trace of those global steps "
+                               "into the workdir's TensorBoard; '' = off"),
     'optimizer.name': Key(str, 'adam', 'optimizer', _one_of('adam', 'adamw', 'sgd')),
     'optimizer.learning_rate': Key(float, 1e-3, 'peak learning rate', _positive),
     'optimizer.schedule': Key(str, 'constant', 'learning-rate schedule after warm-up',
@@ -176,6 +180,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                         f'config.train.steps_per_loop={t.steps_per_loop}: logging, eval and '
                         'checkpoints happen between compiled calls.')
   parse_steps(config.debug.inject_nonfinite_steps)
+  from trainer import profiling  # the parser lives with the profiler
+  profiling.parse(config.train.profile_steps)
   return config
 
 

@@ -24,7 +24,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer import config as config_lib
-from trainer import optimizers, precision, progress
+from trainer import lifecycle, optimizers, precision, profiling, progress
 from trainer.errors import ConfigError
 from trainer.loss_scale import LossScaler
 from trainer.train_step import EvalLoop, TrainStep, variable
@@ -140,6 +140,8 @@ class Trainer:
     if latest:
       self.checkpoint.restore(latest).assert_existing_objects_matched()
       logging.info('resumed from %s at step %d', latest, int(self.global_step.numpy()))
+    elif self.config.train.init_from:
+      lifecycle.init_from(self, self.config.train.init_from)
     return int(self.global_step.numpy())
 
   def save(self) -> str:
@@ -172,12 +174,15 @@ class Trainer:
     train_ds = self.datasets.train.skip(step) if step else self.datasets.train
     iterator = iter(self.strategy.experimental_distribute_dataset(train_ds))
     elapsed, steps_timed = 0.0, 0
+    profiler = profiling.StepProfiler(t.profile_steps, os.path.join(self.workdir, 'tensorboard'))
     while step < total:
       n = min(t.steps_per_loop, total - step)
+      profiler.before(step, step + n)
       start = time.perf_counter()
       self.train_step.train_loop(iterator, tf.constant(n, tf.int64))
       step = int(self.global_step.numpy())  # the one host sync per call
       elapsed += time.perf_counter() - start
+      profiler.after(step)
       steps_timed += n
       if step % t.log_every == 0 or step == total:
         self._log(step, steps_timed / elapsed)
@@ -186,6 +191,7 @@ class Trainer:
         self._log_eval(step)
       if step % t.checkpoint_every == 0 or step == total:
         self.save()
+    profiler.stop()
     return self._log_eval(step)
 
   def _log(self, step: int, steps_per_sec: float):
