@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from trainer import Datasets, Trainer
 from trainer.data import shakespeare
+from trainer.errors import ConfigError, DataError, UserError
 from trainer.layers import CausalSelfAttention, TokenAndPositionEmbedding
 
 MODEL_DEFAULTS = dict(context=128, d_model=128, num_heads=4, num_layers=4, mlp_ratio=4,
@@ -37,7 +38,6 @@ def model_config(config) -> ml_collections.ConfigDict:
   given = config.get('model_config', ml_collections.ConfigDict()).to_dict()
   unknown = sorted(set(given) - set(MODEL_DEFAULTS))
   if unknown:
-    from trainer.errors import ConfigError
     raise ConfigError(f'config.model_config.{unknown[0]} is not a key of the Transformer LM; '
                       f'known: {", ".join(MODEL_DEFAULTS)}')
   return ml_collections.ConfigDict({**MODEL_DEFAULTS, **given})
@@ -77,7 +77,7 @@ class TransformerLmTrainer(Trainer):
     self.corpus = shakespeare.Corpus.from_text(shakespeare.load(c.data.dir), self.m.val_fraction)
     span = self.m.context + 1  # inputs and the targets shifted by one
     if len(self.corpus.val) < span:
-      raise shakespeare.DataError(
+      raise DataError(
           f'the validation split has {len(self.corpus.val)} characters, fewer than '
           f'config.model_config.context + 1 = {span}')
     train_ids = tf.constant(self.corpus.train)
@@ -142,13 +142,11 @@ def generate(workdir: str, prompt: str = '\n', length: int = 500, temperature: f
   """Restores the latest checkpoint of a Transformer LM workdir and samples text from it."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
-    from trainer.errors import UserError
     raise UserError(f'{path} not found: --workdir must be a folder a training run wrote')
   with open(path) as f:
     config = ml_collections.ConfigDict(json.load(f))
   trainer = TransformerLmTrainer(config, workdir)
   if trainer.restore() == 0:
-    from trainer.errors import UserError
     raise UserError(f'no checkpoint in {workdir}/checkpoints; train first')
   return trainer.sample(prompt, length, temperature, seed)
 
@@ -157,7 +155,12 @@ def main(argv):
   del argv
   from absl import flags
   f = flags.FLAGS
-  print(generate(f.workdir, f.prompt, f.length, f.temperature, f.seed))
+  try:
+    print(generate(f.workdir, f.prompt, f.length, f.temperature, f.seed))
+  except UserError as e:
+    import sys
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == '__main__':
