@@ -81,7 +81,8 @@ class Trainer:
           global_batch_size=c.train.batch_size, clip_norm=c.optimizer.clip_norm,
           jit_compile=_jit(c.train.jit_compile),
           inject_every=c.debug.inject_nonfinite_every,
-          inject_steps=config_lib.parse_steps(c.debug.inject_nonfinite_steps))
+          inject_steps=config_lib.parse_steps(c.debug.inject_nonfinite_steps),
+          grad_accum_steps=c.train.grad_accum_steps)
       self.eval_loop = EvalLoop(strategy=self.strategy, compute_loss=self.compute_loss,
                                 metric_names=self.metric_names)
     self.checkpoint = tf.train.Checkpoint(
