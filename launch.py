@@ -21,6 +21,13 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file in configs/.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Folder for checkpoints, TensorBoard events and '
                                "config.json (default: a new folder under ./runs/).")
+_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export'],
+                          'train (or resume); eval: evaluate the latest checkpoint of --workdir; '
+                          'export: write it as a SavedModel and a .keras file to '
+                          '<workdir>/export.')
+_AUDIT = flags.DEFINE_bool('audit', False, 'Build the model, print a table of every layer\'s '
+                           'dtypes and parameters with precision hazards, write it to '
+                           '<workdir>/audit.md, and exit without training.')
 flags.mark_flags_as_required(['config'])
 
 
@@ -109,10 +116,24 @@ def main(argv):
   from trainer.errors import UserError
   from trainer.preemption import Preempted
   config = _CONFIG.value
+  if _MODE.value != 'train' and not _WORKDIR.value:
+    _fail(f'--mode={_MODE.value} needs --workdir=<the folder of a training run>')
   try:
     trainer_class = models.get_trainer_class(config.model)
     trainer = trainer_class(config, _WORKDIR.value or _default_workdir())
-    metrics = trainer.train()
+    if _AUDIT.value:
+      from trainer import audit
+      print(audit.report(trainer))
+      return
+    from trainer import lifecycle
+    if _MODE.value == 'export':
+      for kind, path in lifecycle.export(trainer).items():
+        print(f'{kind}: {path}')
+      return
+    if _MODE.value == 'eval':
+      metrics = lifecycle.evaluate_checkpoint(trainer)
+    else:
+      metrics = trainer.train()
   except UserError as e:
     _fail(str(e))
   except Preempted as e:  # SIGTERM/SIGINT: a checkpoint was saved; not a failure

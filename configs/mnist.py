@@ -28,6 +28,9 @@ def get_config():
   config.train.max_to_keep = 3  # checkpoints kept
   config.train.jit_compile = 'auto'  # XLA for the per-replica step: auto = on for GPU/TPU
   config.train.deterministic = False  # op determinism (slower); resumed runs bit-identical
+  config.train.grad_accum_steps = 1  # micro-batches per step (batch_size must be a multiple)
+  config.train.init_from = ''  # another run's workdir: start from its model weights
+  config.train.profile_steps = ''  # e.g. '100,120': TF profiler trace into the TensorBoard dir
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.name = 'adam'  # adam, adamw or sgd

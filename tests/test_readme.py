@@ -1,4 +1,4 @@
-"""The README's "Add a model" example runs as written and learns."""
+"""The README's "From Python, without launch.py" example runs as written and learns."""
 import os
 import re
 import subprocess

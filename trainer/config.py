@@ -63,6 +63,13 @@ SCHEMA: dict[str, Key] = {
     'train.jit_compile': Key(str, 'auto', "XLA for the per-replica step: 'auto' is on for "
                              'GPU/TPU, off on CPU', _one_of('auto', 'true', 'false')),
     'train.deterministic': Key(bool, False, 'op determinism: a resumed run is bit-identical'),
+    'train.grad_accum_steps': Key(int, 1, 'micro-batches per optimizer step: the global batch '
+                                  'is split into this many, gradients summed',
+                                  lambda v: None if v >= 1 else 'must be >= 1'),
+    'train.init_from': Key(str, '', "a workdir (or checkpoint) whose model weights a new run "
+                           "starts from; '' = random init"),
+    'train.profile_steps': Key(str, '', "'start,end': a TF profiler trace of those global steps "
+                               "into the workdir's TensorBoard; '' = off"),
     'optimizer.name': Key(str, 'adam', 'optimizer', _one_of('adam', 'adamw', 'sgd')),
     'optimizer.learning_rate': Key(float, 1e-3, 'peak learning rate', _positive),
     'optimizer.schedule': Key(str, 'constant', 'learning-rate schedule after warm-up',
@@ -189,7 +196,12 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       raise ConfigError(f'config.train.{every}={t[every]} must be a multiple of '
                         f'config.train.steps_per_loop={t.steps_per_loop}: logging, eval and '
                         'checkpoints happen between compiled calls.')
+  if t.batch_size % t.grad_accum_steps:
+    raise ConfigError(f'config.train.batch_size={t.batch_size} must be a multiple of '
+                      f'config.train.grad_accum_steps={t.grad_accum_steps}.')
   parse_steps(config.debug.inject_nonfinite_steps)
+  from trainer import profiling  # the parser lives with the profiler
+  profiling.parse(config.train.profile_steps)
   return config
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 import tensorflow as tf
 
+from trainer.errors import ConfigError
 from trainer.loss_scale import LossScaler, all_finite
 from trainer.skip_guard import SkipGuard
 
@@ -42,9 +43,10 @@ class TrainStep:
 
   def __init__(self, *, strategy: tf.distribute.Strategy, model, optimizer,
                loss_scaler: LossScaler, compute_loss: LossFn, metric_names,
-               global_step: tf.Variable, global_batch_size: int, clip_norm: float = 0.0, jit_compile: bool = False,
+               global_step: tf.Variable, global_batch_size: int, clip_norm: float = 0.0,
+               jit_compile: bool = False,
                inject_every: int = 0, inject_steps=(), inject_replica: int = -1,
-               max_consecutive_skips: int = 0):
+               max_consecutive_skips: int = 0, grad_accum_steps: int = 1):
     self.strategy = strategy
     self.model = model
     self.optimizer = optimizer
@@ -55,6 +57,13 @@ class TrainStep:
     self.inject_every = int(inject_every)
     self.inject_steps = tuple(int(s) for s in inject_steps)
     self.inject_replica = int(inject_replica)
+    self.grad_accum_steps = int(grad_accum_steps)
+    per_replica = self.global_batch_size // strategy.num_replicas_in_sync
+    if per_replica % self.grad_accum_steps:
+      raise ConfigError(f'config.train.grad_accum_steps={self.grad_accum_steps} does not divide '
+                        f'the per-replica batch {per_replica} (config.train.batch_size='
+                        f'{self.global_batch_size} over {strategy.num_replicas_in_sync} '
+                        'replicas).')
 
     self.global_step = global_step
     self.skipped_steps = variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
@@ -77,6 +86,32 @@ class TrainStep:
 
   # ---- per replica -------------------------------------------------------------------------
   def _replica_grads(self, batch):
+    """With grad_accum_steps = k > 1 the replica's batch is split into k micro-batches whose
+    unscaled float32 gradients are summed (each loss is already divided by the global batch, so
+    the sum is the whole batch's gradient); one non-finite micro-batch makes the sum, hence the
+    step, non-finite. The k micro-batches are unrolled in the graph."""
+    k = self.grad_accum_steps
+    if k == 1:
+      loss, metric_shares, grads = self._micro_grads(batch, 1.0)
+    else:
+      flat = [tf.split(t, k, axis=0) for t in tf.nest.flatten(batch)]
+      loss, metric_shares, grads = 0.0, None, None
+      for i in range(k):
+        micro = tf.nest.pack_sequence_as(batch, [parts[i] for parts in flat])
+        micro_loss, micro_metrics, micro_grads = self._micro_grads(micro, 1.0 / k)
+        micro_grads = [None if g is None else tf.convert_to_tensor(g) for g in micro_grads]
+        loss += micro_loss
+        if grads is None:
+          metric_shares, grads = micro_metrics, micro_grads
+        else:
+          metric_shares = {m: metric_shares[m] + v for m, v in micro_metrics.items()}
+          grads = [a if b is None else b if a is None else a + b
+                   for a, b in zip(grads, micro_grads)]
+    grads = self._maybe_inject(grads)
+    nonfinite = tf.cast(tf.logical_not(all_finite(grads)), tf.int32)  # 0 or 1 on this replica
+    return loss, metric_shares, grads, nonfinite
+
+  def _micro_grads(self, batch, regularization_weight):
     variables = self.model.trainable_variables
     with tf.GradientTape() as tape:
       per_example_loss, metrics = self.compute_loss(batch, training=True)
@@ -84,15 +119,13 @@ class TrainStep:
       loss = tf.nn.compute_average_loss(per_example_loss,
                                         global_batch_size=self.global_batch_size)
       if self.model.losses:
-        loss += tf.nn.scale_regularization_loss(
+        loss += regularization_weight * tf.nn.scale_regularization_loss(
             tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]))
       scaled_loss = self.loss_scaler.scale_loss(loss)
     grads = self.loss_scaler.unscale(tape.gradient(scaled_loss, variables))
-    grads = self._maybe_inject(grads)
     metric_shares = {k: tf.reduce_sum(tf.cast(v, tf.float32)) / self.global_batch_size
                      for k, v in metrics.items()}
-    nonfinite = tf.cast(tf.logical_not(all_finite(grads)), tf.int32)  # 0 or 1 on this replica
-    return loss, metric_shares, grads, nonfinite
+    return loss, metric_shares, grads
 
   def _maybe_inject(self, grads):
     """debug.inject_nonfinite_*: makes the gradients of chosen global steps non-finite, on

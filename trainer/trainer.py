@@ -24,7 +24,8 @@ import tensorflow as tf
 from absl import flags, logging
 
 from trainer import config as config_lib
-from trainer import checkpoints, distribute, optimizers, precision, preemption, progress
+from trainer import (checkpoints, distribute, lifecycle, optimizers, precision, preemption,
+                     profiling, progress)
 from trainer.errors import ConfigError
 from trainer.loss_scale import LossScaler
 from trainer.train_step import EvalLoop, TrainStep, variable
@@ -87,7 +88,8 @@ class Trainer:
           inject_every=c.debug.inject_nonfinite_every,
           inject_steps=config_lib.parse_steps(c.debug.inject_nonfinite_steps),
           inject_replica=c.debug.inject_nonfinite_replica,
-          max_consecutive_skips=c.precision.max_consecutive_skips)
+          max_consecutive_skips=c.precision.max_consecutive_skips,
+          grad_accum_steps=c.train.grad_accum_steps)
       self.eval_loop = EvalLoop(strategy=self.strategy, compute_loss=self.compute_loss,
                                 metric_names=self.metric_names)
     self.checkpoint = tf.train.Checkpoint(
@@ -156,6 +158,8 @@ class Trainer:
         self.checkpoint, os.path.join(self.workdir, 'checkpoints'))
     if restored:
       logging.info('resumed from %s at step %d', restored, int(self.global_step.numpy()))
+    elif self.config.train.init_from:
+      lifecycle.init_from(self, self.config.train.init_from)
     return int(self.global_step.numpy())
 
   def save(self) -> str:
@@ -191,27 +195,33 @@ class Trainer:
     train_ds = self.datasets.train.skip(step) if step else self.datasets.train
     iterator = iter(self.strategy.experimental_distribute_dataset(train_ds))
     elapsed, steps_timed = 0.0, 0
+    profiler = profiling.StepProfiler(t.profile_steps, os.path.join(self.workdir, 'tensorboard'))
     with preemption.Watcher() as watcher:
-      while step < total:
-        n = min(t.steps_per_loop, total - step)
-        start = time.perf_counter()
-        self.train_step.train_loop(iterator, tf.constant(n, tf.int64))
-        step = int(self.global_step.numpy())  # the one host sync per call
-        self.train_step.guard.check(step=step, scale=float(self.loss_scaler.scale.numpy()),
-                                    checkpoint=self._manager.latest_checkpoint)
-        elapsed += time.perf_counter() - start
-        steps_timed += n
-        if step % t.log_every == 0 or step == total:
-          self._log(step, steps_timed / elapsed)
-          elapsed, steps_timed = 0.0, 0
-        if t.eval_every and step % t.eval_every == 0 and step < total:
-          self._log_eval(step)
-        saved = step % t.checkpoint_every == 0 or step == total
-        if saved:
-          self.save()
-        if watcher.requested:
-          path = self._manager.latest_checkpoint if saved else self.save()
-          raise preemption.Preempted(watcher.received.name, step, total, path)
+      try:
+        while step < total:
+          n = min(t.steps_per_loop, total - step)
+          profiler.before(step, step + n)
+          start = time.perf_counter()
+          self.train_step.train_loop(iterator, tf.constant(n, tf.int64))
+          step = int(self.global_step.numpy())  # the one host sync per call
+          elapsed += time.perf_counter() - start
+          profiler.after(step)
+          self.train_step.guard.check(step=step, scale=float(self.loss_scaler.scale.numpy()),
+                                      checkpoint=self._manager.latest_checkpoint)
+          steps_timed += n
+          if step % t.log_every == 0 or step == total:
+            self._log(step, steps_timed / elapsed)
+            elapsed, steps_timed = 0.0, 0
+          if t.eval_every and step % t.eval_every == 0 and step < total:
+            self._log_eval(step)
+          saved = step % t.checkpoint_every == 0 or step == total
+          if saved:
+            self.save()
+          if watcher.requested:
+            path = self._manager.latest_checkpoint if saved else self.save()
+            raise preemption.Preempted(watcher.received.name, step, total, path)
+      finally:
+        profiler.stop()
     return self._log_eval(step)
 
   def _log(self, step: int, steps_per_sec: float):

@@ -1,0 +1,174 @@
+"""A character-level decoder-only Transformer language model on Tiny Shakespeare.
+
+Pre-norm blocks: x + CausalSelfAttention(LayerNorm(x)), then x + MLP(LayerNorm(x)); a final
+LayerNorm and a float32 Dense to the vocabulary. What stays float32 under a mixed policy:
+  * every variable (the layers build float32 weights; trainer/layers.py);
+  * the attention softmax and its -inf causal mask (CausalSelfAttention);
+  * layer normalization (Keras computes its statistics in float32 and casts the result back);
+  * the logits (`dtype='float32'` on the last layer) and the cross-entropy.
+The matmuls and the residual stream run in the policy's compute dtype.
+
+Model keys (config.model_config, unchecked by the schema): context, d_model, num_heads,
+num_layers, mlp_ratio, dropout, val_fraction.
+
+Sample text from a trained workdir:
+  python -m models.transformer_lm --workdir=runs/shakespeare --prompt='ROMEO:' --length=300
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import keras
+import ml_collections
+import numpy as np
+import tensorflow as tf
+
+from trainer import Datasets, Trainer
+from trainer.data import shakespeare
+from trainer.errors import ConfigError, DataError, UserError
+from trainer.layers import CausalSelfAttention, TokenAndPositionEmbedding
+
+MODEL_DEFAULTS = dict(context=128, d_model=128, num_heads=4, num_layers=4, mlp_ratio=4,
+                      dropout=0.0, val_fraction=0.1)
+
+
+def model_config(config) -> ml_collections.ConfigDict:
+  """config.model_config with the defaults above filled in."""
+  given = config.get('model_config', ml_collections.ConfigDict()).to_dict()
+  unknown = sorted(set(given) - set(MODEL_DEFAULTS))
+  if unknown:
+    raise ConfigError(f'config.model_config.{unknown[0]} is not a key of the Transformer LM; '
+                      f'known: {", ".join(MODEL_DEFAULTS)}')
+  return ml_collections.ConfigDict({**MODEL_DEFAULTS, **given})
+
+
+def build_transformer(vocab_size: int, m) -> keras.Model:
+  tokens = keras.Input((None,), dtype='int32', name='tokens')
+  x = TokenAndPositionEmbedding(vocab_size, m.context, m.d_model, name='embed')(tokens)
+  for i in range(m.num_layers):
+    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f'block{i}_ln1')(x)
+    h = CausalSelfAttention(m.num_heads, dropout=m.dropout, name=f'block{i}_attention')(h)
+    if m.dropout:
+      h = keras.layers.Dropout(m.dropout, name=f'block{i}_drop1')(h)
+    x = keras.layers.Add(name=f'block{i}_add1')([x, h])
+    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f'block{i}_ln2')(x)
+    h = keras.layers.Dense(m.mlp_ratio * m.d_model, activation='gelu', name=f'block{i}_mlp_in')(h)
+    h = keras.layers.Dense(m.d_model, name=f'block{i}_mlp_out')(h)
+    if m.dropout:
+      h = keras.layers.Dropout(m.dropout, name=f'block{i}_drop2')(h)
+    x = keras.layers.Add(name=f'block{i}_add2')([x, h])
+  x = keras.layers.LayerNormalization(epsilon=1e-5, name='final_ln')(x)
+  logits = keras.layers.Dense(vocab_size, dtype='float32', name='logits')(x)  # float32 logits
+  return keras.Model(tokens, logits, name='transformer_lm')
+
+
+def windows(ids: np.ndarray, length: int, stride: int) -> np.ndarray:
+  """Every `length`-long slice of `ids` starting at 0, stride, 2*stride, ... [N, length]."""
+  starts = np.arange(0, len(ids) - length + 1, stride)
+  return ids[starts[:, None] + np.arange(length)[None]]
+
+
+class TransformerLmTrainer(Trainer):
+
+  def build_datasets(self):
+    c = self.config
+    self.m = model_config(c)
+    self.corpus = shakespeare.Corpus.from_text(shakespeare.load(c.data.dir), self.m.val_fraction)
+    span = self.m.context + 1  # inputs and the targets shifted by one
+    if len(self.corpus.val) < span:
+      raise DataError(
+          f'the validation split has {len(self.corpus.val)} characters, fewer than '
+          f'config.model_config.context + 1 = {span}')
+    train_ids = tf.constant(self.corpus.train)
+    last_start = len(self.corpus.train) - span
+
+    def to_window(starts):
+      w = tf.gather(train_ids, starts[:, None] + tf.range(span)[None])
+      return w[:, :-1], w[:, 1:]
+
+    # Endless: windows at uniformly random offsets (seeded), a fresh sample every step.
+    train = (tf.data.Dataset.random(seed=c.seed)
+             .map(lambda r: tf.cast(r % (last_start + 1), tf.int32))
+             .batch(c.train.batch_size, drop_remainder=True)
+             .map(to_window, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+             .prefetch(tf.data.AUTOTUNE))
+    # One pass over non-overlapping windows covering the validation split.
+    val = windows(self.corpus.val, span, self.m.context)
+    eval_ = (tf.data.Dataset.from_tensor_slices((val[:, :-1], val[:, 1:]))
+             .batch(c.train.batch_size)
+             .cache()
+             .prefetch(tf.data.AUTOTUNE))
+    return Datasets(train=train, eval=eval_, train_examples=int(last_start + 1))
+
+  def build_model(self):
+    return build_transformer(len(self.corpus.vocab), self.m)
+
+  def compute_loss(self, batch, *, training):
+    """Per sequence: the mean cross-entropy over its positions (nats per character), float32."""
+    inputs, targets = batch
+    logits = tf.cast(self.model(inputs, training=training), tf.float32)
+    per_char = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
+    correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), targets),
+                      tf.float32)
+    return tf.reduce_mean(per_char, -1), {'accuracy': tf.reduce_mean(correct, -1)}
+
+  # ---- sampling ----------------------------------------------------------------------------
+  def sample(self, prompt: str = '\n', length: int = 500, temperature: float = 0.8,
+             seed: int = 0) -> str:
+    """`length` characters continuing `prompt`, sampled at `temperature` from the model."""
+    if temperature <= 0:
+      raise ValueError(f'temperature must be > 0, got {temperature}')
+    context = self.m.context
+    ids = list(self.corpus.encode(prompt or '\n'))
+
+    @tf.function(input_signature=[tf.TensorSpec([1, context], tf.int32),
+                                  tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.int32)])
+    def next_id(window, position, rng):
+      # Causal: the padding after `position` does not affect the logits at `position`.
+      logits = tf.cast(self.model(window, training=False), tf.float32)[0, position]
+      return tf.random.stateless_categorical(logits[None] / temperature, 1, rng)[0, 0]
+
+    for i in range(length):
+      window = ids[-context:]
+      padded = np.zeros([1, context], np.int32)
+      padded[0, :len(window)] = window
+      ids.append(int(next_id(padded, len(window) - 1, tf.constant([seed, i], tf.int32))))
+    return self.corpus.decode(ids)
+
+
+def generate(workdir: str, prompt: str = '\n', length: int = 500, temperature: float = 0.8,
+             seed: int = 0) -> str:
+  """Restores the latest checkpoint of a Transformer LM workdir and samples text from it."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise UserError(f'{path} not found: --workdir must be a folder a training run wrote')
+  with open(path) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  trainer = TransformerLmTrainer(config, workdir)
+  if trainer.restore() == 0:
+    raise UserError(f'no checkpoint in {workdir}/checkpoints; train first')
+  return trainer.sample(prompt, length, temperature, seed)
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  f = flags.FLAGS
+  try:
+    print(generate(f.workdir, f.prompt, f.length, f.temperature, f.seed))
+  except UserError as e:
+    import sys
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == '__main__':
+  from absl import app, flags
+  flags.DEFINE_string('workdir', None, 'a workdir written by a transformer_lm training run')
+  flags.DEFINE_string('prompt', '\n', 'text to continue')
+  flags.DEFINE_integer('length', 500, 'characters to sample')
+  flags.DEFINE_float('temperature', 0.8, 'softmax temperature (lower: more conservative)')
+  flags.DEFINE_integer('seed', 0, 'sampling seed')
+  flags.mark_flags_as_required(['workdir'])
+  app.run(main)

@@ -1,0 +1,83 @@
+"""trainer.audit: the per-layer dtype table and the hazards it flags, and launch.py --audit."""
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+import tensorflow as tf
+
+from trainer import audit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def mixed_float16():
+  keras.mixed_precision.set_global_policy('mixed_float16')
+  yield 'mixed_float16'
+  keras.mixed_precision.set_global_policy('float32')
+
+
+class Float32Inside(keras.layers.Layer):
+  """Ignores the policy: its weight is never autocast and it casts the input up."""
+
+  def build(self, shape):
+    self.w = self.add_weight(shape=(shape[-1], 4), dtype='float32', autocast=False)
+
+  def call(self, x):
+    return tf.matmul(tf.cast(x, tf.float32), self.w)
+
+
+def test_clean_mixed_model_has_float32_variables_and_logits(mixed_float16):
+  model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation='relu'),
+                            keras.layers.Dense(3, dtype='float32')], name='clean')
+  rows, hazards = audit.audit(model)
+  assert [(r.cls, r.compute_dtype, r.variable_dtype, r.output_dtype, r.params) for r in rows] == [
+      ('Dense', 'float16', 'float32', 'float16', 8 * 16 + 16),
+      ('Dense', 'float32', 'float32', 'float32', 16 * 3 + 3)]
+  assert hazards == []
+  text = audit.markdown(model, mixed_float16, rows, hazards)
+  assert '| dense | Dense | float16 | float32 | float16 | 144 |' in text
+  assert 'No hazards' in text and '195 parameters' in text
+
+
+def test_flags_each_hazard_once(mixed_float16):
+  model = keras.Sequential([
+      keras.Input((8,)),
+      keras.layers.Dense(16, dtype='float16', name='half_weights'),
+      Float32Inside(name='float32_inside'),
+      keras.layers.Dense(16, name='ok'),
+      keras.layers.Dense(3, activation='softmax', name='half_softmax'),  # float16 output too
+  ])
+  _, hazards = audit.audit(model)
+  found = sorted((h.layer, h.kind) for h in hazards)
+  assert found == [('float32_inside', 'not autocast'),
+                   ('half_softmax', 'low-precision softmax'),
+                   ('half_weights', 'low-precision variables'),
+                   ('output 0', 'low-precision logits')]
+  assert all('float32' in h.message for h in hazards)  # each says what to do
+
+
+def test_nested_models_are_walked(mixed_float16):
+  inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name='inner_dense')],
+                           name='inner')
+  outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(2, dtype='float32')])
+  names = [r.name for r in audit.audit(outer)[0]]
+  assert names[:2] == ['inner', 'inner/inner_dense']
+
+
+def test_launch_audit_prints_and_writes_markdown(tmp_path):
+  workdir = tmp_path / 'run'
+  result = subprocess.run(
+      [sys.executable, 'launch.py', '--config=configs/shakespeare.py', '--audit',
+       '--config.data.dir=../shared/data/tinyshakespeare', f'--workdir={workdir}',
+       '--config.model_config.num_layers=1', '--config.precision.policy=mixed_float16'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert '| block0_attention | CausalSelfAttention | float16 | float32 | float16 |' in result.stdout
+  assert '| logits | Dense | float32 | float32 | float32 |' in result.stdout
+  assert 'No hazards' in result.stdout
+  assert (workdir / 'audit.md').read_text() == result.stdout.rstrip('\n') + '\n'
+  assert not (workdir / 'checkpoints').exists()  # audit does not train

@@ -1,0 +1,72 @@
+"""trainer.layers.CausalSelfAttention: computes in the policy's dtype, keeps float32 variables,
+softmax in float32, and is causal."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from trainer.layers import CausalSelfAttention
+
+
+@pytest.fixture
+def policy(request):
+  keras.mixed_precision.set_global_policy(request.param)
+  yield request.param
+  keras.mixed_precision.set_global_policy('float32')
+
+
+def _ops(layer, x):
+  graph = tf.function(lambda t: layer(t)).get_concrete_function(x).graph
+  return graph.get_operations()
+
+
+@pytest.mark.parametrize('policy', ['mixed_bfloat16', 'mixed_float16', 'float32'],
+                         indirect=True)
+def test_computes_in_policy_dtype_with_float32_variables(policy):
+  compute = keras.mixed_precision.global_policy().compute_dtype
+  layer = CausalSelfAttention(num_heads=4)
+  x = tf.random.stateless_normal([2, 8, 32], seed=[1, 2])  # float32 input: the layer casts
+  y = layer(x)
+  assert y.dtype == compute
+  assert len(layer.trainable_variables) == 4
+  assert {v.dtype for v in layer.trainable_variables} == {'float32'}
+
+  ops = _ops(layer, x)
+  matmuls = [op for op in ops if op.type in ('MatMul', 'BatchMatMulV2', 'BatchMatMulV3')]
+  assert len(matmuls) == 4  # qkv projection, q.k, weights.v, output projection
+  assert {op.outputs[0].dtype.name for op in matmuls} == {compute}
+  softmax = [op for op in ops if op.type == 'Softmax']
+  assert [op.outputs[0].dtype.name for op in softmax] == ['float32']
+
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(tf.cast(layer(x), tf.float32))
+  grads = tape.gradient(loss, layer.trainable_variables)
+  assert all(g.dtype == tf.float32 and bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
+
+
+@pytest.mark.parametrize('policy', ['mixed_bfloat16'], indirect=True)
+def test_low_precision_output_matches_float32_within_bfloat16_error(policy):
+  x = tf.random.stateless_normal([2, 16, 32], seed=[3, 4])
+  low = CausalSelfAttention(num_heads=4)
+  y_low = tf.cast(low(x), tf.float32).numpy()
+  ref = CausalSelfAttention(num_heads=4, dtype='float32')
+  ref(x)
+  ref.set_weights(low.get_weights())
+  y_ref = ref(x).numpy()
+  error = np.abs(y_low - y_ref).max() / np.abs(y_ref).max()
+  assert 0 < error < 0.03  # bfloat16 has 8 significant bits (2**-8 = 0.4 % per rounding)
+
+
+def test_causal_future_positions_do_not_change_the_past():
+  layer = CausalSelfAttention(num_heads=2)
+  x = tf.random.stateless_normal([1, 10, 16], seed=[5, 6]).numpy()
+  changed = x.copy()
+  changed[:, 6:] += 5.0
+  a, b = layer(x).numpy(), layer(changed).numpy()
+  np.testing.assert_array_equal(a[:, :6], b[:, :6])
+  assert np.abs(a[:, 6:] - b[:, 6:]).max() > 0.1
+
+
+def test_rejects_d_model_not_divisible_by_heads():
+  with pytest.raises(ValueError, match='not divisible by num_heads'):
+    CausalSelfAttention(num_heads=3)(tf.zeros([1, 4, 16]))

@@ -1,0 +1,126 @@
+"""Eval-only, export, init_from and the profiler, on short real MNIST MLP runs."""
+import glob
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from configs import mnist_mlp
+from trainer import lifecycle, profiling
+from trainer.errors import ConfigError, UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
+
+
+def _config(policy='float32', steps=100, **train):
+  config = mnist_mlp.get_config()
+  config.data.dir = DATA
+  config.train.update({'steps': steps, 'steps_per_loop': 50, 'log_every': 50,
+                       'checkpoint_every': 100, **train})
+  config.precision.policy = policy
+  return config
+
+
+def _trainer(config, workdir):
+  return models.get_trainer_class(config.model)(config, str(workdir))
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """(workdir, final eval metrics) of 100 MLP steps in mixed_bfloat16."""
+  workdir = tmp_path_factory.mktemp('life') / 'run'
+  metrics = _trainer(_config('mixed_bfloat16'), workdir).train()
+  return workdir, metrics
+
+
+@pytest.fixture(autouse=True)
+def reset_policy():
+  yield
+  keras.mixed_precision.set_global_policy('float32')
+
+
+def test_eval_mode_reproduces_the_final_eval(trained):
+  workdir, metrics = trained
+  again = lifecycle.evaluate_checkpoint(_trainer(_config('mixed_bfloat16'), workdir))
+  assert again == pytest.approx(metrics, rel=1e-6)
+
+
+def test_eval_without_checkpoint_is_a_user_error(tmp_path):
+  with pytest.raises(UserError, match='no checkpoint'):
+    lifecycle.evaluate_checkpoint(_trainer(_config(), tmp_path))
+
+
+def _export_and_compare(workdir, policy, tmp_path):
+  trainer = _trainer(_config(policy), workdir)
+  paths = lifecycle.export(trainer, str(tmp_path / 'export'))
+  images, _ = next(iter(trainer.datasets.eval))
+  expected = trainer.model(images, training=False).numpy()
+  loaded = tf.saved_model.load(paths['saved_model'])  # keep a reference while serving
+  served = loaded.serve(images).numpy()
+  reloaded = keras.models.load_model(paths['keras'])
+  assert reloaded.layers[-1].dtype_policy.name == 'float32'
+  assert reloaded.layers[1].dtype_policy.name == policy
+  return expected, served, reloaded(images).numpy()
+
+
+def test_export_outputs_match_the_trained_model_float32(tmp_path):
+  workdir = tmp_path / 'run'
+  _trainer(_config('float32', steps=50, checkpoint_every=50), workdir).train()
+  expected, served, reloaded = _export_and_compare(workdir, 'float32', tmp_path)
+  np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(reloaded, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_export_outputs_match_the_trained_model_bfloat16(trained, tmp_path):
+  """The SavedModel's graph may fuse ops differently from eager execution, so bfloat16 results
+  differ by rounding: within 2**-6 of the largest logit (bfloat16 keeps 8 significant bits)."""
+  workdir, _ = trained
+  expected, served, reloaded = _export_and_compare(workdir, 'mixed_bfloat16', tmp_path)
+  tolerance = 2**-6 * np.abs(expected).max()
+  for outputs in (served, reloaded):
+    assert np.abs(outputs - expected).max() <= tolerance
+    assert (outputs.argmax(-1) == expected.argmax(-1)).mean() >= 0.98
+
+
+def test_init_from_loads_model_weights_but_not_the_step(trained, tmp_path):
+  source, metrics = trained
+  trainer = _trainer(_config('mixed_bfloat16', init_from=str(source)), tmp_path / 'new')
+  assert trainer.restore() == 0
+  assert trainer.evaluate() == pytest.approx(metrics, rel=1e-6)
+  with pytest.raises(ConfigError, match='config.train.init_from'):
+    _trainer(_config(init_from=str(tmp_path / 'nothing')), tmp_path / 'other').restore()
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+  _trainer(_config(steps=100, profile_steps='50,100'), tmp_path).train()
+  traces = glob.glob(str(tmp_path / 'tensorboard' / 'plugins' / 'profile' / '*' / '*.xplane.pb'))
+  assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+
+
+@pytest.mark.parametrize('text', ['5', '10,5', 'a,b', '1,2,3'])
+def test_profile_steps_errors_name_the_key(text):
+  with pytest.raises(ConfigError, match='config.train.profile_steps'):
+    profiling.parse(text)
+  assert profiling.parse('') is None and profiling.parse('3, 9') == (3, 9)
+
+
+def test_launch_modes(trained):
+  workdir, metrics = trained
+  base = [sys.executable, 'launch.py', '--config=configs/mnist_mlp.py',
+          f'--config.data.dir={DATA}', '--config.precision.policy=mixed_bfloat16',
+          '--config.train.steps=100', '--config.train.steps_per_loop=50',
+          '--config.train.log_every=50', '--config.train.checkpoint_every=100']
+  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
+  run = lambda *a: subprocess.run([*base, *a], cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=300)
+  result = run(f'--workdir={workdir}', '--mode=eval')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert f'accuracy: {metrics["accuracy"]:.4f}' in result.stdout
+  result = run('--mode=export')
+  assert result.returncode == 2 and 'needs --workdir' in result.stderr

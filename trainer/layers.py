@@ -1,0 +1,118 @@
+"""Keras layers written the mixed-precision way, for models to reuse.
+
+The pattern, which any custom layer should follow under a mixed policy:
+  * `build` creates the weights with `dtype=self.variable_dtype` (float32 under every mixed
+    policy), so the optimizer updates float32 master weights;
+  * `call` casts its inputs and every weight it reads to `self.compute_dtype` (float16 or
+    bfloat16) before the matmuls, where the speed is;
+  * the numerically fragile parts (here the softmax over the attention scores, with its -inf mask)
+    run in float32 and are cast back.
+Keras 3 autocasts a layer's own weights inside `call` already; the explicit casts make the layer
+correct wherever it is called from (a tf.function, another layer's call, a test) and make the
+dtypes readable in the code.
+"""
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package='trainer')
+class CausalSelfAttention(keras.layers.Layer):
+  """Multi-head self-attention where position t attends to positions <= t.
+
+  Input and output: [batch, time, d_model]. One fused query/key/value projection and one output
+  projection, with biases. Dropout applies to the attention weights when training.
+  """
+
+  def __init__(self, num_heads: int, dropout: float = 0.0, **kwargs):
+    super().__init__(**kwargs)
+    self.num_heads = int(num_heads)
+    self.dropout = float(dropout)
+    self._dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
+
+  def build(self, input_shape):
+    d_model = int(input_shape[-1])
+    if d_model % self.num_heads:
+      raise ValueError(f'{self.name}: d_model {d_model} is not divisible by num_heads '
+                       f'{self.num_heads}')
+    self.d_model = d_model
+    init = keras.initializers.GlorotUniform()
+    # float32 master weights under every mixed policy.
+    self.qkv_kernel = self.add_weight(name='qkv_kernel', shape=(d_model, 3 * d_model),
+                                      initializer=init, dtype=self.variable_dtype)
+    self.qkv_bias = self.add_weight(name='qkv_bias', shape=(3 * d_model,), initializer='zeros',
+                                    dtype=self.variable_dtype)
+    self.out_kernel = self.add_weight(name='out_kernel', shape=(d_model, d_model),
+                                      initializer=init, dtype=self.variable_dtype)
+    self.out_bias = self.add_weight(name='out_bias', shape=(d_model,), initializer='zeros',
+                                    dtype=self.variable_dtype)
+
+  def call(self, x, training=False):
+    dtype = self.compute_dtype
+    x = tf.cast(x, dtype)
+    batch, time = tf.shape(x)[0], tf.shape(x)[1]
+    heads, depth = self.num_heads, self.d_model // self.num_heads
+
+    rows = tf.reshape(x, [-1, self.d_model])  # one 2-D matmul is faster than a batched one
+    qkv = tf.matmul(rows, tf.cast(self.qkv_kernel, dtype)) + tf.cast(self.qkv_bias, dtype)
+    qkv = tf.reshape(qkv, [batch, time, 3, heads, depth])
+    q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each [batch, heads, time, depth]
+
+    q = q * tf.cast(depth ** -0.5, dtype)
+    scores = tf.matmul(q, k, transpose_b=True)  # [batch, heads, time, time], compute dtype
+    # Mask and softmax in float32: -inf and the exp/sum are where float16 overflows.
+    causal = tf.linalg.band_part(tf.ones([time, time], tf.bool), -1, 0)
+    scores = tf.where(causal, tf.cast(scores, tf.float32), float('-inf'))
+    weights = tf.cast(tf.nn.softmax(scores, axis=-1), dtype)
+    if self.dropout:
+      weights = self._dropout(weights, training=training)
+
+    out = tf.matmul(weights, v)  # [batch, heads, time, depth]
+    out = tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [-1, self.d_model])
+    out = tf.matmul(out, tf.cast(self.out_kernel, dtype)) + tf.cast(self.out_bias, dtype)
+    return tf.reshape(out, [batch, time, self.d_model])
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+  def get_config(self):
+    return {**super().get_config(), 'num_heads': self.num_heads, 'dropout': self.dropout}
+
+
+@keras.saving.register_keras_serializable(package='trainer')
+class TokenAndPositionEmbedding(keras.layers.Layer):
+  """Token ids [batch, time] -> token embedding + learned position embedding [batch, time, d].
+
+  Same pattern: float32 tables built in `build`, the looked-up rows cast to the compute dtype.
+  Inputs longer than `max_length` fail with an error naming both lengths.
+  """
+
+  def __init__(self, vocab_size: int, max_length: int, d_model: int, **kwargs):
+    super().__init__(**kwargs)
+    self.vocab_size, self.max_length, self.d_model = int(vocab_size), int(max_length), int(d_model)
+
+  def build(self, input_shape):
+    init = keras.initializers.RandomNormal(stddev=0.02)
+    self.token_table = self.add_weight(name='token_table', shape=(self.vocab_size, self.d_model),
+                                       initializer=init, dtype=self.variable_dtype)
+    self.position_table = self.add_weight(name='position_table',
+                                          shape=(self.max_length, self.d_model),
+                                          initializer=init, dtype=self.variable_dtype)
+
+  def call(self, ids):
+    time = tf.shape(ids)[1]
+    tf.debugging.assert_less_equal(
+        time, self.max_length,
+        message=f'{self.name}: sequence longer than max_length={self.max_length}')
+    dtype = self.compute_dtype
+    tokens = tf.gather(tf.cast(self.token_table, dtype), ids)
+    positions = tf.cast(self.position_table[:time], dtype)
+    return tokens + positions[None]
+
+  def compute_output_shape(self, input_shape):
+    return (*input_shape, self.d_model)
+
+  def get_config(self):
+    return {**super().get_config(), 'vocab_size': self.vocab_size,
+            'max_length': self.max_length, 'd_model': self.d_model}

@@ -1,0 +1,70 @@
+"""A trained model's life after (and before) `train()`: evaluate, export, start from another run.
+
+  python launch.py --config=... --workdir=runs/a --mode=eval     # the latest checkpoint, eval set
+  python launch.py --config=... --workdir=runs/a --mode=export   # runs/a/export/{saved_model,
+                                                                 #   model.keras}
+  --config.train.init_from=runs/a   # a new run starts from runs/a's latest model weights
+"""
+from __future__ import annotations
+
+import os
+
+import tensorflow as tf
+from absl import logging
+
+from trainer.errors import ConfigError, UserError
+
+
+def _latest(workdir: str, what: str) -> str:
+  path = tf.train.latest_checkpoint(os.path.join(workdir, 'checkpoints'))
+  if not path:
+    raise UserError(f'{what}: no checkpoint in {os.path.join(workdir, "checkpoints")}; '
+                    'train first (or check --workdir)')
+  return path
+
+
+def evaluate_checkpoint(trainer) -> dict[str, float]:
+  """Restores the workdir's latest checkpoint and runs one pass over the eval set."""
+  _latest(trainer.workdir, '--mode=eval')
+  step = trainer.restore()
+  metrics = trainer.evaluate()
+  logging.info('eval of %s at step %d: %s', trainer.workdir, step,
+               ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
+  return metrics
+
+
+def export(trainer, folder: str | None = None) -> dict[str, str]:
+  """Writes the latest checkpoint's model as a SavedModel (signature `serve`) and a `.keras`
+  file under <workdir>/export; returns their paths. Both compute in the training policy."""
+  _latest(trainer.workdir, '--mode=export')
+  step = trainer.restore()
+  folder = folder or os.path.join(trainer.workdir, 'export')
+  os.makedirs(folder, exist_ok=True)
+  paths = {'saved_model': os.path.join(folder, 'saved_model'),
+           'keras': os.path.join(folder, 'model.keras')}
+  trainer.model.export(paths['saved_model'], format='tf_saved_model', verbose=False)
+  trainer.model.save(paths['keras'])
+  logging.info('exported step %d to %s', step, folder)
+  return paths
+
+
+def init_from(trainer, source: str) -> str:
+  """Loads the model weights (not the optimizer, step or loss scale) of `source`'s latest
+  checkpoint into `trainer.model`; `source` is a workdir or a checkpoint path."""
+  path = source
+  if os.path.isdir(source):
+    path = tf.train.latest_checkpoint(os.path.join(source, 'checkpoints'))
+    if not path:
+      raise ConfigError(f'config.train.init_from={source!r}: no checkpoint in '
+                        f'{os.path.join(source, "checkpoints")}')
+  elif not tf.io.gfile.glob(path + '.index'):
+    raise ConfigError(f'config.train.init_from={source!r} is neither a workdir nor a '
+                      'checkpoint path (prefix of a .index file)')
+  status = tf.train.Checkpoint(model=trainer.model).restore(path)
+  try:
+    status.expect_partial().assert_existing_objects_matched()
+  except AssertionError as e:
+    raise ConfigError(f'config.train.init_from={source!r}: its model does not match this one '
+                      f'({str(e).splitlines()[0][:200]})') from None
+  logging.info('initialized the model from %s', path)
+  return path
