@@ -3,7 +3,9 @@
 Each contender is built under its own precision policy (the Keras policy is global, so it is set
 before each model is built: `Trainer.__init__` does it) and stays built, so rounds can interleave
 A B C A B C ... in one process. `timed(steps)` runs `steps` optimizer steps and returns the
-seconds they took, measured in steady state:
+wall-clock seconds and the process CPU seconds (user + system, all threads) they took, measured in
+steady state. CPU seconds barely move when other processes compete for the cores (wall seconds
+do), so steps per CPU-second is the fairer comparison on a shared machine:
 
   Ours      what `Trainer.train` does per compiled call: `train_loop(iterator, steps_per_loop)`,
             read the global step back (the one host sync per call) and, every `log_every` steps,
@@ -41,18 +43,18 @@ class Ours:
     strategy = self.trainer.strategy
     self.iterator = iter(strategy.experimental_distribute_dataset(self.trainer.datasets.train))
 
-  def timed(self, steps: int) -> float:
+  def timed(self, steps: int) -> tuple[float, float]:
     """Runs `steps` steps (a multiple of steps_per_loop) as Trainer.train's loop body does."""
     t = self.trainer
     n = tf.constant(self.steps_per_loop, tf.int64)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps // self.steps_per_loop):
       call_start = time.perf_counter()
       t.train_step.train_loop(self.iterator, n)
       step = int(t.global_step.numpy())
       if step % self.log_every == 0:
         t._log(step, self.steps_per_loop / (time.perf_counter() - call_start))
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu_start
 
   def close(self):
     self.trainer._writer and self.trainer._writer.close()
@@ -67,7 +69,7 @@ class _ExecutionClock(keras.callbacks.Callback):
     self.stamps = []
 
   def on_train_batch_end(self, batch, logs=None):
-    self.stamps.append(time.perf_counter())
+    self.stamps.append((time.perf_counter(), time.process_time()))
 
 
 def keras_loss(trainer):
@@ -99,11 +101,12 @@ class KerasFit:
         jit_compile=trainer.config.train.jit_compile == 'true')
     self.loss_scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
 
-  def timed(self, steps: int) -> float:
+  def timed(self, steps: int) -> tuple[float, float]:
     clock = _ExecutionClock()
     self.model.fit(self.dataset, epochs=1, steps_per_epoch=steps + self.steps_per_loop,
                    verbose=0, callbacks=[clock])
-    return clock.stamps[-1] - clock.stamps[0]
+    (wall0, cpu0), (wall1, cpu1) = clock.stamps[0], clock.stamps[-1]
+    return wall1 - wall0, cpu1 - cpu0
 
   def close(self):
     self._workdir.cleanup()

@@ -230,7 +230,7 @@ def bench_model(name: str, s: dict) -> dict:
     spl = spec['steps_per_loop']
     contender.timed(spl)  # traces and compiles
     probe_steps = spl * max(1, math.ceil((2 if s['quick'] else 10) / spl))
-    per_step = contender.timed(probe_steps) / probe_steps
+    per_step = contender.timed(probe_steps)[0] / probe_steps
     calls = max(1, round(s['round_seconds'] / (per_step * spl)))
     spec = dict(spec, steps_per_round=calls * spl, build_and_warmup_seconds=0.0)
     contender.timed(spec['steps_per_round'])  # one untimed round at the measured length
@@ -244,11 +244,14 @@ def bench_model(name: str, s: dict) -> dict:
   found_host_ops = host_ops(ours_default)
   keras.mixed_precision.set_global_policy('float32')
 
-  rates = {spec['name']: [] for spec, _ in built}
+  rates = {spec['name']: [] for spec, _ in built}  # steps per wall-clock second
+  cpu_rates = {spec['name']: [] for spec, _ in built}  # steps per CPU second
   for r in range(s['rounds']):
     start = time.perf_counter()
     for spec, contender in built:
-      rates[spec['name']].append(spec['steps_per_round'] / contender.timed(spec['steps_per_round']))
+      wall, cpu = contender.timed(spec['steps_per_round'])
+      rates[spec['name']].append(spec['steps_per_round'] / wall)
+      cpu_rates[spec['name']].append(spec['steps_per_round'] / cpu)
     logging.warning('%s: round %d/%d took %.1f s', name, r + 1, s['rounds'],
                     time.perf_counter() - start)
   for _, contender in built:
@@ -258,33 +261,39 @@ def bench_model(name: str, s: dict) -> dict:
             'steps_per_loop': s['steps_per_loop'], 'flops_per_step': flops_per_step,
             'host_ops_in_train_loop': found_host_ops, 'contenders': {}}
   for spec, _ in built:
-    result['contenders'][spec['name']] = {
+    name_ = spec['name']
+    result['contenders'][name_] = {
         **{k: v for k, v in spec.items() if k != 'name'},
-        'steps_per_sec': summary(rates[spec['name']]), 'rounds': rates[spec['name']]}
+        'steps_per_sec': summary(rates[name_]), 'rounds': rates[name_],
+        'steps_per_cpu_sec': summary(cpu_rates[name_]), 'cpu_rounds': cpu_rates[name_]}
+  result.update(comparisons(rates, s, default))  # wall clock: the headline numbers
+  result['cpu_time'] = comparisons(cpu_rates, s, default)  # the same, per CPU second
+  return result
 
-  def rate(label):
-    return rates[label]
 
-  result['ours_over_fit'] = {p: paired(rate(f'ours {p}'), rate(f'fit {p}'), lambda a, b: a / b)
-                             for p in s['policies']}
+def comparisons(rates: dict, s: dict, default: str) -> dict:
+  """Paired per-round ratios between contenders: ours/fit, loss-scale overheads, speed-ups."""
+  ratio = lambda a, b: a / b
+  out = {'ours_over_fit': {p: paired(rates[f'ours {p}'], rates[f'fit {p}'], ratio)
+                           for p in s['policies']}}
   for n in s['loop_sweep']:
     if n != s['steps_per_loop']:
-      result['ours_over_fit'][f'{default} steps_per_loop={n}'] = paired(
-          rate(f'ours {default} steps_per_loop={n}'),
-          rate(f'fit {default} steps_per_loop={n}'), lambda a, b: a / b)
+      out['ours_over_fit'][f'{default} steps_per_loop={n}'] = paired(
+          rates[f'ours {default} steps_per_loop={n}'],
+          rates[f'fit {default} steps_per_loop={n}'], ratio)
 
   def by_mode(policy, mode):
     auto = 'dynamic' if policy == 'mixed_float16' else 'none'
-    return rate(f'ours {policy}' if mode == auto else f'ours {policy} loss_scale={mode}')
+    return rates[f'ours {policy}' if mode == auto else f'ours {policy} loss_scale={mode}']
 
-  result['loss_scale_overhead_pct'] = {
+  out['loss_scale_overhead_pct'] = {
       p: {m: paired(by_mode(p, 'none'), by_mode(p, m), lambda a, b: 100.0 * (a / b - 1.0))
           for m in ('static', 'dynamic')} for p in s['policies']}
-  result['speedup_over_float32'] = {
-      p: paired(rate(f'ours {p}'), rate('ours float32'), lambda a, b: a / b) for p in s['policies']}
-  result['jit_speedup'] = paired(rate(f'ours {default} jit_compile'),
-                                 rate(f'ours {default}'), lambda a, b: a / b)
-  return result
+  out['speedup_over_float32'] = {p: paired(rates[f'ours {p}'], rates['ours float32'], ratio)
+                                 for p in s['policies']}
+  out['jit_speedup'] = paired(rates[f'ours {default} jit_compile'], rates[f'ours {default}'],
+                              ratio)
+  return out
 
 
 def mfu(result: dict, peaks: dict, policies) -> dict:

@@ -35,8 +35,9 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
   rounds = results['settings']['rounds']
   for name, contender in model['contenders'].items():
     assert len(contender['rounds']) == rounds and all(r > 0 for r in contender['rounds']), name
-    assert 0 < contender['steps_per_sec']['min'] <= contender['steps_per_sec']['median'] \
-        <= contender['steps_per_sec']['max'], name
+    for clock in ('steps_per_sec', 'steps_per_cpu_sec'):
+      stats = contender[clock]
+      assert 0 < stats['min'] <= stats['median'] <= stats['max'], (name, clock)
   default = model['default_policy']
   expected = {f'{kind} {p}' for kind in ('ours', 'fit') for p in policies}
   auto = {p: 'dynamic' if p == 'mixed_float16' else 'none' for p in policies}
@@ -49,12 +50,13 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
   assert expected <= set(model['contenders'])
   for p in policies:
     assert model['ours_over_fit'][p]['median'] > 0
+    assert model['cpu_time']['ours_over_fit'][p]['median'] > 0
     assert set(model['loss_scale_overhead_pct'][p]) == {'static', 'dynamic'}
     assert model['speedup_over_float32'][p]['median'] > 0
     assert 0 < model['mfu'][p]['fraction']
     memory = model['memory'][p]
     assert 0 < memory['built_mib'] <= memory['peak_mib']
-  assert set(model['targets_met']) == {'ours_over_fit', 'dynamic_overhead', 'bfloat16_speedup',
+  assert set(model['targets_met']) == set(model['targets_met_cpu_time']) == {'ours_over_fit', 'dynamic_overhead', 'bfloat16_speedup',
                                        'no_host_sync'}
 
   table = (out / 'benchmark.md').read_text()

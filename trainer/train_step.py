@@ -9,7 +9,9 @@ A step (cross-replica context, inside one `tf.function`):
   3. `tf.cond(finite, apply, skip)`: `apply` runs `strategy.run(apply_gradients)`; `skip` does
      nothing, so weights and optimizer slots stay bit-identical.
   4. The loss scaler updates once with the all-replica flag; the global step advances either way;
-     skipped steps are counted; loss and metrics are accumulated for the host to read between calls.
+     skipped steps are counted; loss and metrics are accumulated for the host to read between calls
+     (summed in the loop's carried tensor and added to one variable once per call: per-step
+     variable updates cost a measurable share of a small model's step).
 Nothing in a call reads a value back to the host.
 """
 from __future__ import annotations
@@ -54,10 +56,10 @@ class TrainStep:
 
     self.global_step = global_step
     self.skipped_steps = variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
-    # Accumulated between host reads (reset by `read_metrics`); not checkpointed.
-    self._sums = {name: variable(0.0, tf.float32, f'sum_{name}')
-                  for name in ('loss', *metric_names)}
-    self._count = variable(0.0, tf.float32, 'metric_steps')
+    # Accumulated between host reads (reset by `read_metrics`); not checkpointed. One vector:
+    # the sums of ('loss', *metric_names), then the number of steps whose loss was finite.
+    self._metric_names = ('loss', *metric_names)
+    self._totals = variable(tf.zeros([len(self._metric_names) + 1]), tf.float32, 'metric_totals')
 
     replica_grads = self._replica_grads
     if jit_compile:
@@ -129,23 +131,21 @@ class TrainStep:
     self.loss_scaler.update(finite)
     self.global_step.assign_add(1)
 
-    counted = tf.cast(tf.math.is_finite(loss), tf.float32)
-    self._sums['loss'].assign_add(tf.where(counted > 0, loss, 0.0))
-    for k, v in metrics.items():
-      self._sums[k].assign_add(tf.where(counted > 0, v, 0.0))
-    self._count.assign_add(counted)
+    # This step's (loss, *metrics, 1), or zeros when the loss is not finite.
+    values = tf.stack([loss, *(metrics[k] for k in self._metric_names[1:]), 1.0])
+    return tf.where(tf.math.is_finite(loss), values, tf.zeros_like(values))
 
   def _train_loop(self, iterator, num_steps):
+    totals = tf.zeros_like(self._totals)
     for _ in tf.range(num_steps):
-      self._step(iterator)
+      totals += self._step(iterator)
+    self._totals.assign_add(totals)
 
   def read_metrics(self) -> dict[str, float]:
     """Means since the last read over steps whose loss was finite; resets the sums. Host side."""
-    count = float(self._count.numpy())
-    means = {k: (float(v.numpy()) / count if count else float('nan'))
-             for k, v in self._sums.items()}
-    for v in (*self._sums.values(), self._count):
-      v.assign(tf.zeros_like(v))
+    *sums, count = (float(x) for x in self._totals.numpy())
+    means = {k: (v / count if count else float('nan')) for k, v in zip(self._metric_names, sums)}
+    self._totals.assign(tf.zeros_like(self._totals))
     return means
 
 
