@@ -130,7 +130,9 @@ class LossScaler(tf.Module):
       backed = tf.maximum(self.scale * self.backoff_factor, self.min_scale)
       return (tf.where(left == 0, backed, self.scale), tf.zeros_like(self.good_steps), left)
 
-    scale, good, left = tf.cond(finite, on_finite, on_nonfinite)
+    # Both outcomes are a few scalar ops: select with tf.where rather than branch with tf.cond
+    # (a cond per step costs more than the arithmetic on CPU).
+    scale, good, left = (tf.where(finite, x, y) for x, y in zip(on_finite(), on_nonfinite()))
     self.scale.assign(scale)
     self.good_steps.assign(good)
     self.hysteresis_left.assign(left)

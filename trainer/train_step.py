@@ -10,7 +10,9 @@ A step (cross-replica context, inside one `tf.function`):
      weights and optimizer slots bit-identical and only records (and prints) which variables had
      non-finite gradients (`trainer/skip_guard.py`; the loop stops early on a collapse).
   4. The loss scaler updates once with the all-replica flag; the global step advances either way;
-     skipped steps are counted; loss and metrics are accumulated for the host to read between calls.
+     skipped steps are counted; loss and metrics are accumulated for the host to read between calls
+     (summed in the loop's carried tensor and added to one variable once per call: per-step
+     variable updates cost a measurable share of a small model's step).
 Nothing in a call reads a value back to the host.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from trainer.loss_scale import LossScaler, all_finite
 from trainer.skip_guard import SkipGuard
 
 SUM = tf.distribute.ReduceOp.SUM
+SKIP_SCOPE = 'skipped_step_only'  # name scope of the skip branch (benchmarks/run.py looks for it)
 
 # compute_loss(batch, training=...) -> (per_example_loss [B], {metric name: per-example [B]})
 LossFn = Callable[..., tuple[tf.Tensor, dict[str, tf.Tensor]]]
@@ -69,10 +72,10 @@ class TrainStep:
     self.skipped_steps = variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
     self.guard = SkipGuard(strategy=strategy, variables=model.trainable_variables,
                            max_consecutive_skips=max_consecutive_skips)
-    # Accumulated between host reads (reset by `read_metrics`); not checkpointed.
-    self._sums = {name: variable(0.0, tf.float32, f'sum_{name}')
-                  for name in ('loss', *metric_names)}
-    self._count = variable(0.0, tf.float32, 'metric_steps')
+    # Accumulated between host reads (reset by `read_metrics`); not checkpointed. One vector:
+    # the sums of ('loss', *metric_names), then the number of steps whose loss was finite.
+    self._metric_names = ('loss', *metric_names)
+    self._totals = variable(tf.zeros([len(self._metric_names) + 1]), tf.float32, 'metric_totals')
 
     replica_grads = self._replica_grads
     if jit_compile:
@@ -170,33 +173,32 @@ class TrainStep:
       return tf.constant(0, tf.int64)
 
     def skip():
-      self.guard.record(grads, self.global_step, self.loss_scaler.scale)
-      return tf.constant(1, tf.int64)
+      with tf.name_scope(SKIP_SCOPE):  # ops here run on skipped steps only
+        self.guard.record(grads, self.global_step, self.loss_scaler.scale)
+        return tf.constant(1, tf.int64)
 
     self.skipped_steps.assign_add(tf.cond(finite, apply, skip))
     self.guard.count(finite)
     self.loss_scaler.update(finite)
     self.global_step.assign_add(1)
 
-    counted = tf.cast(tf.math.is_finite(loss), tf.float32)
-    self._sums['loss'].assign_add(tf.where(counted > 0, loss, 0.0))
-    for k, v in metrics.items():
-      self._sums[k].assign_add(tf.where(counted > 0, v, 0.0))
-    self._count.assign_add(counted)
+    # This step's (loss, *metrics, 1), or zeros when the loss is not finite.
+    values = tf.stack([loss, *(metrics[k] for k in self._metric_names[1:]), 1.0])
+    return tf.where(tf.math.is_finite(loss), values, tf.zeros_like(values))
 
   def _train_loop(self, iterator, num_steps):
+    totals = tf.zeros_like(self._totals)
     for _ in tf.range(num_steps):
-      self._step(iterator)
+      totals += self._step(iterator)
       if self.guard.collapsed():  # stops early; the trainer raises CollapseError
         break
+    self._totals.assign_add(totals)
 
   def read_metrics(self) -> dict[str, float]:
     """Means since the last read over steps whose loss was finite; resets the sums. Host side."""
-    count = float(self._count.numpy())
-    means = {k: (float(v.numpy()) / count if count else float('nan'))
-             for k, v in self._sums.items()}
-    for v in (*self._sums.values(), self._count):
-      v.assign(tf.zeros_like(v))
+    *sums, count = (float(x) for x in self._totals.numpy())
+    means = {k: (v / count if count else float('nan')) for k, v in zip(self._metric_names, sums)}
+    self._totals.assign(tf.zeros_like(self._totals))
     return means
 
 

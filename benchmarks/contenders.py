@@ -1,0 +1,112 @@
+"""The things the benchmark races: our Trainer's compiled loop and Keras `model.fit`.
+
+Each contender is built under its own precision policy (the Keras policy is global, so it is set
+before each model is built: `Trainer.__init__` does it) and stays built, so rounds can interleave
+A B C A B C ... in one process. `timed(steps)` runs `steps` optimizer steps and returns the
+wall-clock seconds and the process CPU seconds (user + system, all threads) they took, measured in
+steady state. CPU seconds barely move when other processes compete for the cores (wall seconds
+do), so steps per CPU-second is the fairer comparison on a shared machine:
+
+  Ours      what `Trainer.train` does per compiled call: `train_loop(iterator, steps_per_loop)`,
+            read the global step back (the one host sync per call) and, every `log_every` steps,
+            `_log` (read and reset the metric sums, the loss scale and skipped steps, write the
+            TensorBoard scalars). The iterator lives across rounds.
+  KerasFit  `model.fit(dataset, steps_per_epoch=...)` with the same model class, dataset, batch,
+            optimizer, policy and `steps_per_execution = steps_per_loop`; under mixed_float16
+            `compile` wraps the optimizer in Keras's LossScaleOptimizer (dynamic scaling).
+            Every fit call makes a new iterator (and refills the shuffle buffer), so the first
+            execution of each call is not timed: a callback stamps the time after each execution
+            and only the executions after the first count.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+
+import keras
+import ml_collections
+import tensorflow as tf
+
+from trainer import optimizers
+
+
+class Ours:
+  kind = 'ours'
+
+  def __init__(self, trainer_class, config: ml_collections.ConfigDict):
+    self._workdir = tempfile.TemporaryDirectory(prefix='bench-')
+    self.trainer = trainer_class(config, self._workdir.name)
+    self.trainer.restore()  # opens the workdir (TensorBoard writer) as `train()` does
+    self.policy = self.trainer.policy
+    self.steps_per_loop = self.trainer.config.train.steps_per_loop
+    self.log_every = self.trainer.config.train.log_every
+    strategy = self.trainer.strategy
+    self.iterator = iter(strategy.experimental_distribute_dataset(self.trainer.datasets.train))
+
+  def timed(self, steps: int) -> tuple[float, float]:
+    """Runs `steps` steps (a multiple of steps_per_loop) as Trainer.train's loop body does."""
+    t = self.trainer
+    n = tf.constant(self.steps_per_loop, tf.int64)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(steps // self.steps_per_loop):
+      call_start = time.perf_counter()
+      t.train_step.train_loop(self.iterator, n)
+      step = int(t.global_step.numpy())
+      if step % self.log_every == 0:
+        t._log(step, self.steps_per_loop / (time.perf_counter() - call_start))
+    return time.perf_counter() - start, time.process_time() - cpu_start
+
+  def close(self):
+    self.trainer._writer and self.trainer._writer.close()
+    self._workdir.cleanup()
+
+
+class _ExecutionClock(keras.callbacks.Callback):
+  """Time stamps after each execution (fit calls on_train_batch_end once per execution)."""
+
+  def __init__(self):
+    super().__init__()
+    self.stamps = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.stamps.append((time.perf_counter(), time.process_time()))
+
+
+def keras_loss(trainer):
+  """The Keras loss for fit: the model class may say (`benchmark_keras_loss()`); otherwise
+  sparse categorical cross-entropy on logits, which every model in models/ uses."""
+  if hasattr(trainer, 'benchmark_keras_loss'):
+    return trainer.benchmark_keras_loss()
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class KerasFit:
+  kind = 'fit'
+
+  def __init__(self, trainer_class, config: ml_collections.ConfigDict):
+    self._workdir = tempfile.TemporaryDirectory(prefix='bench-')
+    # The Trainer builds the model and the dataset exactly as it does for `Ours` (same policy,
+    # seed, pipeline); fit then trains that model with Keras's own loop.
+    trainer = trainer_class(config, self._workdir.name)
+    self.policy = trainer.policy
+    self.steps_per_loop = trainer.config.train.steps_per_loop
+    self.model = trainer.model
+    self.dataset = trainer.datasets.train
+    metrics = ['accuracy'] if 'accuracy' in trainer.metric_names else []
+    self.model.compile(
+        optimizer=optimizers.build(trainer.config.optimizer,
+                                   trainer.config.optimizer.learning_rate),
+        loss=keras_loss(trainer), metrics=metrics,
+        steps_per_execution=self.steps_per_loop,
+        jit_compile=trainer.config.train.jit_compile == 'true')
+    self.loss_scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+  def timed(self, steps: int) -> tuple[float, float]:
+    clock = _ExecutionClock()
+    self.model.fit(self.dataset, epochs=1, steps_per_epoch=steps + self.steps_per_loop,
+                   verbose=0, callbacks=[clock])
+    (wall0, cpu0), (wall1, cpu1) = clock.stamps[0], clock.stamps[-1]
+    return wall1 - wall0, cpu1 - cpu0
+
+  def close(self):
+    self._workdir.cleanup()

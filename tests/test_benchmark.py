@@ -1,0 +1,69 @@
+"""The benchmark's quick mode runs end to end, so benchmarks/run.py never rots.
+
+It checks that the outputs exist and hold every section for every model with positive numbers;
+it makes no claim about speed (those are measured side by side by the full run, not by tests).
+"""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
+  out = tmp_path / 'bench'
+  # Two policies keep it short; the full run adds mixed_float16 through the same code.
+  done = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'benchmarks', 'run.py'), '--quick',
+       '--models=mnist_cnn', '--policies=float32,mixed_bfloat16', f'--out={out}'],
+      capture_output=True, text=True, cwd=ROOT, timeout=900,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  assert done.returncode == 0, done.stderr[-3000:]
+  for name in ('benchmark.json', 'benchmark.md', 'benchmark.png'):
+    assert (out / name).stat().st_size > 0, name
+
+  results = json.loads((out / 'benchmark.json').read_text())
+  machine = results['machine']
+  assert machine['cores'] >= 1 and machine['cpu'] and machine['tensorflow']
+  assert all(results['peak_flops'][d] > 0 for d in ('float32', 'bfloat16', 'float16'))
+  policies = results['settings']['policies']
+  assert {'float32', 'mixed_bfloat16'} <= set(policies)
+  model = results['models']['mnist_cnn']
+  assert model['flops_per_step'] > 0
+  assert model['host_ops_in_train_loop'] == []  # nothing a finite step runs calls the host
+  assert model['host_ops_on_skipped_steps_only'] == ['PrintV2']  # the skip report, and only it
+  rounds = results['settings']['rounds']
+  for name, contender in model['contenders'].items():
+    assert len(contender['rounds']) == rounds and all(r > 0 for r in contender['rounds']), name
+    for clock in ('steps_per_sec', 'steps_per_cpu_sec'):
+      stats = contender[clock]
+      assert 0 < stats['min'] <= stats['median'] <= stats['max'], (name, clock)
+  default = model['default_policy']
+  expected = {f'{kind} {p}' for kind in ('ours', 'fit') for p in policies}
+  auto = {p: 'dynamic' if p == 'mixed_float16' else 'none' for p in policies}
+  expected |= {f'ours {p} loss_scale={m}' for p in policies for m in ('none', 'static', 'dynamic')
+               if m != auto[p]}
+  expected |= {f'{kind} {default} steps_per_loop={n}' for kind in ('ours', 'fit')
+               for n in results['settings']['loop_sweep']
+               if n != results['settings']['steps_per_loop']}
+  expected.add(f'ours {default} jit_compile')
+  assert expected <= set(model['contenders'])
+  for p in policies:
+    assert model['ours_over_fit'][p]['median'] > 0
+    assert model['cpu_time']['ours_over_fit'][p]['median'] > 0
+    assert set(model['loss_scale_overhead_pct'][p]) == {'static', 'dynamic'}
+    assert model['speedup_over_float32'][p]['median'] > 0
+    assert 0 < model['mfu'][p]['fraction']
+    memory = model['memory'][p]
+    assert 0 < memory['built_mib'] <= memory['peak_mib']
+  assert set(model['targets_met']) == set(model['targets_met_cpu_time']) == {'ours_over_fit', 'dynamic_overhead', 'bfloat16_speedup',
+                                       'no_host_sync'}
+
+  table = (out / 'benchmark.md').read_text()
+  assert machine['cpu'] in table and machine['tensorflow'] in table
+  for heading in ('## mnist_cnn', 'Ours vs Keras fit', 'Cost of loss scaling',
+                  'speed-up, FLOP utilisation, memory', 'steps_per_loop and jit_compile'):
+    assert heading in table, heading
+  for p in policies:
+    assert f'| {p} |' in table
