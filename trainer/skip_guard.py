@@ -79,11 +79,14 @@ class SkipGuard(tf.Module):
     """Host side: the variables whose gradients were non-finite at the last skipped step."""
     return [n for n, c in zip(self.names, self.nonfinite.numpy()) if c > 0]
 
-  def check(self, *, step: int, scale: float, checkpoint: str | None) -> None:
-    """Host side, between compiled calls: raises CollapseError once the limit is reached."""
+  def check(self, *, step: int, scale: tf.Variable, checkpoint: str | None) -> None:
+    """Host side, between compiled calls: raises CollapseError once the limit is reached.
+    `scale` (the loss scale variable) is read only then."""
     limit = self.max_consecutive_skips
+    if limit <= 0:
+      return
     run = int(self.consecutive.numpy())
-    if limit <= 0 or run < limit:
+    if run < limit:
       return
     bad = self.nonfinite_names()
     shown = ', '.join(bad[:SHOWN]) + (f' and {len(bad) - SHOWN} more' if len(bad) > SHOWN else '')
@@ -91,7 +94,8 @@ class SkipGuard(tf.Module):
             else 'No checkpoint was written yet')
     raise CollapseError(
         f'training collapsed at step {step}: {run} steps in a row (steps {step - run} to '
-        f'{step - 1}) had non-finite gradients and were skipped; loss scale {scale:g}; first '
+        f'{step - 1}) had non-finite gradients and were skipped; loss scale '
+        f'{float(scale.numpy()):g}; first '
         f'non-finite gradients in: {shown or "?"}. {kept}. Lower config.optimizer.learning_rate, '
         'check the input data, or raise config.precision.max_consecutive_skips '
         f'(now {limit}; 0 turns the guard off).')

@@ -206,7 +206,7 @@ class Trainer:
           step = int(self.global_step.numpy())  # the one host sync per call
           elapsed += time.perf_counter() - start
           profiler.after(step)
-          self.train_step.guard.check(step=step, scale=float(self.loss_scaler.scale.numpy()),
+          self.train_step.guard.check(step=step, scale=self.loss_scaler.scale,
                                       checkpoint=self._manager.latest_checkpoint)
           steps_timed += n
           if step % t.log_every == 0 or step == total:
