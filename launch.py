@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import difflib
-import importlib.util
 import os
 import sys
 
@@ -95,10 +94,7 @@ def _config_keys(path: str) -> list[str]:
   """The dotted keys of the config file's get_config(), or [] when it cannot be loaded."""
   from trainer import config as config_lib
   try:
-    spec = importlib.util.spec_from_file_location('_config_keys', path.split(':', 1)[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return list(config_lib.flatten(module.get_config()))
+    return list(config_lib.flatten(config_lib.load_file(path.split(':', 1)[0])))
   except Exception:  # only used to name the culprit better; the error is reported anyway
     return []
 

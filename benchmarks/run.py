@@ -19,7 +19,6 @@ Outputs in --out: benchmark.md (tables), benchmark.json (everything), benchmark.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import math
 import os
@@ -117,10 +116,7 @@ def model_config(name: str):
   from trainer import config as config_lib
   config, config_file = None, ''
   for path in sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py'))):
-    spec = importlib.util.spec_from_file_location(f'_bench_config_{name}', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    candidate = module.get_config()
+    candidate = config_lib.load_file(path)
     if candidate.get('model') == name:
       config, config_file = candidate, os.path.splitext(os.path.basename(path))[0]
       break

@@ -1,23 +1,19 @@
 """Training converges through injected faults: MNIST in mixed_bfloat16 with every 20th step's
 gradients made non-finite ends within 0.3 points of test accuracy of the clean run. Two full
 runs of configs/mnist.py (5 epochs): minutes on a CPU, so marked slow."""
-import importlib.util
 import os
 
 import pytest
 
 import models
+from trainer import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_DIR = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
 
 
 def mnist_config(**debug):
-  spec = importlib.util.spec_from_file_location('mnist_config', os.path.join(ROOT, 'configs',
-                                                                             'mnist.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = config_lib.load_file(os.path.join(ROOT, 'configs', 'mnist.py'))
   config.data.dir = MNIST_DIR
   config.precision.policy = 'mixed_bfloat16'
   for key, value in debug.items():

@@ -7,6 +7,7 @@ out, checks every value and raises `ConfigError` naming the key (e.g. `config.tr
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable, NamedTuple
 
 import ml_collections
@@ -111,6 +112,16 @@ SCHEMA: dict[str, Key] = {
                                           'poisons; -1 = all replicas',
                                           lambda v: None if v >= -1 else 'must be >= -1'),
 }
+
+
+def load_file(path: str) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file such as configs/mnist.py, loaded by path."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      f'_config_{os.path.splitext(os.path.basename(path))[0]}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def defaults() -> ml_collections.ConfigDict:

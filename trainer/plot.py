@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from trainer import events
 from trainer.errors import UserError
 
 PANELS = (  # (title, [(tag, style)], log y)
@@ -25,31 +26,17 @@ PANELS = (  # (title, [(tag, style)], log y)
 
 
 def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-  """{tag: (steps, values)} from every event file under <workdir>/tensorboard, sorted by step
-  (the last value wins when a resumed run wrote a step twice)."""
-  from tensorboard.backend.event_processing import event_accumulator
+  """{tag: (steps, values)} from <workdir>/tensorboard (trainer/events.py reads the files; the
+  last value wins when a resumed run wrote a step twice)."""
   folder = os.path.join(workdir, 'tensorboard')
   if not os.path.isdir(folder):
     raise UserError(f'{folder} not found: --workdir must be a folder a training run wrote')
-  acc = event_accumulator.EventAccumulator(folder, size_guidance={'tensors': 0, 'scalars': 0})
-  acc.Reload()
-  tags = acc.Tags()
-  series = {}
-  for tag in tags.get('tensors', []):
-    points = {e.step: float(np.asarray(_tensor(e.tensor_proto))) for e in acc.Tensors(tag)}
-    series[tag] = points
-  for tag in tags.get('scalars', []):
-    series.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+  series = events.read_scalars(workdir)
   if not series:
     raise UserError(f'{folder} holds no scalar summaries yet; train for at least '
                     'config.train.log_every steps first')
-  return {tag: (np.array(sorted(p)), np.array([p[s] for s in sorted(p)]))
-          for tag, p in series.items()}
-
-
-def _tensor(proto):
-  from tensorboard.util import tensor_util
-  return tensor_util.make_ndarray(proto)
+  return {tag: (np.array([s for s, _ in points]), np.array([v for _, v in points]))
+          for tag, points in series.items()}
 
 
 def render(workdirs: list[str], out: str) -> str:
