@@ -40,9 +40,9 @@ def strip(train_step, keep_checks: bool) -> None:
   SUM = tf.distribute.ReduceOp.SUM
 
   def no_cond_step(iterator):
-    loss, metrics, grads, finite = ts.strategy.run(ts._replica_grads_fn, args=(next(iterator),))
-    finite = tf.equal(ts.strategy.reduce(
-        SUM, tf.cast(tf.logical_not(finite), tf.int32), axis=None), 0)
+    loss, metrics, grads, nonfinite = ts.strategy.run(ts._replica_grads_fn,
+                                                      args=(next(iterator),))
+    finite = tf.equal(ts.strategy.reduce(SUM, nonfinite, axis=None), 0)
     loss = ts.strategy.reduce(SUM, loss, axis=None)
     metrics = {k: ts.strategy.reduce(SUM, v, axis=None) for k, v in metrics.items()}
     ts.strategy.run(ts._apply, args=(grads,))

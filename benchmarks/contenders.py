@@ -12,7 +12,9 @@ do), so steps per CPU-second is the fairer comparison on a shared machine:
             `_log` (read and reset the metric sums, the loss scale and skipped steps, write the
             TensorBoard scalars). The iterator lives across rounds.
   KerasFit  `model.fit(dataset, steps_per_epoch=...)` with the same model class, dataset, batch,
-            optimizer, policy and `steps_per_execution = steps_per_loop`; under mixed_float16
+            optimizer, policy and `steps_per_execution = steps_per_loop`. The optimizer is the
+            config's, built by trainer/optimizers.py: Keras's own class when the config says
+            `optimizer.fused=False` (what a Keras user has), ours otherwise. Under mixed_float16
             `compile` wraps the optimizer in Keras's LossScaleOptimizer (dynamic scaling).
             Every fit call makes a new iterator (and refills the shuffle buffer), so the first
             execution of each call is not timed: a callback stamps the time after each execution

@@ -69,6 +69,20 @@ def markdown(results: dict) -> str:
       lines.append(f'| {p} | {sps(f"ours {p}")} | {sps(f"fit {p}")} | {_r(ratio, "{:.2f}")} '
                    f'| {_r(cpu_ratio, "{:.2f}")} | {_yes(ratio["median"] >= 1.10)}, '
                    f'{_yes(cpu_ratio["median"] >= 1.10)} |')
+    d = r['default_policy']
+    fo, cpu_fo = r['fused_optimizer'], r['cpu_time']['fused_optimizer']
+    lines += ['', f'### Where ours / fit comes from ({d})', '',
+              "Our trainer uses a one-kernel optimizer update (optimizer.fused=True, "
+              "trainer/fused_optimizers.py); fit above uses Keras's own. Swapping them:", '',
+              '| pair | steps/s | ratio (wall) | ratio (CPU) |', '|---|---|---|---|',
+              f'| ours with Keras\'s update / fit | {sps(f"ours {d} optimizer.fused=False")} | '
+              f'{_r(fo["ours_unfused_over_fit"], "{:.2f}")} | '
+              f'{_r(cpu_fo["ours_unfused_over_fit"], "{:.2f}")} |',
+              f'| fit with our update / fit | {sps(f"fit {d} optimizer.fused=True")} | '
+              f'{_r(fo["fit_fused_over_fit"], "{:.2f}")} | '
+              f'{_r(cpu_fo["fit_fused_over_fit"], "{:.2f}")} |',
+              f'| ours / fit with our update | | {_r(fo["ours_over_fit_fused"], "{:.2f}")} | '
+              f'{_r(cpu_fo["ours_over_fit_fused"], "{:.2f}")} |']
     lines += ['', '### Cost of loss scaling (ours; overhead = none / mode - 1)', '',
               '| policy | none steps/s | static steps/s | dynamic steps/s | static overhead '
               '| dynamic overhead | dynamic overhead (CPU) | target <= 2 % (wall, CPU) |',
@@ -91,7 +105,6 @@ def markdown(results: dict) -> str:
                    f'| {_r(r["cpu_time"]["speedup_over_float32"][p], "{:.2f}")} '
                    f'| {mfu["flops_per_sec"] / 1e9:.1f} | {100 * mfu["fraction"]:.1f} % of '
                    f'{mfu["of_peak_dtype"]} | {mem_text} |')
-    d = r['default_policy']
     lines += ['', f'### steps_per_loop and jit_compile ({d}, the default policy here)', '',
               '| setting | ours steps/s | fit steps/s | ours / fit (wall) | ours / fit (CPU) |',
               '|---|---|---|---|---|']

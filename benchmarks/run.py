@@ -137,10 +137,12 @@ def model_config(name: str):
   return config
 
 
-def variant(base, *, policy, loss_scale='auto', steps_per_loop, jit=False):
+def variant(base, *, policy, loss_scale='auto', steps_per_loop, jit=False, fused=True):
   """The model's config for one contender: effectively endless, constant learning rate,
-  logging every 100 steps (or every call when a call is longer), no checkpoints."""
+  logging every 100 steps (or every call when a call is longer), no checkpoints.
+  `fused`: config.optimizer.fused (KerasFit builds Keras's own optimizer unless told)."""
   config = base.copy_and_resolve_references()
+  config.optimizer.fused = fused
   config.train.steps = 10**9
   config.train.steps_per_loop = steps_per_loop
   config.train.log_every = steps_per_loop * max(1, math.ceil(100 / steps_per_loop))
@@ -160,19 +162,27 @@ def contender_specs(default_policy: str, s: dict) -> list[dict]:
   specs = []
   for policy in s['policies']:
     specs.append(dict(name=f'ours {policy}', kind='ours', policy=policy, steps_per_loop=spl))
-    specs.append(dict(name=f'fit {policy}', kind='fit', policy=policy, steps_per_loop=spl))
+    # What a Keras user runs: fit with keras.optimizers.Adam (AdamW, SGD).
+    specs.append(dict(name=f'fit {policy}', kind='fit', policy=policy, steps_per_loop=spl,
+                      fused=False))
     for mode in MODES:
       auto = 'dynamic' if policy == 'mixed_float16' else 'none'
       if mode != auto:  # the 'auto' one is `ours {policy}`
         specs.append(dict(name=f'ours {policy} loss_scale={mode}', kind='ours', policy=policy,
                           steps_per_loop=spl,
                           loss_scale=STATIC_SCALE if mode == 'static' else mode))
+  # Where ours/fit comes from: the loop alone (both with Keras's update) and fit given our
+  # one-kernel update (trainer/fused_optimizers.py).
+  specs.append(dict(name=f'ours {default_policy} optimizer.fused=False', kind='ours',
+                    policy=default_policy, steps_per_loop=spl, fused=False))
+  specs.append(dict(name=f'fit {default_policy} optimizer.fused=True', kind='fit',
+                    policy=default_policy, steps_per_loop=spl, fused=True))
   for n in s['loop_sweep']:
     if n == spl:
       continue  # `ours/fit {default_policy}` above
     for kind in ('ours', 'fit'):
       specs.append(dict(name=f'{kind} {default_policy} steps_per_loop={n}', kind=kind,
-                        policy=default_policy, steps_per_loop=n))
+                        policy=default_policy, steps_per_loop=n, fused=kind == 'ours'))
   specs.append(dict(name=f'ours {default_policy} jit_compile', kind='ours',
                     policy=default_policy, steps_per_loop=spl, jit=True))
   return specs
@@ -224,7 +234,8 @@ def bench_model(name: str, s: dict) -> dict:
   built = []
   for spec in specs:
     config = variant(base, policy=spec['policy'], loss_scale=spec.get('loss_scale', 'auto'),
-                     steps_per_loop=spec['steps_per_loop'], jit=spec.get('jit', False))
+                     steps_per_loop=spec['steps_per_loop'], jit=spec.get('jit', False),
+                     fused=spec.get('fused', True))
     start = time.perf_counter()
     contender = (Ours if spec['kind'] == 'ours' else KerasFit)(trainer_class, config)
     spl = spec['steps_per_loop']
@@ -290,6 +301,13 @@ def comparisons(rates: dict, s: dict, default: str) -> dict:
   out['loss_scale_overhead_pct'] = {
       p: {m: paired(by_mode(p, 'none'), by_mode(p, m), lambda a, b: 100.0 * (a / b - 1.0))
           for m in ('static', 'dynamic')} for p in s['policies']}
+  out['fused_optimizer'] = {
+      'ours_unfused_over_fit': paired(rates[f'ours {default} optimizer.fused=False'],
+                                      rates[f'fit {default}'], ratio),
+      'ours_over_fit_fused': paired(rates[f'ours {default}'],
+                                    rates[f'fit {default} optimizer.fused=True'], ratio),
+      'fit_fused_over_fit': paired(rates[f'fit {default} optimizer.fused=True'],
+                                   rates[f'fit {default}'], ratio)}
   out['speedup_over_float32'] = {p: paired(rates[f'ours {p}'], rates['ours float32'], ratio)
                                  for p in s['policies']}
   out['jit_speedup'] = paired(rates[f'ours {default} jit_compile'], rates[f'ours {default}'],

@@ -1,5 +1,9 @@
 """The optimizer and learning-rate schedule from `config.optimizer`.
 
+`optimizer.fused` (default True) picks the one-kernel-per-variable update of
+trainer/fused_optimizers.py (the same formulas as Keras's Adam, AdamW and SGD, measurably faster
+on small models); False picks Keras's own classes.
+
 The schedule is a function of the trainer's global step, which advances on every step, skipped
 or not; `optimizer.iterations` counts only applied updates, so it is not used for the schedule.
 """
@@ -9,6 +13,8 @@ import math
 
 import keras
 import tensorflow as tf
+
+from trainer import fused_optimizers
 
 
 def schedule(opt_config, total_steps: int):
@@ -36,11 +42,14 @@ def schedule(opt_config, total_steps: int):
 def build(opt_config, learning_rate) -> keras.optimizers.Optimizer:
   """`learning_rate`: a float or a no-argument callable (Keras 3 calls it every update)."""
   name, wd = opt_config.name, float(opt_config.weight_decay) or None
+  fused = opt_config.get('fused', True)
+  adam, adamw, sgd = ((fused_optimizers.FusedAdam, fused_optimizers.FusedAdamW,
+                       fused_optimizers.FusedSGD) if fused else
+                      (keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.SGD))
   if name == 'adam':
-    return keras.optimizers.Adam(learning_rate=learning_rate, weight_decay=wd)
+    return adam(learning_rate=learning_rate, weight_decay=wd)
   if name == 'adamw':
-    return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=float(opt_config.weight_decay))
+    return adamw(learning_rate=learning_rate, weight_decay=float(opt_config.weight_decay))
   if name == 'sgd':
-    return keras.optimizers.SGD(learning_rate=learning_rate, momentum=opt_config.momentum,
-                                weight_decay=wd)
+    return sgd(learning_rate=learning_rate, momentum=opt_config.momentum, weight_decay=wd)
   raise ValueError(f'unknown optimizer {name!r}')

@@ -1,0 +1,100 @@
+"""trainer/fused_optimizers.py: the one-kernel updates equal Keras's own, step after step."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from trainer import fused_optimizers
+
+CASES = {
+    'adam': (keras.optimizers.Adam, fused_optimizers.FusedAdam, {}),
+    'adam_weight_decay': (keras.optimizers.Adam, fused_optimizers.FusedAdam,
+                          {'weight_decay': 0.1}),
+    'adamw': (keras.optimizers.AdamW, fused_optimizers.FusedAdamW, {'weight_decay': 0.05}),
+    'sgd': (keras.optimizers.SGD, fused_optimizers.FusedSGD, {}),
+    'momentum': (keras.optimizers.SGD, fused_optimizers.FusedSGD, {'momentum': 0.9}),
+    'nesterov': (keras.optimizers.SGD, fused_optimizers.FusedSGD,
+                 {'momentum': 0.9, 'nesterov': True}),
+}
+KERNELS = {'ResourceApplyAdam', 'ResourceApplyKerasMomentum', 'ResourceApplyGradientDescent'}
+
+
+def _train(optimizer_class, kwargs, steps=6, sparse=False, rows=(3, 7, 120, 299)):
+  """`steps` compiled updates of two variables from fixed random gradients; returns the
+  variables, the optimizer's slots and the op types of the traced update. sparse='slices'
+  passes the first gradient as IndexedSlices of `rows`, sparse='dense' as the dense tensor the
+  slices make (duplicate rows summed)."""
+  rng = np.random.RandomState(0)
+  variables = [tf.Variable(rng.randn(300, 40).astype(np.float32)),
+               tf.Variable(rng.randn(40).astype(np.float32))]
+  optimizer = optimizer_class(learning_rate=0.01, **kwargs)
+  optimizer.build(variables)
+
+  @tf.function
+  def step(g0, g1, rows):
+    if sparse:  # an embedding-style gradient: a few rows of the first variable
+      g0 = tf.IndexedSlices(tf.gather(g0, rows), rows, tf.shape(g0, out_type=tf.int64))
+      if sparse == 'dense':
+        g0 = tf.convert_to_tensor(g0)
+    optimizer.apply_gradients([(g0, variables[0]), (g1, variables[1])])
+
+  for _ in range(steps):
+    step(tf.constant(rng.randn(300, 40).astype(np.float32)),
+         tf.constant(rng.randn(40).astype(np.float32)),
+         tf.constant(rows, tf.int64))
+  graph = step.get_concrete_function(tf.TensorSpec([300, 40]), tf.TensorSpec([40]),
+                                     tf.TensorSpec([4], tf.int64)).graph
+  ops = {op.type for op in graph.get_operations()}
+  for function in graph.as_graph_def().library.function:
+    ops |= {node.op for node in function.node_def}
+  return ([v.numpy() for v in variables], [v.numpy() for v in optimizer.variables], ops)
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+@pytest.mark.parametrize('sparse', [False, 'slices'])
+def test_fused_update_equals_keras(case, sparse):
+  keras_class, fused_class, kwargs = CASES[case]
+  ref_vars, ref_slots, ref_ops = _train(keras_class, kwargs, sparse=sparse)
+  vars_, slots, ops = _train(fused_class, kwargs, sparse=sparse)
+  assert ops & KERNELS and not ref_ops & KERNELS  # the fused kernel ran, Keras's did not
+  initial = np.random.RandomState(0).randn(300, 40).astype(np.float32)
+  assert np.abs(ref_vars[0] - initial).max() > 1e-3  # the updates moved the weights
+  for got, want in zip(vars_ + slots, ref_vars + ref_slots):
+    # Same formula, different rounding: a few float32 ulps of the values after 6 steps.
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize('case', ['adam', 'momentum'])
+def test_repeated_rows_of_a_sparse_gradient_are_summed_first(case):
+  """An embedding gradient repeats a row once per occurrence of a token. The fused update sums
+  the repeats (the true gradient) before it squares anything: it equals Keras given the dense
+  gradient. (Keras's Adam given the slices squares each repeat separately, a different v.)"""
+  keras_class, fused_class, kwargs = CASES[case]
+  rows = (3, 7, 7, 120)
+  want, want_slots, _ = _train(keras_class, kwargs, sparse='dense', rows=rows)
+  got, got_slots, _ = _train(fused_class, kwargs, sparse='slices', rows=rows)
+  for g, w in zip(got + got_slots, want + want_slots):
+    np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+
+
+def test_amsgrad_falls_back_to_keras():
+  ref_vars, _, _ = _train(keras.optimizers.Adam, {'amsgrad': True})
+  vars_, _, ops = _train(fused_optimizers.FusedAdam, {'amsgrad': True})
+  assert not ops & KERNELS
+  for got, want in zip(vars_, ref_vars):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_checkpoint_of_keras_adam_restores_into_fused_adam(tmp_path):
+  """Slots keep Keras's names: a workdir written before `optimizer.fused` existed resumes."""
+  variable = tf.Variable(np.ones([5], np.float32))
+  keras_adam = keras.optimizers.Adam(0.1)
+  keras_adam.apply_gradients([(tf.constant([1., 2., 3., 4., 5.]), variable)])
+  path = tf.train.Checkpoint(v=variable, optimizer=keras_adam).save(str(tmp_path / 'ckpt'))
+  fresh = tf.Variable(np.zeros([5], np.float32))
+  fused = fused_optimizers.FusedAdam(0.1)
+  fused.build([fresh])
+  tf.train.Checkpoint(v=fresh, optimizer=fused).restore(path).assert_existing_objects_matched()
+  for got, want in zip(fused.variables, keras_adam.variables):
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+  assert int(fused.iterations.numpy()) == 1
