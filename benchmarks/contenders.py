@@ -7,14 +7,15 @@ wall-clock seconds and the process CPU seconds (user + system, all threads) they
 steady state. CPU seconds barely move when other processes compete for the cores (wall seconds
 do), so steps per CPU-second is the fairer comparison on a shared machine:
 
-  Ours      what `Trainer.train` does per compiled call: `train_loop(iterator, steps_per_loop)`,
-            read the global step back (the one host sync per call) and, every `log_every` steps,
-            `_log` (read and reset the metric sums, the loss scale and skipped steps, write the
-            TensorBoard scalars). The iterator lives across rounds.
+  Ours      what `Trainer.train` does per compiled call: `run_steps(iterator, steps_per_loop)`
+            (the compiled loop, the global-step read, the collapse-guard check) and, every
+            `log_every` steps, `log_progress` (read and reset the metric sums, the loss scale and
+            skipped steps, write the TensorBoard scalars). The iterator lives across rounds.
   KerasFit  `model.fit(dataset, steps_per_epoch=...)` with the same model class, dataset, batch,
             optimizer, policy and `steps_per_execution = steps_per_loop`. The optimizer is the
             config's, built by trainer/optimizers.py: Keras's own class when the config says
-            `optimizer.fused=False` (what a Keras user has), ours otherwise. Under mixed_float16
+            `optimizer.fused=False` (what a Keras user has), ours otherwise; with
+            `optimizer.clip_norm` > 0 it gets Keras's `global_clipnorm`. Under mixed_float16
             `compile` wraps the optimizer in Keras's LossScaleOptimizer (dynamic scaling).
             Every fit call makes a new iterator (and refills the shuffle buffer), so the first
             execution of each call is not timed: a callback stamps the time after each execution
@@ -27,7 +28,6 @@ import time
 
 import keras
 import ml_collections
-import tensorflow as tf
 
 from trainer import optimizers
 
@@ -48,14 +48,12 @@ class Ours:
   def timed(self, steps: int) -> tuple[float, float]:
     """Runs `steps` steps (a multiple of steps_per_loop) as Trainer.train's loop body does."""
     t = self.trainer
-    n = tf.constant(self.steps_per_loop, tf.int64)
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps // self.steps_per_loop):
       call_start = time.perf_counter()
-      t.train_step.train_loop(self.iterator, n)
-      step = int(t.global_step.numpy())
+      step = t.run_steps(self.iterator, self.steps_per_loop)
       if step % self.log_every == 0:
-        t._log(step, self.steps_per_loop / (time.perf_counter() - call_start))
+        t.log_progress(step, self.steps_per_loop / (time.perf_counter() - call_start))
     return time.perf_counter() - start, time.process_time() - cpu_start
 
   def close(self):
@@ -95,10 +93,11 @@ class KerasFit:
     self.model = trainer.model
     self.dataset = trainer.datasets.train
     metrics = ['accuracy'] if 'accuracy' in trainer.metric_names else []
+    optimizer = optimizers.build(trainer.config.optimizer, trainer.config.optimizer.learning_rate)
+    if trainer.config.optimizer.clip_norm > 0:  # ours clips the global norm in the step
+      optimizer.global_clipnorm = trainer.config.optimizer.clip_norm
     self.model.compile(
-        optimizer=optimizers.build(trainer.config.optimizer,
-                                   trainer.config.optimizer.learning_rate),
-        loss=keras_loss(trainer), metrics=metrics,
+        optimizer=optimizer, loss=keras_loss(trainer), metrics=metrics,
         steps_per_execution=self.steps_per_loop,
         jit_compile=trainer.config.train.jit_compile == 'true')
     self.loss_scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)

@@ -27,7 +27,7 @@ import tensorflow as tf
 from trainer import Datasets, Trainer
 from trainer.data import shakespeare
 from trainer.errors import ConfigError, DataError, UserError
-from trainer.layers import CausalSelfAttention, TokenAndPositionEmbedding
+from trainer.layers import CausalSelfAttention, TokenAndPositionEmbedding, gelu_float32
 
 MODEL_DEFAULTS = dict(context=128, d_model=128, num_heads=4, num_layers=4, mlp_ratio=4,
                       dropout=0.0, val_fraction=0.1)
@@ -53,7 +53,9 @@ def build_transformer(vocab_size: int, m) -> keras.Model:
       h = keras.layers.Dropout(m.dropout, name=f'block{i}_drop1')(h)
     x = keras.layers.Add(name=f'block{i}_add1')([x, h])
     h = keras.layers.LayerNormalization(epsilon=1e-5, name=f'block{i}_ln2')(x)
-    h = keras.layers.Dense(m.mlp_ratio * m.d_model, activation='gelu', name=f'block{i}_mlp_in')(h)
+    # GELU in float32: bfloat16 element-wise erf is emulated on a CPU (trainer/layers.py).
+    h = keras.layers.Dense(m.mlp_ratio * m.d_model, activation=gelu_float32,
+                           name=f'block{i}_mlp_in')(h)
     h = keras.layers.Dense(m.d_model, name=f'block{i}_mlp_out')(h)
     if m.dropout:
       h = keras.layers.Dropout(m.dropout, name=f'block{i}_drop2')(h)

@@ -7,7 +7,8 @@ import tensorflow as tf
 from trainer import config as config_lib
 from trainer.errors import ConfigError
 from trainer.loss_scale import LossScaler
-from trainer.train_step import TrainStep, variable
+from trainer.loss_scale import state_variable
+from trainer.train_step import TrainStep
 
 BATCH = 32
 
@@ -30,8 +31,8 @@ def _step(k, weights, batch, *, mode='none', optimizer='sgd'):
   scaler = LossScaler(mode=mode, initial_scale=1024.0)
   step = TrainStep(strategy=tf.distribute.get_strategy(), model=model, optimizer=opt,
                    loss_scaler=scaler, compute_loss=compute_loss, metric_names=('accuracy',),
-                   global_step=variable(0, tf.int64, 'global_step'), global_batch_size=BATCH,
-                   grad_accum_steps=k)
+                   global_step=state_variable(0, tf.int64, 'global_step'),
+                   global_batch_size=BATCH, grad_accum_steps=k)
   iterator = iter(tf.data.Dataset.from_tensors(batch).repeat())
   step.train_loop(iterator, tf.constant(1, tf.int64))
   metrics = step.read_metrics()

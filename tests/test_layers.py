@@ -70,3 +70,29 @@ def test_causal_future_positions_do_not_change_the_past():
 def test_rejects_d_model_not_divisible_by_heads():
   with pytest.raises(ValueError, match='not divisible by num_heads'):
     CausalSelfAttention(num_heads=3)(tf.zeros([1, 4, 16]))
+
+
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
+def test_gelu_float32_keeps_the_dtype_and_is_closer_to_exact(dtype):
+  """gelu_float32: same dtype out as in, erf evaluated in float32 (and its gradient too)."""
+  from trainer.layers import gelu_float32
+  x32 = tf.random.stateless_normal([4096], seed=[3, 4]) * 3.0
+  x = tf.cast(x32, dtype)
+  exact = tf.nn.gelu(tf.cast(x, tf.float32))  # float32 GELU of the same low-precision inputs
+  with tf.GradientTape(persistent=True) as tape:
+    tape.watch(x)
+    ours, native = gelu_float32(x), tf.nn.gelu(x)
+  assert ours.dtype == native.dtype == dtype
+  # Ours only rounds the float32 result once: within half an ulp of the low-precision format.
+  eps = 2.0 ** -8 if dtype == 'bfloat16' else 2.0 ** -11
+  ours_err = np.abs(ours.numpy().astype(np.float32) - exact.numpy())
+  assert np.all(ours_err <= eps * np.abs(exact.numpy()) + 1e-6)
+  native_err = np.abs(native.numpy().astype(np.float32) - exact.numpy())
+  assert ours_err.mean() < native_err.mean()
+  grad = tape.gradient(ours, x)
+  assert grad.dtype == dtype
+  with tf.GradientTape() as t32:
+    t32.watch(x32)
+    want = tf.nn.gelu(x32)
+  np.testing.assert_allclose(grad.numpy().astype(np.float32),
+                             t32.gradient(want, x32).numpy(), rtol=2 * eps, atol=2 * eps)

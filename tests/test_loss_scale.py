@@ -77,6 +77,21 @@ def test_all_finite():
   assert not bool(all_finite([tf.constant([np.nan])]))
 
 
+def test_all_finite_is_exact_where_the_fast_sum_is_not():
+  """The fast path sums; a sum that overflows float32 must not make a finite step skip, and
+  infinities that cancel to NaN (or to anything) must still skip it."""
+  huge = tf.constant([3e38, 3e38, -1e38])  # every element finite, the sum overflows
+  assert bool(all_finite([huge, tf.ones(2)]))
+  assert bool(tf.function(all_finite)([huge, tf.ones(2)]))  # compiled, as in the step
+  assert not bool(all_finite([tf.constant([np.inf]), tf.constant([-np.inf])]))
+  assert not bool(all_finite([tf.constant([1.0, np.inf, -np.inf, 2.0])]))
+  assert not bool(all_finite([tf.constant([1.0], tf.bfloat16), tf.constant([np.nan], tf.float16)]))
+  sparse = tf.IndexedSlices(tf.constant([[1.0, np.inf]]), tf.constant([2]), tf.constant([4, 2]))
+  assert not bool(all_finite([sparse]))
+  assert bool(all_finite([tf.IndexedSlices(tf.ones([1, 2]), tf.constant([2]),
+                                           tf.constant([4, 2]))]))
+
+
 def test_from_config_auto():
   from trainer import config as config_lib
   p = config_lib.defaults().precision

@@ -38,12 +38,32 @@ import tensorflow as tf
 MODES = ('none', 'static', 'dynamic')
 
 
+def state_variable(value, dtype, name) -> tf.Variable:
+  """A non-trainable variable of the step's own state (loss scale, counters, step), created
+  under the strategy's scope and written once per step in cross-replica context: every replica
+  holds the same value, and on save/restore the first replica's stands for all."""
+  return tf.Variable(value, dtype=dtype, trainable=False, name=name,
+                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
 def all_finite(grads) -> tf.Tensor:
-  """A scalar bool: every element of every gradient is finite (None gradients are ignored)."""
-  checks = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
-  if not checks:
+  """A scalar bool: every element of every gradient is finite (None gradients are ignored).
+
+  Fast path, every step: one float32 sum per gradient. A sum is finite only if every element
+  is (an inf or NaN element makes it inf or NaN), so a finite total proves the step finite.
+  A non-finite total can also be a float32 overflow of huge but finite elements, so only then
+  are the elements checked one by one. A sum reads each gradient once; the element check writes
+  a boolean tensor the size of the gradient and reads it again.
+  """
+  grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+  if not grads:
     return tf.constant(True)
-  return tf.reduce_all(tf.stack(checks))
+  total = tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads])
+
+  def elementwise():
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
+
+  return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True), elementwise)
 
 
 class LossScaler(tf.Module):
@@ -74,13 +94,9 @@ class LossScaler(tf.Module):
     self.max_scale = float(max_scale)
     self.hysteresis = int(hysteresis)
     first = 1.0 if mode == 'none' else float(initial_scale)
-    only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
-    self.scale = tf.Variable(first, dtype=tf.float32, trainable=False, name='scale',
-                             aggregation=only_first)
-    self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name='good_steps',
-                                  aggregation=only_first)
-    self.hysteresis_left = tf.Variable(self.hysteresis, dtype=tf.int64, trainable=False,
-                                       name='hysteresis_left', aggregation=only_first)
+    self.scale = state_variable(first, tf.float32, 'scale')
+    self.good_steps = state_variable(0, tf.int64, 'good_steps')
+    self.hysteresis_left = state_variable(self.hysteresis, tf.int64, 'hysteresis_left')
 
   @classmethod
   def from_config(cls, precision, policy: str) -> 'LossScaler':
@@ -108,8 +124,8 @@ class LossScaler(tf.Module):
     grads = [None if g is None else tf.cast(g, tf.float32) for g in grads]
     if self.mode == 'none':
       return grads
-    scale = tf.identity(self.scale)  # read once for all gradients
-    return [None if g is None else g / scale for g in grads]
+    inverse = 1.0 / self.scale  # read once; x (1/S) is exact for a power-of-two S
+    return [None if g is None else g * inverse for g in grads]
 
   def update(self, finite: tf.Tensor) -> None:
     """Applies the rules in the module docstring for one step. Cross-replica context."""

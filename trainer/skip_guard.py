@@ -20,14 +20,10 @@ import sys
 import tensorflow as tf
 
 from trainer.errors import CollapseError
+from trainer.loss_scale import state_variable
 
 SUM = tf.distribute.ReduceOp.SUM
 SHOWN = 3  # variables named per line
-
-
-def _variable(value, dtype, name):
-  return tf.Variable(value, dtype=dtype, trainable=False, name=name,
-                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
 def _nonfinite_per_variable(grads):
@@ -47,10 +43,10 @@ class SkipGuard(tf.Module):
     self.strategy = strategy
     self.names = [getattr(v, 'path', None) or v.name for v in variables]
     self.max_consecutive_skips = int(max_consecutive_skips)
-    self.consecutive = _variable(0, tf.int64, 'consecutive_skips')
+    self.consecutive = state_variable(0, tf.int64, 'consecutive_skips')
     # Replicas on which each variable's gradient was non-finite, at the last skipped step.
-    self.nonfinite = _variable(tf.zeros([len(self.names)], tf.int32), tf.int32,
-                               'nonfinite_per_variable')
+    self.nonfinite = state_variable(tf.zeros([len(self.names)], tf.int32), tf.int32,
+                                    'nonfinite_per_variable')
 
   def record(self, grads, step, scale) -> None:
     """Skip branch only: which gradients are non-finite, kept and printed (one line)."""

@@ -22,7 +22,7 @@ from typing import Callable
 import tensorflow as tf
 
 from trainer.errors import ConfigError
-from trainer.loss_scale import LossScaler, all_finite
+from trainer.loss_scale import LossScaler, all_finite, state_variable
 from trainer.skip_guard import SkipGuard
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -30,11 +30,6 @@ SKIP_SCOPE = 'skipped_step_only'  # name scope of the skip branch (benchmarks/ru
 
 # compute_loss(batch, training=...) -> (per_example_loss [B], {metric name: per-example [B]})
 LossFn = Callable[..., tuple[tf.Tensor, dict[str, tf.Tensor]]]
-
-
-def variable(value, dtype, name):
-  return tf.Variable(value, dtype=dtype, trainable=False, name=name,
-                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
 class TrainStep:
@@ -69,13 +64,14 @@ class TrainStep:
                         'replicas).')
 
     self.global_step = global_step
-    self.skipped_steps = variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
+    self.skipped_steps = state_variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
     self.guard = SkipGuard(strategy=strategy, variables=model.trainable_variables,
                            max_consecutive_skips=max_consecutive_skips)
     # Accumulated between host reads (reset by `read_metrics`); not checkpointed. One vector:
     # the sums of ('loss', *metric_names), then the number of steps whose loss was finite.
     self._metric_names = ('loss', *metric_names)
-    self._totals = variable(tf.zeros([len(self._metric_names) + 1]), tf.float32, 'metric_totals')
+    self._totals = state_variable(tf.zeros([len(self._metric_names) + 1]), tf.float32,
+                                  'metric_totals')
 
     replica_grads = self._replica_grads
     if jit_compile:

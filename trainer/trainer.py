@@ -27,8 +27,8 @@ from trainer import config as config_lib
 from trainer import (checkpoints, distribute, lifecycle, optimizers, precision, preemption,
                      profiling, progress)
 from trainer.errors import ConfigError
-from trainer.loss_scale import LossScaler
-from trainer.train_step import EvalLoop, TrainStep, variable
+from trainer.loss_scale import LossScaler, state_variable
+from trainer.train_step import EvalLoop, TrainStep
 
 
 class Datasets(NamedTuple):
@@ -75,7 +75,7 @@ class Trainer:
       _, probe_metrics = self.compute_loss(probe, training=False)
       self.metric_names = tuple(probe_metrics)
       self.loss_scaler = LossScaler.from_config(c.precision, self.policy)
-      self.global_step = variable(0, tf.int64, 'global_step')
+      self.global_step = state_variable(0, tf.int64, 'global_step')
       self.learning_rate = optimizers.schedule(c.optimizer, self.total_steps)
       self.optimizer = self.build_optimizer(lambda: self.learning_rate(self.global_step))
       self.optimizer.build(self.model.trainable_variables)
@@ -202,15 +202,12 @@ class Trainer:
           n = min(t.steps_per_loop, total - step)
           profiler.before(step, step + n)
           start = time.perf_counter()
-          self.train_step.train_loop(iterator, tf.constant(n, tf.int64))
-          step = int(self.global_step.numpy())  # the one host sync per call
+          step = self.run_steps(iterator, n)
           elapsed += time.perf_counter() - start
           profiler.after(step)
-          self.train_step.guard.check(step=step, scale=self.loss_scaler.scale,
-                                      checkpoint=self._manager.latest_checkpoint)
           steps_timed += n
           if step % t.log_every == 0 or step == total:
-            self._log(step, steps_timed / elapsed)
+            self.log_progress(step, steps_timed / elapsed)
             elapsed, steps_timed = 0.0, 0
           if t.eval_every and step % t.eval_every == 0 and step < total:
             self._log_eval(step)
@@ -224,7 +221,19 @@ class Trainer:
         profiler.stop()
     return self._log_eval(step)
 
-  def _log(self, step: int, steps_per_sec: float):
+  def run_steps(self, iterator, num_steps: int) -> int:
+    """The inner loop: one compiled call of `num_steps` steps from `iterator` (a distributed
+    iterator over `datasets.train`); returns the global step after it. The host reads the global
+    step (and, with the collapse guard on, the skip counter) once per call, and raises
+    CollapseError when the guard stopped the loop. `train()` is the outer loop around it."""
+    self.train_step.train_loop(iterator, tf.constant(num_steps, tf.int64))
+    step = int(self.global_step.numpy())
+    self.train_step.guard.check(step=step, scale=self.loss_scaler.scale,
+                                checkpoint=self._manager and self._manager.latest_checkpoint)
+    return step
+
+  def log_progress(self, step: int, steps_per_sec: float):
+    """Reads and resets the metric sums; writes the progress line and TensorBoard scalars."""
     metrics = self.train_step.read_metrics()
     lr = float(self.learning_rate(step))
     scale = float(self.loss_scaler.scale.numpy())
