@@ -7,8 +7,10 @@ inf/NaN, so the scale is adjusted as training runs. bfloat16 has float32's expon
 no scaling; float32 needs none either.
 
 Each step (see `trainer/train_step.py`):
-  1. loss x S  -> gradients  -> divide by S in float32 (`unscale`);
-  2. every gradient on every replica is checked finite (`all_finite`);
+  1. loss x S  -> gradients  -> x (1/S) in float32 (`unscale`; exact when S is a power of 2,
+     as the default dynamic scales are; otherwise within one rounding of a divide);
+  2. every gradient on every replica is checked finite (`all_finite`: a sum per gradient, and
+     an element-wise check only when a sum is not finite);
   3. non-finite: the optimizer is not applied (weights and slots untouched) and the step counts
      as skipped; finite: the optimizer applies the (optionally clipped) unscaled gradients;
   4. `update(finite)` moves the scale by the rules below, once per step, in cross-replica context.
