@@ -98,3 +98,13 @@ def test_checkpoint_of_keras_adam_restores_into_fused_adam(tmp_path):
   for got, want in zip(fused.variables, keras_adam.variables):
     np.testing.assert_array_equal(got.numpy(), want.numpy())
   assert int(fused.iterations.numpy()) == 1
+
+
+@pytest.mark.parametrize('case', ['adamw', 'nesterov'])
+def test_fused_optimizers_serialize_like_keras_ones(case):
+  """A model compiled with one saves and loads (registered with Keras), same hyperparameters."""
+  _, fused_class, kwargs = CASES[case]
+  optimizer = fused_class(learning_rate=0.02, **kwargs)
+  again = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+  assert type(again) is fused_class
+  assert again.get_config() == optimizer.get_config()

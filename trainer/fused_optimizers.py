@@ -71,14 +71,17 @@ class _FusedAdamUpdate:
         use_locking=False, use_nesterov=False)
 
 
+@keras.saving.register_keras_serializable(package='trainer')
 class FusedAdam(_FusedAdamUpdate, keras.optimizers.Adam):
   """keras.optimizers.Adam with a one-kernel update (same arguments)."""
 
 
+@keras.saving.register_keras_serializable(package='trainer')
 class FusedAdamW(_FusedAdamUpdate, keras.optimizers.AdamW):
   """keras.optimizers.AdamW with a one-kernel update (same arguments)."""
 
 
+@keras.saving.register_keras_serializable(package='trainer')
 class FusedSGD(keras.optimizers.SGD):
   """keras.optimizers.SGD with a one-kernel update (same arguments)."""
 
