@@ -130,7 +130,10 @@ def child(spec: dict) -> None:
     trainer.train_step.train_loop(iterator, tf.constant(spec['steps'], tf.int64))
     int(trainer.global_step.numpy())
   peak = peak_rss_mib()
-  print(json.dumps({'imported_mib': imported, 'built_mib': built, 'peak_mib': peak,
+  extra = {}
+  if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # TF's own account of live tensor bytes
+    extra['allocator_peak_mib'] = tf.config.experimental.get_memory_info('CPU:0')['peak'] / 2**20
+  print(json.dumps({**extra, 'imported_mib': imported, 'built_mib': built, 'peak_mib': peak,
                     'step_mib': peak - imported, 'step_minus_build_mib': peak - built}))
 
 
@@ -185,31 +188,14 @@ def largest_batch(policy: str, remat: bool, budget: float, start: int) -> dict:
           'tried_step_mib': {str(k): v for k, v in sorted(tried.items())}}
 
 
-def account(policy: str, remat: bool) -> dict:
-  """What the tape keeps for the backward pass: forward tensors read by gradient ops."""
-  import collections
+def kept_for_backward(graph) -> list:
+  """The tensors a gradient computation keeps from its forward pass, each buffer once.
 
-  import models
-  import numpy as np
-  import tensorflow as tf
-  config = build_config(_MODEL.value, _CONFIG.value, _SET.value, policy=policy, remat=remat,
-                        batch_size=_BATCH.value)
-  with tempfile.TemporaryDirectory() as workdir:
-    trainer = models.get_trainer_class(config.model)(config, workdir)
-    batch = next(iter(trainer.datasets.train))
-    variables = trainer.model.trainable_variables
-
-    @tf.function
-    def grads(batch):
-      with tf.GradientTape() as tape:
-        loss, _ = trainer.compute_loss(batch, training=True)
-        loss = tf.reduce_mean(loss)
-      return loss, tape.gradient(loss, variables)
-
-    graph = grads.get_concrete_function(batch).graph
-  # The forward pass: every op the loss depends on. The backward pass: every other op the
-  # gradients depend on. What the tape keeps: forward tensors that a backward op reads, each
-  # buffer once (Identity, IdentityN and Reshape outputs share their input's buffer).
+  `graph`: a traced function whose first output is the loss and whose other outputs are
+  gradients. The forward pass is every op the loss depends on; the backward pass is every other
+  op the gradients depend on; kept are the forward tensors a backward op reads (Identity,
+  IdentityN and Reshape outputs share their input's buffer and count as it).
+  """
   def ancestors(tensors):
     seen, todo = set(), [t.op for t in tensors]
     while todo:
@@ -237,16 +223,42 @@ def account(policy: str, remat: bool) -> dict:
       if t.op.name in forward and t.op.type not in (
           'Const', 'ReadVariableOp', 'Placeholder', 'Shape', 'VarHandleOp'):
         kept[t.name] = t
+  return list(kept.values())
+
+
+def account(policy: str, remat: bool) -> dict:
+  """What the tape keeps for the backward pass: forward tensors read by gradient ops."""
+  import collections
+
+  import models
+  import numpy as np
+  import tensorflow as tf
+  config = build_config(_MODEL.value, _CONFIG.value, _SET.value, policy=policy, remat=remat,
+                        batch_size=_BATCH.value)
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer = models.get_trainer_class(config.model)(config, workdir)
+    batch = next(iter(trainer.datasets.train))
+    variables = trainer.model.trainable_variables
+
+    @tf.function
+    def grads(batch):
+      with tf.GradientTape() as tape:
+        loss, _ = trainer.compute_loss(batch, training=True)
+        loss = tf.reduce_mean(loss)
+      return loss, tape.gradient(loss, variables)
+
+    graph = grads.get_concrete_function(batch).graph
+  kept = kept_for_backward(graph)
   by_dtype, by_layer, rows = collections.Counter(), collections.Counter(), []
-  for name, t in kept.items():
+  for t in kept:
+    name = t.name
     if not t.shape.is_fully_defined():
       continue
     size = int(np.prod(t.shape.as_list())) * t.dtype.size
     by_dtype[t.dtype.name] += size
     parts = name.split('/')
-    # custom gradients' forward ops lose the layer's name scope: name them by op and consumer
-    layer = '/'.join(parts[1:2]) if len(parts) > 2 else f'(unscoped) {t.op.type}'
-
+    # model/layer/...: the model's top-level layer; else (the loss) the op type
+    layer = parts[1] if len(parts) > 2 else f'(outside the model) {t.op.type}'
     by_layer[layer] += size
     rows.append((size, name, t.dtype.name, t.shape.as_list(), t.op.type))
   rows.sort(reverse=True)
@@ -255,7 +267,10 @@ def account(policy: str, remat: bool) -> dict:
           'by_dtype_mib': {k: mib(v) for k, v in by_dtype.most_common()},
           'by_layer_mib': {k: mib(v) for k, v in by_layer.most_common(12)},
           'largest': [{'mib': mib(s), 'tensor': n, 'dtype': d, 'shape': sh, 'op': o}
-                      for s, n, d, sh, o in rows[:12]]}
+                      for s, n, d, sh, o in rows[:12]],
+          # one block, every tensor: what a block keeps (models with blocks named block0...)
+          'block0': [f'{mib(s)} MiB {d} {sh} {n.split("block0_1/", 1)[-1]} ({o})'
+                     for s, n, d, sh, o in rows if 'block0_1/' in n]}
 
 
 def timing(settings: list[tuple[str, bool]]) -> dict:
