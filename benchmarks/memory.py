@@ -98,16 +98,16 @@ def build_config(model: str, config_file: str, overrides: list[str], *, policy: 
                                    'mnist' if 'mnist' in base.model else 'tinyshakespeare')
   else:
     base = run.model_config(model)
-  for item in overrides:
+  config = run.variant(base, policy=policy, steps_per_loop=steps_per_loop)
+  for item in overrides:  # after `variant`, so that e.g. train.jit_compile=true applies
     key, value = item.split('=', 1)
-    current = base
+    current = config
     *path, last = key.split('.')
     for part in path:
       current = current[part]
     old = current.get(last)
-    current[last] = type(old)(value) if old is not None and not isinstance(old, bool) else (
-        value.lower() in ('1', 'true') if isinstance(old, bool) else value)
-  config = run.variant(base, policy=policy, steps_per_loop=steps_per_loop)
+    current[last] = (value.lower() in ('1', 'true') if isinstance(old, bool)
+                     else type(old)(value) if old is not None else value)
   config.train.remat = remat
   if batch_size:
     config.train.batch_size = batch_size

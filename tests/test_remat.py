@@ -85,7 +85,7 @@ def test_keras_remat_scope_fails_inside_tf_function_with_training_argument():
   keras.RematScope could replace trainer/remat.checkpoint."""
   class Block(keras.layers.Layer):
     def build(self, shape):
-      self.dense = keras.layers.Dense(shape[-1])
+      self.dense = keras.layers.Dense(shape[-1], name='remat_scope_dense')
     def call(self, x, training=False):
       return self.dense(x)
 
@@ -104,40 +104,46 @@ def test_keras_remat_scope_fails_inside_tf_function_with_training_argument():
     grads(x)
 
 
-def train_pair(workdir, steps, **overrides):
-  """Trains the tiny Transformer LM `steps` steps with train.remat off and on from the same
-  weights (SGD); the largest weight difference, losses, skipped steps and loss scales."""
+def train(workdir, steps, remat, start=None, **overrides):
+  """Trains the tiny Transformer LM `steps` steps (SGD) with train.remat = `remat`, from
+  `start` weights if given: (start weights, end weights, skipped/scale/loss/replicas)."""
   from configs import shakespeare
   from models.transformer_lm import TransformerLmTrainer
   from trainer.config import set_dotted
-  out, weights = {}, {}
-  for on in (False, True):
-    c = shakespeare.get_config()
-    c.data.dir = DATA
-    c.model_config.update(context=32, d_model=32, num_heads=2, num_layers=2)
-    c.train.update(batch_size=8, steps=steps, steps_per_loop=1, remat=on, jit_compile='false')
-    c.optimizer.update(name='sgd', learning_rate=0.1, schedule='constant', warmup_steps=0,
-                       weight_decay=0.0)
-    for key, value in overrides.items():
-      set_dotted(c, key, value)
-    t = TransformerLmTrainer(c, os.path.join(workdir, str(on)))
-    if on:
-      t.model.set_weights(start)
-    else:
-      start = t.model.get_weights()
-    iterator = iter(t.strategy.experimental_distribute_dataset(t.datasets.train))
-    for _ in range(steps):
-      t.train_step.train_loop(iterator, tf.constant(1, tf.int64))
-    weights[on] = t.model.get_weights()
-    out[f'skipped/{on}'] = int(t.train_step.skipped_steps.numpy())
-    out[f'scale/{on}'] = float(t.loss_scaler.scale.numpy())
-    out[f'loss/{on}'] = float(t.train_step.read_metrics()['loss'])
-    out['replicas'] = t.strategy.num_replicas_in_sync
-  out['max_weight_diff'] = max(float(np.max(np.abs(a - b)))
-                               for a, b in zip(weights[False], weights[True]))
-  out['max_weight_change'] = max(float(np.max(np.abs(a - b)))
-                                 for a, b in zip(start, weights[False]))
-  return out
+  c = shakespeare.get_config()
+  c.data.dir = DATA
+  c.model_config.update(context=32, d_model=32, num_heads=2, num_layers=2)
+  c.train.update(batch_size=8, steps=steps, steps_per_loop=1, remat=bool(remat),
+                 jit_compile='false')
+  c.optimizer.update(name='sgd', learning_rate=0.1, schedule='constant', warmup_steps=0,
+                     weight_decay=0.0)
+  for key, value in overrides.items():
+    set_dotted(c, key, value)
+  t = TransformerLmTrainer(c, workdir)
+  if start is not None:
+    t.model.set_weights(start)
+  start = t.model.get_weights()
+  iterator = iter(t.strategy.experimental_distribute_dataset(t.datasets.train))
+  for _ in range(steps):
+    t.train_step.train_loop(iterator, tf.constant(1, tf.int64))
+  return start, t.model.get_weights(), {
+      'skipped': int(t.train_step.skipped_steps.numpy()),
+      'scale': float(t.loss_scaler.scale.numpy()),
+      'loss': float(t.train_step.read_metrics()['loss']),
+      'replicas': t.strategy.num_replicas_in_sync}
+
+
+def compare(start, end_off, end_on, off, on):
+  return {**{f'{k}/False': v for k, v in off.items()}, **{f'{k}/True': v for k, v in on.items()},
+          'max_weight_diff': max(float(np.max(np.abs(a - b))) for a, b in zip(end_off, end_on)),
+          'max_weight_change': max(float(np.max(np.abs(a - b))) for a, b in zip(start, end_off))}
+
+
+def train_pair(workdir, steps, **overrides):
+  """train.remat off and on from the same weights: compared (`compare`)."""
+  start, end_off, off = train(os.path.join(workdir, 'off'), steps, False, **overrides)
+  _, end_on, on = train(os.path.join(workdir, 'on'), steps, True, start=start, **overrides)
+  return compare(start, end_off, end_on, off, on)
 
 
 @pytest.mark.parametrize('policy,loss_scale,atol', [('mixed_bfloat16', '128', 1e-2),
@@ -157,23 +163,38 @@ def test_composes_with_mixed_precision_loss_scaling_and_skipped_steps(tmp_path, 
 @pytest.fixture(scope='module')
 def mirrored(tmp_path_factory):
   out = tmp_path_factory.mktemp('remat_mirrored')
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'remat_runs.py'), str(out)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600,
-                        env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT})
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  with open(out / 'results.json') as f:
-    return json.load(f)
+  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
+  procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'remat_runs.py'),
+                             str(out), str(remat)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+           for remat in (0, 1)]
+  for proc in procs:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+  off, on = np.load(out / 'remat0.npz'), np.load(out / 'remat1.npz')
+  results = {}
+  for name in ('float32', 'mixed_float16'):
+    part = lambda a, what: [a[k] for k in sorted(
+        (k for k in a.files if k.startswith(f'{name}/{what}/')),
+        key=lambda k: int(k.rsplit('/', 1)[1]))]
+    scalars = lambda a: {k: a[f'{name}/{k}'].item()
+                         for k in ('skipped', 'scale', 'loss', 'replicas')}
+    for a, b in zip(part(off, 'start'), part(on, 'start')):
+      np.testing.assert_array_equal(a, b)  # the same initial weights in both processes
+    results[name] = compare(part(off, 'start'), part(off, 'end'), part(on, 'end'),
+                            scalars(off), scalars(on))
+  return results
 
 
 def test_mirrored_float32_same_weights_with_and_without_remat(mirrored):
   r = mirrored['float32']
-  assert r['replicas'] == 2
+  assert r['replicas/False'] == r['replicas/True'] == 2
   assert r['max_weight_change'] > 1e-3 and r['max_weight_diff'] < 1e-5
 
 
 def test_mirrored_mixed_float16_skips_the_injected_step_with_remat(mirrored):
   r = mirrored['mixed_float16']
-  assert r['replicas'] == 2
+  assert r['replicas/False'] == r['replicas/True'] == 2
   assert r['skipped/False'] == r['skipped/True'] == 1
   assert r['scale/False'] == r['scale/True']
   assert r['max_weight_change'] > 2e-2 and r['max_weight_diff'] < 2e-3
