@@ -164,16 +164,16 @@ def test_composes_with_mixed_precision_loss_scaling_and_skipped_steps(tmp_path, 
 def mirrored(tmp_path_factory):
   out = tmp_path_factory.mktemp('remat_mirrored')
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
-  procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'remat_runs.py'),
-                             str(out), str(remat)], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-           for remat in (0, 1)]
-  for proc in procs:
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-  off, on = np.load(out / 'remat0.npz'), np.load(out / 'remat1.npz')
   results = {}
-  for name in ('float32', 'mixed_float16'):
+  for name in ('float32', 'mixed_float16'):  # two processes at a time: remat off and on
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'remat_runs.py'),
+                               str(out), name, str(remat)], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for remat in (0, 1)]
+    for proc in procs:
+      _, err = proc.communicate(timeout=600)
+      assert proc.returncode == 0, err[-3000:]
+    off, on = np.load(out / f'{name}_remat0.npz'), np.load(out / f'{name}_remat1.npz')
     part = lambda a, what: [a[k] for k in sorted(
         (k for k in a.files if k.startswith(f'{name}/{what}/')),
         key=lambda k: int(k.rsplit('/', 1)[1]))]
