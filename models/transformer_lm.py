@@ -2,7 +2,8 @@
 
 Pre-norm blocks (TransformerBlock): x + CausalSelfAttention(LayerNorm(x)), then
 x + MLP(LayerNorm(x)); a final LayerNorm and a float32 Dense to the vocabulary. With
-config.train.remat each block recomputes its activations in the backward pass. What stays float32 under a mixed policy:
+config.train.remat each block recomputes its activations in the backward pass.
+What stays float32 under a mixed policy:
   * every variable (the layers build float32 weights; trainer/layers.py);
   * the attention softmax and its -inf causal mask (CausalSelfAttention);
   * layer normalization (Keras computes its statistics in float32 and casts the result back);
@@ -49,8 +50,8 @@ class TransformerBlock(keras.layers.Layer):
   """One pre-norm block: x + attention(ln1(x)), then x + mlp_out(gelu(mlp_in(ln2(x)))).
 
   A layer of its own so that gradient checkpointing (config.train.remat, trainer/remat.py) can
-  recompute it as a unit (`remat=True`): only its input is then kept for the backward pass. Its sublayers are
-  named `<block name>_ln1`, `_attention`, `_mlp_in`, ... (`layers` lists them for the audit).
+  recompute it as a unit (`remat=True`): only its input is then kept for the backward pass.
+  Its sublayers are named `<block name>_ln1`, `_attention`, `_mlp_in`, ... (`layers` lists them for the audit).
   """
 
   def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, dropout: float = 0.0,
