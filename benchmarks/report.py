@@ -105,6 +105,18 @@ def markdown(results: dict) -> str:
                    f'| {_r(r["cpu_time"]["speedup_over_float32"][p], "{:.2f}")} '
                    f'| {mfu["flops_per_sec"] / 1e9:.1f} | {100 * mfu["fraction"]:.1f} % of '
                    f'{mfu["of_peak_dtype"]} | {mem_text} |')
+    mem = r.get('memory', {})
+    if mem:
+      lines += ['', '### Memory of a training step (peak RSS, MiB, a subprocess per setting)', '',
+                'step = peak after training - peak after importing TF and the project (what '
+                'building and training need); build = peak after building - after the imports.',
+                '', '| setting | step MiB | build MiB | x float32 |', '|---|---|---|---|']
+      base = mem.get('float32', {}).get('step_mib')
+      for key, m in mem.items():
+        if 'step_mib' in m:
+          ratio = f'{m["step_mib"] / base:.2f}' if base else ''
+          lines.append(f'| {key} | {m["step_mib"]:.0f} | {m["built_mib"] - m["imported_mib"]:.0f} '
+                       f'| {ratio} |')
     lines += ['', f'### steps_per_loop and jit_compile ({d}, the default policy here)', '',
               '| setting | ours steps/s | fit steps/s | ours / fit (wall) | ours / fit (CPU) |',
               '|---|---|---|---|---|']

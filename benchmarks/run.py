@@ -13,7 +13,10 @@ Method (all in one process per model set, except memory):
   * each contender's steps/s is reported as the median over rounds, with min and max; ratios
     (ours/fit, overheads, speed-ups) are the median (min, max) of the per-round ratios of the two
     contenders, which were measured seconds apart and so share the machine's load;
-  * memory: one subprocess per policy trains `--memory_steps` steps and reports ru_maxrss.
+  * memory: one subprocess per policy (and train.remat setting, for models with blocks) trains
+    `--memory_steps` steps and reports its peak RSS (VmHWM) after the imports, after building
+    and after training; "step MiB" = after training - after the imports (benchmarks/memory.py
+    measures the same at any size, and the largest batch within a budget).
 Outputs in --out: benchmark.md (tables), benchmark.json (everything), benchmark.png (chart).
 """
 from __future__ import annotations
@@ -337,18 +340,26 @@ def mfu(result: dict, peaks: dict, policies) -> dict:
   return out
 
 
+# Models with blocks that config.train.remat recomputes (trainer/remat.py): memory is measured
+# with it off and on.
+REMAT_MODELS = {'transformer_lm'}
+
+
 def memory(name: str, s: dict) -> dict:
-  """Peak RSS per policy, each in its own subprocess (peak RSS never falls within a process)."""
+  """Peak RSS per policy (and train.remat setting), each in its own subprocess (peak RSS never
+  falls within a process). Keys: the policy, and '<policy> remat' for remat on."""
   out = {}
-  for policy in s['policies']:
-    argv = [sys.executable, os.path.abspath(__file__), f'--memory_child={name}:{policy}',
+  for policy, remat in [(p, r) for p in s['policies']
+                        for r in ((False, True) if name in REMAT_MODELS else (False,))]:
+    argv = [sys.executable, os.path.abspath(__file__),
+            f'--memory_child={name}:{policy}:{int(remat)}',
             f'--memory_steps={s["memory_steps"]}', f'--data_root={_DATA_ROOT.value}']
     argv += [f'--data_dir={d}' for d in _DATA_DIR.value]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode:
       raise SystemExit(f'memory subprocess for {name} {policy} failed:\n{done.stderr[-2000:]}')
-    out[policy] = json.loads(done.stdout.strip().splitlines()[-1])
+    out[f'{policy} remat' if remat else policy] = json.loads(done.stdout.strip().splitlines()[-1])
   return out
 
 
@@ -366,13 +377,16 @@ def peak_rss_mib() -> float:
 
 
 def memory_child(target: str, steps: int) -> None:
-  """Builds model:policy `target` at its config's batch, trains `steps` steps in one compiled
-  call, prints the peak RSS (MiB) after building and after training as one JSON line."""
+  """Builds model:policy:remat `target` at its config's batch, trains `steps` steps in one
+  compiled call, prints the peak RSS (MiB) after the imports, after building and after training
+  as one JSON line."""
   import tempfile
 
   import models
-  name, policy = target.split(':')
+  imported = peak_rss_mib()
+  name, policy, remat = target.split(':')
   config = variant(model_config(name), policy=policy, steps_per_loop=1)
+  config.train.remat = bool(int(remat))
   trainer_class = models.get_trainer_class(name)
   with tempfile.TemporaryDirectory() as workdir:
     trainer = trainer_class(config, workdir)
@@ -380,8 +394,10 @@ def memory_child(target: str, steps: int) -> None:
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
     trainer.train_step.run(iterator, steps)
     int(trainer.global_step.numpy())
+  peak = peak_rss_mib()
   print(json.dumps({'batch_size': config.train.batch_size, 'steps': steps,
-                    'built_mib': built, 'peak_mib': peak_rss_mib()}))
+                    'imported_mib': imported, 'built_mib': built, 'peak_mib': peak,
+                    'step_mib': peak - imported}))
 
 
 def main(argv):

@@ -31,6 +31,7 @@ def get_config():
   config.train.deterministic = False  # op determinism (slower); resumed runs bit-identical
   config.train.grad_accum_steps = 1  # micro-batches per step (batch_size must be a multiple)
   config.train.init_from = ''  # another run's workdir: start from its model weights
+  config.train.remat = False  # gradient checkpointing of the blocks a model marks
   config.train.profile_steps = ''  # e.g. '100,120': TF profiler trace into the TensorBoard dir
   config.train.accept_config_change = False  # resume a run with a config that changed
 

@@ -1,7 +1,9 @@
 """A character-level decoder-only Transformer language model on Tiny Shakespeare.
 
-Pre-norm blocks: x + CausalSelfAttention(LayerNorm(x)), then x + MLP(LayerNorm(x)); a final
-LayerNorm and a float32 Dense to the vocabulary. What stays float32 under a mixed policy:
+Pre-norm blocks (TransformerBlock): x + CausalSelfAttention(LayerNorm(x)), then
+x + MLP(LayerNorm(x)); a final LayerNorm and a float32 Dense to the vocabulary. With
+config.train.remat each block recomputes its activations in the backward pass.
+What stays float32 under a mixed policy:
   * every variable (the layers build float32 weights; trainer/layers.py);
   * the attention softmax and its -inf causal mask (CausalSelfAttention);
   * layer normalization (Keras computes its statistics in float32 and casts the result back);
@@ -23,7 +25,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from trainer import Datasets, Trainer
+from trainer import Datasets, Trainer, remat
 from trainer.data import shakespeare
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.layers import CausalSelfAttention, TokenAndPositionEmbedding, gelu_float32
@@ -42,23 +44,77 @@ def model_config(config) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({**MODEL_DEFAULTS, **given})
 
 
-def build_transformer(vocab_size: int, m) -> keras.Model:
+@keras.saving.register_keras_serializable(package='models')
+class TransformerBlock(keras.layers.Layer):
+  """One pre-norm block: x + attention(ln1(x)), then x + mlp_out(gelu(mlp_in(ln2(x)))).
+
+  A layer of its own so that gradient checkpointing (config.train.remat, trainer/remat.py) can
+  recompute it as a unit (`remat=True`): only its input is then kept for the backward pass.
+  Its sublayers are named `<block name>_ln1`, `_attention`, `_mlp_in`, ... (`layers` lists them
+  for the audit).
+  """
+
+  def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, dropout: float = 0.0,
+               remat: bool = False, **kwargs):
+    super().__init__(**kwargs)
+    self.remat = bool(remat)
+    self.d_model, self.num_heads = int(d_model), int(num_heads)
+    self.mlp_ratio, self.dropout = int(mlp_ratio), float(dropout)
+    n, p = self.name, self.dtype_policy
+    self.ln1 = keras.layers.LayerNormalization(epsilon=1e-5, name=f'{n}_ln1', dtype=p)
+    self.attention = CausalSelfAttention(num_heads, dropout=dropout, name=f'{n}_attention',
+                                         dtype=p)
+    self.ln2 = keras.layers.LayerNormalization(epsilon=1e-5, name=f'{n}_ln2', dtype=p)
+    # GELU in float32: bfloat16 element-wise erf is emulated on a CPU (trainer/layers.py).
+    self.mlp_in = keras.layers.Dense(mlp_ratio * d_model, activation=gelu_float32,
+                                     name=f'{n}_mlp_in', dtype=p)
+    self.mlp_out = keras.layers.Dense(d_model, name=f'{n}_mlp_out', dtype=p)
+    self.drop1 = keras.layers.Dropout(dropout, name=f'{n}_drop1', dtype=p)
+    self.drop2 = keras.layers.Dropout(dropout, name=f'{n}_drop2', dtype=p)
+
+  @property
+  def layers(self):
+    return [self.ln1, self.attention, self.ln2, self.mlp_in, self.mlp_out]
+
+  def build(self, input_shape):
+    shape = tuple(input_shape)
+    self.ln1.build(shape)
+    self.attention.build(shape)
+    self.ln2.build(shape)
+    self.mlp_in.build(shape)
+    self.mlp_out.build((*shape[:-1], self.mlp_ratio * self.d_model))
+
+  def call(self, x, training=False):
+    return remat.checkpoint(lambda x: self.forward(x, training), x, enabled=self.remat)
+
+  def forward(self, x, training=False):
+    h = self.attention(self.ln1(x), training=training)
+    if self.dropout:
+      h = self.drop1(h, training=training)
+    x = x + h
+    h = self.mlp_out(self.mlp_in(self.ln2(x)))
+    if self.dropout:
+      h = self.drop2(h, training=training)
+    return x + h
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+  def get_config(self):
+    return {**super().get_config(), 'd_model': self.d_model, 'num_heads': self.num_heads,
+            'mlp_ratio': self.mlp_ratio, 'dropout': self.dropout, 'remat': self.remat}
+
+
+def build_transformer(vocab_size: int, m, config=None) -> keras.Model:
+  """The model; with `config.train.remat` on, every block recomputes its activations in the
+  backward pass (trainer/remat.py)."""
+  config = config or {}
+  remat.check_no_dropout(config, m.dropout, 'config.model_config.dropout')
   tokens = keras.Input((None,), dtype='int32', name='tokens')
   x = TokenAndPositionEmbedding(vocab_size, m.context, m.d_model, name='embed')(tokens)
   for i in range(m.num_layers):
-    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f'block{i}_ln1')(x)
-    h = CausalSelfAttention(m.num_heads, dropout=m.dropout, name=f'block{i}_attention')(h)
-    if m.dropout:
-      h = keras.layers.Dropout(m.dropout, name=f'block{i}_drop1')(h)
-    x = keras.layers.Add(name=f'block{i}_add1')([x, h])
-    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f'block{i}_ln2')(x)
-    # GELU in float32: bfloat16 element-wise erf is emulated on a CPU (trainer/layers.py).
-    h = keras.layers.Dense(m.mlp_ratio * m.d_model, activation=gelu_float32,
-                           name=f'block{i}_mlp_in')(h)
-    h = keras.layers.Dense(m.d_model, name=f'block{i}_mlp_out')(h)
-    if m.dropout:
-      h = keras.layers.Dropout(m.dropout, name=f'block{i}_drop2')(h)
-    x = keras.layers.Add(name=f'block{i}_add2')([x, h])
+    x = TransformerBlock(m.d_model, m.num_heads, m.mlp_ratio, m.dropout,
+                         remat=remat.enabled(config), name=f'block{i}')(x)
   x = keras.layers.LayerNormalization(epsilon=1e-5, name='final_ln')(x)
   logits = keras.layers.Dense(vocab_size, dtype='float32', name='logits')(x)  # float32 logits
   return keras.Model(tokens, logits, name='transformer_lm')
@@ -103,7 +159,7 @@ class TransformerLmTrainer(Trainer):
     return Datasets(train=train, eval=eval_, train_examples=int(last_start + 1))
 
   def build_model(self):
-    return build_transformer(len(self.corpus.vocab), self.m)
+    return build_transformer(len(self.corpus.vocab), self.m, self.config)
 
   def compute_loss(self, batch, *, training):
     """Per sequence: the mean cross-entropy over its positions (nats per character), float32."""

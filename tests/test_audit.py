@@ -76,7 +76,8 @@ def test_launch_audit_prints_and_writes_markdown(tmp_path):
       cwd=ROOT, capture_output=True, text=True, timeout=300,
       env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
   assert result.returncode == 0, result.stderr[-2000:]
-  assert '| block0_attention | CausalSelfAttention | float16 | float32 | float16 |' in result.stdout
+  assert ('| block0/block0_attention | CausalSelfAttention | float16 | float32 |'
+          in result.stdout)
   assert '| logits | Dense | float32 | float32 | float32 |' in result.stdout
   assert 'No hazards' in result.stdout
   assert (workdir / 'audit.md').read_text() == result.stdout.rstrip('\n') + '\n'

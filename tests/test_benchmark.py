@@ -56,7 +56,9 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
     assert model['speedup_over_float32'][p]['median'] > 0
     assert 0 < model['mfu'][p]['fraction']
     memory = model['memory'][p]
-    assert 0 < memory['built_mib'] <= memory['peak_mib']
+    assert 0 < memory['imported_mib'] <= memory['built_mib'] <= memory['peak_mib']
+    assert memory['step_mib'] == memory['peak_mib'] - memory['imported_mib']
+  assert set(model['memory']) == set(policies)  # no remat rows: the CNN marks no blocks
   assert set(model['targets_met']) == set(model['targets_met_cpu_time']) == {
       'ours_over_fit', 'dynamic_overhead', 'bfloat16_speedup',
                                        'no_host_sync'}
@@ -64,7 +66,8 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
   table = (out / 'benchmark.md').read_text()
   assert machine['cpu'] in table and machine['tensorflow'] in table
   for heading in ('## mnist_cnn', 'Ours vs Keras fit', 'Cost of loss scaling',
-                  'speed-up, FLOP utilisation, memory', 'steps_per_loop and jit_compile'):
+                  'speed-up, FLOP utilisation, memory', 'steps_per_loop and jit_compile',
+                  'Memory of a training step'):
     assert heading in table, heading
   for p in policies:
     assert f'| {p} |' in table

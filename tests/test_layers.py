@@ -96,3 +96,90 @@ def test_gelu_float32_keeps_the_dtype_and_is_closer_to_exact(dtype):
     want = tf.nn.gelu(x32)
   np.testing.assert_allclose(grad.numpy().astype(np.float32),
                              t32.gradient(want, x32).numpy(), rtol=2 * eps, atol=2 * eps)
+
+
+# ---- what the backward pass keeps: masked_softmax and gelu_float32 (custom gradients) --------
+TOLERANCE = {'float32': 1e-6, 'bfloat16': 2e-2, 'float16': 2e-3}
+
+
+def _plain_masked_softmax(scores, mask):
+  return tf.cast(tf.nn.softmax(tf.where(mask, tf.cast(scores, tf.float32), float('-inf'))),
+                 scores.dtype)
+
+
+def _value_and_grad(fn, x, dy):
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    y = fn(x)
+  return y, tape.gradient(y, x, output_gradients=dy)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'float16'])
+def test_masked_softmax_equals_the_plain_ops_value_and_gradient(dtype):
+  from trainer.layers import causal_mask, masked_softmax
+  scores = tf.cast(3 * tf.random.stateless_normal([2, 3, 7, 7], seed=[3, 4]), dtype)
+  dy = tf.cast(tf.random.stateless_normal([2, 3, 7, 7], seed=[5, 6]), dtype)
+  mask = causal_mask(7)
+  y, dx = _value_and_grad(lambda s: masked_softmax(s, mask), scores, dy)
+  y_ref, dx_ref = _value_and_grad(lambda s: _plain_masked_softmax(s, mask), scores, dy)
+  assert y.dtype == dx.dtype == dtype
+  tol = TOLERANCE[dtype]
+  np.testing.assert_allclose(tf.cast(y, tf.float32), tf.cast(y_ref, tf.float32), atol=tol)
+  # bfloat16: the reference's gradient uses the float32 softmax, ours its bfloat16 rounding
+  np.testing.assert_allclose(tf.cast(dx, tf.float32), tf.cast(dx_ref, tf.float32), atol=tol,
+                             rtol=tol)
+  upper = ~mask.numpy()
+  assert not np.any(y.numpy()[..., upper]) and not np.any(dx.numpy()[..., upper])
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'float16'])
+def test_gelu_float32_gradient_equals_the_plain_ops(dtype):
+  from trainer.layers import gelu_float32
+  x = tf.cast(3 * tf.random.stateless_normal([64, 33], seed=[7, 8]), dtype)
+  dy = tf.cast(tf.random.stateless_normal([64, 33], seed=[9, 10]), dtype)
+  plain = lambda t: tf.cast(tf.nn.gelu(tf.cast(t, tf.float32)), t.dtype)
+  y, dx = _value_and_grad(gelu_float32, x, dy)
+  y_ref, dx_ref = _value_and_grad(plain, x, dy)
+  assert y.dtype == dx.dtype == dtype
+  tol = TOLERANCE[dtype]
+  np.testing.assert_allclose(tf.cast(y, tf.float32), tf.cast(y_ref, tf.float32), atol=tol)
+  np.testing.assert_allclose(tf.cast(dx, tf.float32), tf.cast(dx_ref, tf.float32), atol=tol,
+                             rtol=tol)
+
+
+def _kept(fn, x):
+  """Tensors the backward pass of sum(fn(x)) keeps (benchmarks/memory.py's account)."""
+  from benchmarks.memory import kept_for_backward
+
+  def loss_and_grad(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      loss = tf.reduce_sum(tf.cast(fn(x), tf.float32))
+    return loss, tape.gradient(loss, x)
+
+  return kept_for_backward(tf.function(loss_and_grad).get_concrete_function(x).graph)
+
+
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
+def test_backward_keeps_the_attention_weights_and_gelu_input_in_the_compute_dtype(dtype):
+  from trainer.layers import causal_mask, gelu_float32, masked_softmax
+  scores = tf.zeros([2, 3, 16, 16], dtype)
+  big = lambda kept: [t for t in kept if t.shape.num_elements() == scores.shape.num_elements()]
+  ours = big(_kept(lambda s: masked_softmax(s, causal_mask(16)), scores))
+  plain = big(_kept(lambda s: _plain_masked_softmax(s, causal_mask(16)), scores))
+  assert [t.dtype.name for t in ours] == [dtype]  # the 16-bit weights, once
+  assert 'float32' in [t.dtype.name for t in plain]  # what the plain ops keep
+  x = tf.zeros([4, 64], dtype)
+  dtypes = lambda fn: [t.dtype.name for t in _kept(lambda t: fn(2 * t), x)]  # 2 * t: not an input
+  assert dtypes(gelu_float32) == [dtype]  # its input, once
+  assert 'float32' in dtypes(lambda t: tf.cast(tf.nn.gelu(tf.cast(t, tf.float32)), t.dtype))
+
+
+def test_attention_layer_keeps_nothing_float32_of_size_time_squared():
+  keras.mixed_precision.set_global_policy('mixed_bfloat16')
+  layer = CausalSelfAttention(num_heads=2)
+  x = tf.zeros([2, 16, 8], tf.bfloat16)
+  layer(x)
+  kept = _kept(layer, x)
+  squares = [t for t in kept if t.shape.as_list()[-2:] == [16, 16] and t.shape.rank == 4]
+  assert squares and {t.dtype.name for t in squares} == {'bfloat16'}

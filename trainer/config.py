@@ -87,6 +87,9 @@ SCHEMA: dict[str, Key] = {
                                   lambda v: None if v >= 1 else 'must be >= 1'),
     'train.init_from': Key(str, '', "a workdir (or checkpoint) whose model weights a new run "
                            "starts from; '' = random init"),
+    'train.remat': Key(bool, False, 'gradient checkpointing: the blocks a model marks '
+                       '(trainer/remat.py) recompute their activations in the backward pass '
+                       'instead of keeping them'),
     'train.profile_steps': Key(str, '', "'start,end': a TF profiler trace of those global steps "
                                "into the workdir's TensorBoard; '' = off"),
     'train.accept_config_change': Key(bool, False, 'resume a workdir whose recorded config '

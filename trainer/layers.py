@@ -6,7 +6,12 @@ The pattern, which any custom layer should follow under a mixed policy:
   * `call` casts its inputs and every weight it reads to `self.compute_dtype` (float16 or
     bfloat16) before the matmuls, where the speed is;
   * the numerically fragile parts (here the softmax over the attention scores, with its -inf mask)
-    run in float32 and are cast back.
+    run in float32 and are cast back;
+  * what the backward pass keeps is stored in the compute dtype: a float32 intermediate that the
+    gradient of an op needs (the softmax output, the GELU input) would otherwise be kept by the
+    tape in float32, and mixed precision would save no activation memory. `masked_softmax` and
+    `gelu_float32` compute in float32 and keep only their 16-bit input or output for the
+    backward pass (tf.custom_gradient; the gradient is computed in float32 from it).
 Keras 3 autocasts a layer's own weights inside `call` already; the explicit casts make the layer
 correct wherever it is called from (a tf.function, another layer's call, a test) and make the
 dtypes readable in the code.
@@ -61,10 +66,9 @@ class CausalSelfAttention(keras.layers.Layer):
 
     q = q * tf.cast(depth ** -0.5, dtype)
     scores = tf.matmul(q, k, transpose_b=True)  # [batch, heads, time, time], compute dtype
-    # Mask and softmax in float32: -inf and the exp/sum are where float16 overflows.
-    causal = tf.linalg.band_part(tf.ones([time, time], tf.bool), -1, 0)
-    scores = tf.where(causal, tf.cast(scores, tf.float32), float('-inf'))
-    weights = tf.cast(tf.nn.softmax(scores, axis=-1), dtype)
+    # Mask and softmax in float32 (-inf and the exp/sum are where float16 overflows); the
+    # [batch, heads, time, time] weights are kept for the backward pass in the compute dtype.
+    weights = masked_softmax(scores, causal_mask(time))
     if self.dropout:
       weights = self._dropout(weights, training=training)
 
@@ -80,6 +84,54 @@ class CausalSelfAttention(keras.layers.Layer):
     return {**super().get_config(), 'num_heads': self.num_heads, 'dropout': self.dropout}
 
 
+def causal_mask(time) -> tf.Tensor:
+  """[time, time] bool: True where query t may attend to key s (s <= t)."""
+  return tf.linalg.band_part(tf.ones([time, time], tf.bool), -1, 0)
+
+
+def masked_softmax(scores: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
+  """softmax over the last axis of `scores` where `mask` (broadcast) is True, 0 elsewhere.
+
+  Computed in float32 whatever scores' dtype; returned in scores' dtype, and only that result
+  is kept for the backward pass: the gradient, y * (dy - sum(dy * y)), is computed in float32
+  from it. Plain `tf.nn.softmax` on float32 scores would make the tape keep its float32 output,
+  twice the bytes of the 16-bit attention weights, and at long context the largest tensor kept.
+  Every row needs at least one True (the causal mask's diagonal); a row of -inf gives NaN.
+  """
+  dtype = scores.dtype
+
+  @tf.custom_gradient
+  def forward(x):
+    y = tf.cast(tf.nn.softmax(tf.where(mask, tf.cast(x, tf.float32), float('-inf')), axis=-1),
+                dtype)
+
+    def backward(dy):
+      y32, dy32 = tf.cast(y, tf.float32), tf.cast(dy, tf.float32)
+      dx = y32 * (dy32 - tf.reduce_sum(dy32 * y32, axis=-1, keepdims=True))
+      return tf.cast(dx, dtype)  # 0 where masked: y is 0 there
+
+    return y, backward
+
+  return forward(scores)
+
+
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+@tf.custom_gradient
+def _gelu_kept_as_input(x):
+  """Exact GELU in float32, returned in x's dtype; the backward pass keeps only x."""
+
+  def backward(dy):
+    x32 = tf.cast(x, tf.float32)
+    cdf = 0.5 * (1.0 + tf.math.erf(x32 * _SQRT_HALF))
+    pdf = _INV_SQRT_2PI * tf.exp(-0.5 * tf.square(x32))
+    return tf.cast(tf.cast(dy, tf.float32) * (cdf + x32 * pdf), x.dtype)
+
+  return tf.cast(tf.nn.gelu(tf.cast(x, tf.float32)), x.dtype), backward
+
+
 @keras.saving.register_keras_serializable(package='trainer')
 def gelu_float32(x):
   """Exact GELU computed in float32, returned in x's dtype: `Dense(..., activation=gelu_float32)`.
@@ -89,8 +141,11 @@ def gelu_float32(x):
   25.9 ms, in float32 12.2 ms, and this cast-compute-cast 16.4 ms (2-core AVX512-BF16 CPU). In
   the Transformer LM, bfloat16 GELU was 18 % of the step's op time (tf.profiler trace). On a
   GPU the casts cost little. The function is the same; float32 makes it more precise too.
+  For the backward pass only x is kept (in its own dtype) and the derivative
+  Phi(x) + x * phi(x) is computed from it in float32; with plain casts around tf.nn.gelu the tape
+  would keep the float32 copy of x.
   """
-  return tf.cast(tf.nn.gelu(tf.cast(x, tf.float32)), x.dtype)
+  return _gelu_kept_as_input(tf.convert_to_tensor(x))
 
 
 @keras.saving.register_keras_serializable(package='trainer')

@@ -1,0 +1,351 @@
+"""Training memory per precision policy and gradient-checkpointing setting, and the largest batch
+that fits a budget; with --account, what the backward pass keeps, tensor by tensor.
+
+  # peak memory of a training step, per policy and train.remat (a subprocess each)
+  python benchmarks/memory.py --model=transformer_lm \
+      --set=model_config.context=512 --set=model_config.d_model=256 --batch_size=32
+  # the largest batch that trains within 4 GiB, per policy and setting (bisection)
+  python benchmarks/memory.py --model=transformer_lm --set=... --budget_mib=4096
+  # what the tape keeps for the backward pass, summed by dtype and by layer
+  python benchmarks/memory.py --model=transformer_lm --set=... --account
+  # steps/s per policy and setting, interleaved rounds in one process, with MFU
+  python benchmarks/memory.py --model=transformer_lm --set=... --time_rounds=5
+
+Method. Memory: each (policy, remat) runs in a fresh subprocess that imports TensorFlow, Keras
+and the project, reads its peak resident set (VmHWM), then builds the trainer (model, optimizer,
+input pipeline) and trains --steps steps in one compiled call, and reads VmHWM again. "step MiB"
+is the peak after training minus the peak after the imports: what building and training need,
+the issue's measure; "step - build MiB" also subtracts what building alone needed. Peak RSS never
+falls within a process, hence a process per setting. The budget search doubles the batch until a
+run exceeds the budget (the parent polls the child's VmRSS and kills it past the budget, so a
+search never swaps), then bisects to --budget_resolution.
+Account: one gradient computation of the model's loss is traced into a graph (the trainer's
+compute_loss under a tf.GradientTape, at the config's batch); every tensor the forward pass makes
+and a gradient op reads is what the tape keeps alive until the backward pass reaches it. Their
+bytes are summed by dtype and by the layer that made them. This is exact for the graph, and says
+nothing about the allocator.
+Time: every (policy, remat) trainer is built and warmed up in this one process, then
+--time_rounds interleaved rounds; ratios are medians of per-round pairs (the machine may be
+shared: ratios measured seconds apart share its load).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from absl import app, flags, logging  # noqa: E402
+
+from benchmarks import run  # noqa: E402  (its flags --data_root, --data_dir apply here too)
+
+_MODEL = flags.DEFINE_string('model', 'transformer_lm', 'Model (module in models/).')
+_CONFIG = flags.DEFINE_string('config', '', 'Config file (default: the first configs/*.py '
+                              'whose model is --model).')
+_POLICY_LIST = flags.DEFINE_list('policy', ['float32', 'mixed_bfloat16'], 'Policies.')
+_REMAT = flags.DEFINE_list('remat', ['false', 'true'], 'train.remat settings.')
+_SET = flags.DEFINE_multi_string('set', [], 'dotted=value config overrides, e.g. '
+                                 'model_config.context=512.')
+_BATCH = flags.DEFINE_integer('batch_size', None, 'Global batch (default: the config\'s).')
+_STEPS = flags.DEFINE_integer('steps', 2, 'Steps trained per memory subprocess.')
+_BUDGET = flags.DEFINE_integer('budget_mib', 0, 'Find the largest batch within this many MiB '
+                               '(step MiB); 0 = off.')
+_RESOLUTION = flags.DEFINE_integer('budget_resolution', 4, 'Bisection stops when the batch '
+                                   'interval is this narrow.')
+_ACCOUNT = flags.DEFINE_bool('account', False, 'Tensor-by-tensor account of what the backward '
+                             'pass keeps.')
+_TIME_ROUNDS = flags.DEFINE_integer('time_rounds', 0, 'Interleaved timing rounds; 0 = off.')
+_ROUND_STEPS = flags.DEFINE_integer('round_steps', 3, 'Steps per contender per timing round.')
+_JSON = flags.DEFINE_string('json_out', '', 'Also write the results here as JSON.')
+_CHILD = flags.DEFINE_string('child', '', 'Internal: JSON spec of one memory measurement.')
+
+
+def peak_rss_mib() -> float:
+  """This process's peak resident set (VmHWM, reset by exec), MiB."""
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith('VmHWM:'):
+        return int(line.split()[1]) / 1024.0
+  raise RuntimeError('no VmHWM in /proc/self/status')
+
+
+def rss_mib(pid: int) -> float:
+  try:
+    with open(f'/proc/{pid}/status') as f:
+      for line in f:
+        if line.startswith('VmRSS:'):
+          return int(line.split()[1]) / 1024.0
+  except OSError:
+    pass
+  return 0.0
+
+
+def build_config(model: str, config_file: str, overrides: list[str], *, policy: str,
+                 remat: bool, batch_size: int | None, steps_per_loop: int = 1):
+  """The benchmark's contender config (endless, constant rate, no checkpoints) with overrides."""
+  from trainer import config as config_lib
+  if config_file:
+    base = config_lib.load_file(os.path.join(ROOT, config_file))
+    if not base.data.dir:
+      base.data.dir = os.path.join(ROOT, '..', 'shared', 'data',
+                                   'mnist' if 'mnist' in base.model else 'tinyshakespeare')
+  else:
+    base = run.model_config(model)
+  config = run.variant(base, policy=policy, steps_per_loop=steps_per_loop)
+  for item in overrides:  # after `variant`, so that e.g. train.jit_compile=true applies
+    key, value = item.split('=', 1)
+    current = config
+    *path, last = key.split('.')
+    for part in path:
+      current = current[part]
+    old = current.get(last)
+    current[last] = (value.lower() in ('1', 'true') if isinstance(old, bool)
+                     else type(old)(value) if old is not None else value)
+  config.train.remat = remat
+  if batch_size:
+    config.train.batch_size = batch_size
+  return config
+
+
+def child(spec: dict) -> None:
+  """One memory measurement (runs in its own process): prints one JSON line."""
+  import models  # noqa: F401  (the imports whose memory is the baseline)
+  import keras  # noqa: F401
+  import tensorflow as tf
+  imported = peak_rss_mib()
+  config = build_config(spec['model'], spec['config'], spec['set'], policy=spec['policy'],
+                        remat=spec['remat'], batch_size=spec['batch_size'])
+  trainer_class = models.get_trainer_class(config.model)
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer = trainer_class(config, workdir)
+    built = peak_rss_mib()
+    iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
+    trainer.train_step.run(iterator, spec['steps'])
+    int(trainer.global_step.numpy())
+  peak = peak_rss_mib()
+  extra = {}
+  if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # TF's own account of live tensor bytes
+    extra['allocator_peak_mib'] = tf.config.experimental.get_memory_info('CPU:0')['peak'] / 2**20
+  print(json.dumps({**extra, 'imported_mib': imported, 'built_mib': built, 'peak_mib': peak,
+                    'step_mib': peak - imported, 'step_minus_build_mib': peak - built}))
+
+
+def measure(policy: str, remat: bool, batch_size: int | None, kill_mib: float = 0.0) -> dict:
+  """Runs `child` in a subprocess; {'fits': False} when its resident set passed `kill_mib`
+  (killed then)."""
+  spec = dict(model=_MODEL.value, config=_CONFIG.value, set=_SET.value, policy=policy,
+              remat=remat, batch_size=batch_size, steps=_STEPS.value)
+  argv = [sys.executable, os.path.abspath(__file__), f'--child={json.dumps(spec)}']
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+  with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile('w+') as err:
+    proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env, cwd=ROOT)
+    while proc.poll() is None:
+      time.sleep(0.2)
+      if kill_mib and rss_mib(proc.pid) > kill_mib:
+        proc.kill()
+        proc.wait()
+        return {'fits': False, 'batch_size': batch_size}
+    out.seek(0)
+    err.seek(0)
+    if proc.returncode:
+      raise SystemExit(f'memory: {policy} remat={remat} batch={batch_size} failed:\n'
+                       f'{err.read()[-2000:]}')
+    result = json.loads(out.read().strip().splitlines()[-1])
+  return {'fits': True, 'batch_size': batch_size, **result}
+
+
+def largest_batch(policy: str, remat: bool, budget: float, start: int) -> dict:
+  """Largest batch whose step MiB is within `budget`: doubling, then bisection. The kill limit is
+  the budget plus a generous import baseline (the child reports its own baseline at the end)."""
+  kill_limit = budget + 1024  # imports are < 1 GiB; the exact check uses the child's numbers
+  tried = {}
+
+  def fits(batch):
+    r = measure(policy, remat, batch, kill_limit)
+    ok = r['fits'] and r.get('step_mib', 1e18) <= budget
+    tried[batch] = r.get('step_mib')
+    logging.warning('  %s remat=%s batch %d: %s', policy, remat, batch,
+                    f'{r["step_mib"]:.0f} MiB' if 'step_mib' in r else 'over the limit, killed')
+    return ok
+
+  low, high = 0, start
+  while fits(high):
+    low, high = high, high * 2
+  while high - low > _RESOLUTION.value:
+    mid = (low + high) // 2
+    if fits(mid):
+      low = mid
+    else:
+      high = mid
+  return {'largest_batch': low, 'first_too_large': high,
+          'tried_step_mib': {str(k): v for k, v in sorted(tried.items())}}
+
+
+def kept_for_backward(graph) -> list:
+  """The tensors a gradient computation keeps from its forward pass, each buffer once.
+
+  `graph`: a traced function whose first output is the loss and whose other outputs are
+  gradients. The forward pass is every op the loss depends on; the backward pass is every other
+  op the gradients depend on; kept are the forward tensors a backward op reads (Identity,
+  IdentityN and Reshape outputs share their input's buffer and count as it).
+  """
+  def ancestors(tensors):
+    seen, todo = set(), [t.op for t in tensors]
+    while todo:
+      op = todo.pop()
+      if op.name not in seen:
+        seen.add(op.name)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return seen
+
+  forward = ancestors(graph.outputs[:1])
+  needed = ancestors(graph.outputs[1:])
+
+  def buffer(t):
+    while t.op.type in ('Identity', 'IdentityN', 'Reshape', 'Squeeze', 'ExpandDims'):
+      t = t.op.inputs[t.value_index if t.op.type == 'IdentityN' else 0]
+    return t
+
+  kept = {}
+  for op in graph.get_operations():
+    if op.name in forward or op.name not in needed:
+      continue
+    for t in op.inputs:
+      t = buffer(t)
+      if t.op.name in forward and t.op.type not in (
+          'Const', 'ReadVariableOp', 'Placeholder', 'Shape', 'VarHandleOp'):
+        kept[t.name] = t
+  return list(kept.values())
+
+
+def account(policy: str, remat: bool) -> dict:
+  """What the tape keeps for the backward pass: forward tensors read by gradient ops."""
+  import collections
+
+  import models
+  import numpy as np
+  import tensorflow as tf
+  config = build_config(_MODEL.value, _CONFIG.value, _SET.value, policy=policy, remat=remat,
+                        batch_size=_BATCH.value)
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer = models.get_trainer_class(config.model)(config, workdir)
+    batch = next(iter(trainer.datasets.train))
+    variables = trainer.model.trainable_variables
+
+    @tf.function
+    def grads(batch):
+      with tf.GradientTape() as tape:
+        loss, _ = trainer.compute_loss(batch, training=True)
+        loss = tf.reduce_mean(loss)
+      return loss, tape.gradient(loss, variables)
+
+    graph = grads.get_concrete_function(batch).graph
+  kept = kept_for_backward(graph)
+  by_dtype, by_layer, rows = collections.Counter(), collections.Counter(), []
+  for t in kept:
+    name = t.name
+    if not t.shape.is_fully_defined():
+      continue
+    size = int(np.prod(t.shape.as_list())) * t.dtype.size
+    by_dtype[t.dtype.name] += size
+    parts = name.split('/')
+    # model/layer/...: the model's top-level layer; else (the loss) the op type
+    layer = parts[1] if len(parts) > 2 else f'(outside the model) {t.op.type}'
+    by_layer[layer] += size
+    rows.append((size, name, t.dtype.name, t.shape.as_list(), t.op.type))
+  rows.sort(reverse=True)
+  mib = lambda b: round(b / 2**20, 1)
+  return {'total_mib': mib(sum(by_dtype.values())),
+          'by_dtype_mib': {k: mib(v) for k, v in by_dtype.most_common()},
+          'by_layer_mib': {k: mib(v) for k, v in by_layer.most_common(12)},
+          'largest': [{'mib': mib(s), 'tensor': n, 'dtype': d, 'shape': sh, 'op': o}
+                      for s, n, d, sh, o in rows[:12]],
+          # one block, every tensor: what a block keeps (models with blocks named block0...)
+          'block0': [f'{mib(s)} MiB {d} {sh} {n.split("block0_1/", 1)[-1]} ({o})'
+                     for s, n, d, sh, o in rows if 'block0_1/' in n]}
+
+
+def timing(settings: list[tuple[str, bool]]) -> dict:
+  """steps/s per (policy, remat), interleaved rounds in this process, and MFU."""
+  import keras
+  import models
+  import tensorflow as tf
+  from benchmarks import flops
+  from benchmarks.contenders import Ours
+  built = []
+  for policy, remat in settings:
+    config = build_config(_MODEL.value, _CONFIG.value, _SET.value, policy=policy, remat=remat,
+                          batch_size=_BATCH.value)
+    contender = Ours(models.get_trainer_class(config.model), config)
+    contender.timed(1)
+    contender.timed(1)
+    built.append(((policy, remat), contender))
+    logging.warning('built %s remat=%s', policy, remat)
+  step_flops = flops.step_flops(built[0][1].trainer)
+  keras.mixed_precision.set_global_policy('float32')
+  rates = {k: [] for k, _ in built}
+  for r in range(_TIME_ROUNDS.value):
+    for key, contender in built:
+      wall, _ = contender.timed(_ROUND_STEPS.value)
+      rates[key].append(_ROUND_STEPS.value / wall)
+    logging.warning('round %d/%d', r + 1, _TIME_ROUNDS.value)
+  for _, contender in built:
+    contender.close()
+  peaks = {d: flops.matmul_peak(tf.as_dtype(d), 1024) for d in ('float32', 'bfloat16')}
+  base = rates[built[0][0]]
+  out = {'flops_per_step': step_flops, 'matmul_peak_flops': peaks, 'settings': {}}
+  for (policy, remat), values in rates.items():
+    dtype = 'bfloat16' if policy == 'mixed_bfloat16' else 'float32'
+    median = statistics.median(values)
+    same_policy_off = rates.get((policy, False))
+    out['settings'][f'{policy} remat={remat}'] = {
+        'steps_per_sec': median, 'rounds': values,
+        'x_first': statistics.median(a / b for a, b in zip(values, base)),
+        'step_time_x_remat_off': (statistics.median(b / a for a, b in zip(values, same_policy_off))
+                                  if same_policy_off else None),
+        'mfu': step_flops * median / peaks[dtype], 'mfu_of': dtype}
+  return out
+
+
+def main(argv):
+  del argv
+  if _CHILD.value:
+    logging.set_verbosity(logging.ERROR)
+    child(json.loads(_CHILD.value))
+    return
+  logging.set_verbosity(logging.WARNING)
+  settings = [(p, r.lower() == 'true') for p in _POLICY_LIST.value for r in _REMAT.value]
+  results = {'model': _MODEL.value, 'config': _CONFIG.value, 'set': _SET.value,
+             'batch_size': _BATCH.value, 'steps': _STEPS.value, 'load_average': os.getloadavg()}
+  if _ACCOUNT.value:
+    results['account'] = {f'{p} remat={r}': account(p, r) for p, r in settings}
+  elif _TIME_ROUNDS.value:
+    results['time'] = timing(settings)
+  elif _BUDGET.value:
+    results['budget_mib'] = _BUDGET.value
+    results['largest_batch'] = {f'{p} remat={r}': largest_batch(p, r, _BUDGET.value,
+                                                                _BATCH.value or 16)
+                                for p, r in settings}
+  else:
+    results['memory'] = {}
+    for p, r in settings:
+      results['memory'][f'{p} remat={r}'] = m = measure(p, r, _BATCH.value)
+      logging.warning('%s remat=%s: step %.0f MiB (step - build %.0f MiB)', p, r, m['step_mib'],
+                      m['step_minus_build_mib'])
+  text = json.dumps(results, indent=2)
+  print(text)
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      f.write(text + '\n')
+
+
+if __name__ == '__main__':
+  app.run(main)
