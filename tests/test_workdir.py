@@ -172,6 +172,22 @@ def test_bad_workdir_contents_are_one_line_and_write_nothing(tmp_path, case):
   assert snapshot(tmp_path) == before
 
 
+def test_a_url_workdir_is_one_line_and_creates_no_local_folder(tmp_path, monkeypatch):
+  # os.path.abspath('gs://b/run') is '<cwd>/gs:/b/run': training there would look like it wrote
+  # to the bucket while it wrote a local folder.
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ConfigError, match=r'^--workdir=gs://bucket/run: .*gcsfuse') as info:
+    TinyTrainer(tiny_config(), 'gs://bucket/run')
+  assert '\n' not in str(info.value)
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_url_export_dir_is_one_line(run):
+  workdir, _ = run
+  with pytest.raises(ConfigError, match=r'^--export_dir=s3://b/x: '):
+    lifecycle.export(TinyTrainer(tiny_config(), str(workdir)), 's3://b/x')
+
+
 def test_launch_garbage_config_json_exits_2(tmp_path):
   workdir = tmp_path / 'run'
   workdir.mkdir()

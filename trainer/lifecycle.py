@@ -18,6 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer import checkpoints
+from trainer import workdir as workdir_lib
 from trainer.errors import ConfigError, UserError
 
 
@@ -50,7 +51,8 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
   file into `folder` (default `default_export_dir`); returns their paths. Both compute in the
   training policy."""
   step = restore(trainer, '--mode=export')
-  folder = os.path.abspath(folder or default_export_dir(trainer.workdir))
+  folder = (workdir_lib.local_path(folder, '--export_dir') if folder
+            else default_export_dir(trainer.workdir))
   os.makedirs(folder, exist_ok=True)
   paths = {'saved_model': os.path.join(folder, 'saved_model'),
            'keras': os.path.join(folder, 'model.keras')}

@@ -62,7 +62,7 @@ class Trainer:
     if not flags.FLAGS.is_parsed():  # used from Python, not launch.py: show the progress line
       logging.set_verbosity(logging.INFO)
     self.config = config_lib.validate(config)
-    self.workdir = os.path.abspath(workdir)
+    self.workdir = workdir_lib.local_path(workdir)
     c = self.config
     # First: multi_worker and tpu must set up before anything touches TF devices.
     self.strategy = strategy or distribute.build(c)

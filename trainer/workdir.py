@@ -61,6 +61,18 @@ RESUMABLE = frozenset({
     'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
 
 
+def local_path(path: str, flag: str = '--workdir') -> str:
+  """`path` made absolute; ConfigError for a URL (gs://, s3://, hdfs://, ...). The workdir's
+  guarantees (the lock, writes that never follow a symlink, atomic config records) are made with
+  the local file system's calls, which an object store does not offer; a bucket mounted as a
+  folder (gcsfuse, s3fs) or a shared file system (NFS) is a path like any other."""
+  if '://' in str(path):
+    raise ConfigError(f'{flag}={path}: a URL is not a workdir this framework can lock and write '
+                      'safely; mount the bucket as a folder (e.g. gcsfuse) or use a shared file '
+                      f'system, and pass {flag}=<that folder>/...')
+  return os.path.abspath(path)
+
+
 def config_records(path: str) -> list[tuple[int, str]]:
   """(step, file) of the workdir's config records, oldest first; config.json counts as step -1."""
   records = []
@@ -133,7 +145,7 @@ class Workdir:
 
   def __init__(self, path: str, checkpoint: tf.train.Checkpoint, config, *,
                strategy: tf.distribute.Strategy, items=None):
-    self.path = os.path.abspath(path)
+    self.path = local_path(path)
     self.checkpoint = checkpoint
     self.items = checkpoint if items is None else items
     self.config = config
