@@ -124,8 +124,10 @@ def test_scalar_key_given_sub_keys():
 
 
 # ---- through launch.py -------------------------------------------------------------------------
-def launch(tmp_path, *args):
-  workdir = tmp_path / 'workdir'
+def launch(tmp_path, *args, workdir=None):
+  """Runs launch.py with `args`; asserts it exited with code 2, one `error:` line last, no
+  traceback and nothing written to <tmp_path>/workdir; returns that line."""
+  workdir = workdir or str(tmp_path / 'workdir')
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
   result = subprocess.run([sys.executable, 'launch.py', *args, f'--workdir={workdir}'],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -133,7 +135,7 @@ def launch(tmp_path, *args):
   assert result.returncode == 2, result.stderr
   assert 'Traceback' not in result.stderr, result.stderr
   assert lines and lines[-1].startswith('error: '), result.stderr
-  assert not workdir.exists()  # nothing written
+  assert not os.path.exists(os.path.join(tmp_path, 'workdir'))  # nothing written
   return lines[-1]
 
 

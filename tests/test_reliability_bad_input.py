@@ -4,8 +4,6 @@ the launcher's own cases, and a few of the others end to end, through launch.py.
 import gzip
 import os
 import struct
-import subprocess
-import sys
 
 import ml_collections
 import numpy as np
@@ -14,6 +12,8 @@ import pytest
 from trainer import config as config_lib
 from trainer.data import mnist
 from trainer.errors import ConfigError, DataError
+
+from test_reliability_bad_config import launch  # pytest puts tests/ on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_DIR = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
@@ -141,17 +141,6 @@ def test_images_and_labels_of_different_counts(tmp_path):
 
 
 # ---- through launch.py -------------------------------------------------------------------------
-def launch(tmp_path, *args, workdir=None):
-  workdir = workdir or str(tmp_path / 'workdir')
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
-  result = subprocess.run([sys.executable, 'launch.py', *args, f'--workdir={workdir}'],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  lines = [l for l in result.stderr.splitlines() if l.strip()]
-  assert result.returncode == 2, result.stderr
-  assert 'Traceback' not in result.stderr, result.stderr
-  assert lines and lines[-1].startswith('error: '), result.stderr
-  assert not os.path.exists(os.path.join(tmp_path, 'workdir'))  # nothing written
-  return lines[-1]
 
 
 MNIST = ['--config=configs/mnist.py', f'--config.data.dir={MNIST_DIR}']
