@@ -24,8 +24,10 @@ config-step-<N>.json (N = the step resumed from); config.json stays the first ru
 A workdir with no checkpoint holds no progress to protect: a new config replaces config.json (and
 drops the config-step records of the checkpoints that are gone).
 
-Writes never follow a symlink: files are created under fresh random names with O_EXCL (which does
-not follow links) and renamed into place (a rename replaces a link, it does not write through it).
+The workdir's own files (config records, the lock) are never written through a symlink: they are
+created under fresh random names with O_EXCL (which does not follow links) and renamed into place
+(a rename replaces a link, it does not write through it). checkpoints/ and tensorboard/ are
+written by TensorFlow, which follows a symlinked folder: one can be put on another disk that way.
 
 Under multi_worker only the chief writes the workdir and takes the lock. Saving takes part in
 collective ops, so every other worker saves too, into a temporary folder removed right after
