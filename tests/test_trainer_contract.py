@@ -170,6 +170,45 @@ def test_early_stopping_ends_the_run_with_a_checkpoint(tiny_trainer, tmp_path):
   assert tf.train.latest_checkpoint(str(tmp_path / 'work' / 'checkpoints')).endswith('ckpt-15')
 
 
+def test_early_stopping_counts_on_across_a_resume(tiny_trainer):
+  keys = {'train.eval_every': 5, 'early_stopping.metric': 'loss',
+          'early_stopping.patience': 3, 'early_stopping.min_delta': 100.0}
+  tiny_trainer(**keys, **{'train.steps': 10}).train()  # evals at 5 (best) and 10 (1 without)
+  trainer = tiny_trainer(**keys, **{'train.steps': 40})
+  trainer.train()
+  # 15 and 20 are the 2nd and 3rd evals without improvement; counting from scratch after the
+  # restart would have gone on to 30.
+  assert int(trainer.global_step.numpy()) == 20
+
+
+def test_best_checkpoint_keeps_its_best_across_a_resume(tiny_trainer, tmp_path):
+  keys = {'train.eval_every': 5, 'best_checkpoint.metric': 'loss'}
+  tiny_trainer(**keys, **{'train.steps': 10}).train()
+  record = json.loads((tmp_path / 'work' / 'best' / 'best.json').read_text())
+  trainer = tiny_trainer(**keys, **{'train.steps': 20})
+  trainer.restore()
+  (best,) = trainer.actions
+  assert best.best == record['value']  # not +inf: a worse eval after the restart is not kept
+
+
+def test_calls_return_to_the_steps_per_loop_grid_after_an_off_grid_resume(tiny_trainer):
+  seen = []
+
+  class Watched(TinyTrainer):
+    def build_actions(self):
+      return [lambda e: seen.append((e.kind, e.step))]
+
+  tiny_trainer(**{'train.steps': 6, 'train.steps_per_loop': 3, 'train.log_every': 3,
+                  'train.checkpoint_every': 3}).train()
+  trainer = tiny_trainer(**{'train.steps': 16, 'train.steps_per_loop': 4, 'train.log_every': 4,
+                            'train.checkpoint_every': 8, 'train.eval_every': 8})
+  Watched(trainer.config, trainer.workdir).train()
+  # From step 6 the first call runs 2 steps, so the eval and the checkpoint at 8 happen.
+  assert [s for k, s in seen if k == 'log'] == [8, 12, 16]
+  assert [s for k, s in seen if k == 'save'] == [8, 16]
+  assert [s for k, s in seen if k == 'eval'] == [8, 16]
+
+
 def test_early_stopping_needs_evals():
   config = tiny_config(**{'early_stopping.metric': 'loss'})
   with pytest.raises(config_lib.ConfigError, match='config.train.eval_every'):
@@ -185,7 +224,7 @@ def test_an_action_sees_every_boundary(tmp_path):
 
   Watched(tiny_config(**{'train.steps': 10, 'train.eval_every': 5}), str(tmp_path / 'w')).train()
   kinds = [(k, s) for k, s, _, _ in seen]
-  assert kinds == [('log', 5), ('eval', 5), ('save', 5), ('log', 10), ('save', 10),
-                   ('eval', 10)]
+  assert kinds == [('log', 5), ('eval', 5), ('save', 5), ('log', 10), ('eval', 10),
+                   ('save', 10)]  # the final eval before the last save: its actions' state saved
   assert seen[0][2] == ['accuracy', 'loss']
   assert seen[2][3].endswith('ckpt-5')

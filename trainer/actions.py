@@ -7,10 +7,13 @@ An action is any callable taking one `Event`. The trainer calls every action of
 path). An action may ask the run to end with `event.trainer.request_stop(reason)`: the trainer
 saves a checkpoint at that step and returns the last eval. Two ship here, each driven by config
 keys: `EarlyStopping` (config.early_stopping.*) and `BestCheckpoint` (config.best_checkpoint.*).
+
+An action that is a `tf.Module` (both shipped ones are) is saved in every checkpoint under
+`actions` (`state`): a resumed run goes on comparing with the best eval before the restart and
+counting the evals without improvement, instead of starting from scratch.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, NamedTuple
@@ -18,6 +21,7 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 from absl import logging
 
+from trainer import checkpoints, workdir
 from trainer.errors import ConfigError
 
 
@@ -36,12 +40,21 @@ def _direction(metric: str, mode: str) -> str:
   return 'min' if any(w in metric for w in ('loss', 'error', 'perplexity')) else 'max'
 
 
-class _Tracker:
-  """The best value of one eval metric so far."""
+class _Tracker(tf.Module):
+  """The best value of one eval metric so far (checkpointed)."""
 
   def __init__(self, metric: str, mode: str, min_delta: float = 0.0):
+    super().__init__(name=type(self).__name__)
     self.metric, self.mode, self.min_delta = metric, _direction(metric, mode), min_delta
-    self.best = math.inf if self.mode == 'min' else -math.inf
+    # A flag rather than +-inf: every floating variable of a checkpoint is checked finite.
+    self._best = tf.Variable(0.0, dtype=tf.float64, trainable=False, name='best')
+    self._has_best = tf.Variable(False, trainable=False, name='has_best')
+
+  @property
+  def best(self) -> float:
+    if bool(self._has_best.numpy()):
+      return float(self._best.numpy())
+    return math.inf if self.mode == 'min' else -math.inf
 
   def value(self, event: Event) -> float:
     if self.metric not in event.metrics:
@@ -55,7 +68,8 @@ class _Tracker:
     better = (value < self.best - self.min_delta if self.mode == 'min' else
               value > self.best + self.min_delta)
     if better:
-      self.best = value
+      self._best.assign(value)
+      self._has_best.assign(True)
     return better
 
 
@@ -65,16 +79,21 @@ class EarlyStopping(_Tracker):
 
   def __init__(self, metric: str, mode: str = 'auto', patience: int = 3, min_delta: float = 0.0):
     super().__init__(metric, mode, min_delta)
-    self.patience, self.waited = int(patience), 0
+    self.patience = int(patience)
+    self._waited = tf.Variable(0, dtype=tf.int64, trainable=False, name='waited')
+
+  @property
+  def waited(self) -> int:
+    return int(self._waited.numpy())
 
   def __call__(self, event: Event) -> None:
     if event.kind != 'eval':
       return
     value = self.value(event)
     if self.improved(value):
-      self.waited = 0
+      self._waited.assign(0)
       return
-    self.waited += 1
+    self._waited.assign_add(1)
     if self.waited >= self.patience:
       event.trainer.request_stop(
           f'early stopping: eval {self.metric} has not improved on {self.best:.4g} for '
@@ -102,12 +121,24 @@ class BestCheckpoint(_Tracker):
       self._manager = tf.train.CheckpointManager(
           tf.train.Checkpoint(model=trainer.model), os.path.join(folder, 'checkpoints'),
           max_to_keep=1)
-    path = self._manager.save(checkpoint_number=event.step)
-    with open(os.path.join(folder, 'best.json.tmp'), 'w') as f:
-      json.dump({'step': event.step, 'metric': self.metric, 'value': value,
-                 'checkpoint': os.path.relpath(path, folder)}, f, indent=2)
-    os.replace(os.path.join(folder, 'best.json.tmp'), os.path.join(folder, 'best.json'))
+    # One-line errors for a full disk; best.json written atomically, never through a symlink.
+    path = checkpoints.save(self._manager, event.step, resumed_from=False)
+    workdir.write_json(os.path.join(folder, 'best.json'),
+                       {'step': event.step, 'metric': self.metric, 'value': value,
+                        'checkpoint': os.path.relpath(path, folder)})
     logging.info('best eval %s %.4f at step %d: saved %s', self.metric, value, event.step, path)
+
+
+def state(actions: list) -> tf.Module:
+  """The checkpoint item of `actions`: the ones that are tf.Modules, by class name (and a
+  number after the first of a class)."""
+  module, counts = tf.Module(name='actions'), {}
+  for action in actions:
+    if isinstance(action, tf.Module):
+      name = type(action).__name__
+      counts[name] = counts.get(name, 0) + 1
+      setattr(module, name if counts[name] == 1 else f'{name}_{counts[name]}', action)
+  return module
 
 
 def from_config(config) -> list:

@@ -34,7 +34,7 @@ from trainer.errors import UserError
 
 # Checkpoint items added after checkpoints were first written: a checkpoint without them still
 # restores (they keep their initial values). Any other missing item is a mismatch.
-LATER_ITEMS = ('consecutive_skips',)
+LATER_ITEMS = ('consecutive_skips', 'actions')
 
 
 def restore(items: dict, path: str) -> None:
@@ -152,9 +152,10 @@ def step_of(path: str) -> int:
   return int(match.group(1)) if match else 0
 
 
-def save(manager: tf.train.CheckpointManager, step: int) -> str:
+def save(manager: tf.train.CheckpointManager, step: int, *, resumed_from: bool = True) -> str:
   """`manager.save(checkpoint_number=step)`; a failed write raises UserError (one line: the
-  checkpoint, the reason, the previous checkpoint that is still the newest)."""
+  checkpoint, the reason, the previous checkpoint that is still the newest, and, when
+  `resumed_from`, that the same command resumes from it)."""
   try:
     return manager.save(checkpoint_number=step)
   except (tf.errors.OpError, OSError) as e:
@@ -172,7 +173,8 @@ def save(manager: tf.train.CheckpointManager, step: int) -> str:
           shutil.rmtree(path, ignore_errors=True)
         else:
           _remove(path)
-    kept = f'; {newest} is intact and is where the same command resumes' if newest else ''
+    kept = (f'; {newest} is intact' + (' and is where the same command resumes'
+                                       if resumed_from else '')) if newest else ''
     raise UserError(f'could not write checkpoint {prefix} at step {step} ({_reason(e)}); free '
                     f'disk space or raise the quota{kept}') from None
 

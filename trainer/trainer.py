@@ -96,8 +96,9 @@ class Trainer:
       self.train_step = self.build_train_step()
       self.eval_loop = EvalLoop(strategy=self.strategy, compute_loss=self.compute_loss,
                                 metric_names=self.metric_names, metrics=self.eval_metrics)
-    self.checkpoint = tf.train.Checkpoint(**self.checkpoint_items())
     self.actions = list(self.build_actions())
+    self._actions_state = actions.state(self.actions)  # checkpointed: see checkpoint_items
+    self.checkpoint = tf.train.Checkpoint(**self.checkpoint_items())
     self.numerics = numerics.Recorder(self, c.numerics.every)
     self._forensics = forensics.RateLimiter(c.numerics.forensics_first,
                                             c.numerics.forensics_every)
@@ -134,11 +135,13 @@ class Trainer:
     return TrainStep(self)
 
   def checkpoint_items(self) -> dict:
-    """{name: trackable} written in every checkpoint and restored on resume; extend it for
+    """{name: trackable} written in every checkpoint and restored on resume (the default also
+    holds the actions' state: best eval so far, evals without improvement); extend it for
     what a custom step adds (`{**super().checkpoint_items(), 'g_optimizer': ...}`)."""
     return {'model': self.model, 'optimizer': self.optimizer, 'loss_scaler': self.loss_scaler,
             'global_step': self.global_step, 'skipped_steps': self.train_step.skipped_steps,
-            'consecutive_skips': self.train_step.guard.consecutive}
+            'consecutive_skips': self.train_step.guard.consecutive,
+            'actions': self._actions_state}
 
   def build_actions(self) -> list:
     """Callables run at log, eval and save boundaries (trainer/actions.py); default: the
@@ -235,7 +238,10 @@ class Trainer:
     with preemption.Watcher() as watcher, epochs.end_of_data(self):
       try:
         while step < total and self._stop_reason is None:
-          n = min(t.steps_per_loop, total - step)
+          # Calls end on multiples of steps_per_loop (eval_every and checkpoint_every are
+          # multiples of it): a resume from another step (a longer train.steps, a changed
+          # steps_per_loop, an early-stop or end-of-data save) comes back onto that grid.
+          n = min(t.steps_per_loop - step % t.steps_per_loop, total - step)
           profiler.before(step, step + n)
           start = time.perf_counter()
           step = watcher.call(self.run_steps, iterator, n)  # Ctrl-C twice: at once
@@ -247,7 +253,9 @@ class Trainer:
             elapsed, steps_timed = 0.0, 0
             if self.numerics.due(step):
               logging.info(self.numerics.record(step)['line'])
-          if t.eval_every and step % t.eval_every == 0 and step < total:
+          # The final eval too, before the last save: what its actions record (best eval,
+          # evals without improvement) is in the checkpoint a longer run resumes from.
+          if step == total or (t.eval_every and step % t.eval_every == 0):
             last_eval = watcher.call(self._log_eval, step)
           saved = (step % t.checkpoint_every == 0 or step == total or
                    self._stop_reason is not None)
@@ -263,7 +271,10 @@ class Trainer:
       logging.info('%s; stopped at step %d/%d', self._stop_reason, step, total)
       if last_eval is not None and last_eval['_step'] == step:
         return {k: v for k, v in last_eval.items() if k != '_step'}
-    metrics = self._log_eval(step)
+    if last_eval is not None and last_eval['_step'] == step:
+      metrics = dict(last_eval)
+    else:  # a finished run started again: nothing to train, evaluate its checkpoint
+      metrics = self._log_eval(step)
     metrics.pop('_step')
     if not math.isfinite(metrics['loss']):
       raise NonFiniteError(f'the final eval at step {step} has loss {metrics["loss"]}: the '

@@ -120,7 +120,7 @@ def changed_keys(saved: dict, current: dict) -> list[str]:
   return changed
 
 
-def _write_json(path: str, value: dict) -> None:
+def write_json(path: str, value: dict) -> None:
   """Writes `path` atomically without following a symlink (see the module docstring)."""
   folder = os.path.dirname(path)
   fd, tmp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}-', suffix='.tmp', dir=folder)
@@ -298,10 +298,10 @@ class Workdir:
       for record_step, name in config_records(self.path):
         if record_step >= 0:
           os.remove(name)  # the record of checkpoints that are gone
-      _write_json(os.path.join(self.path, CONFIG), current)
+      write_json(os.path.join(self.path, CONFIG), current)
       return
     saved = read_config(self.path)
     if saved is None:
-      _write_json(os.path.join(self.path, CONFIG), current)
+      write_json(os.path.join(self.path, CONFIG), current)
     elif changed_keys(saved, current):
-      _write_json(os.path.join(self.path, f'config-step-{step}.json'), current)
+      write_json(os.path.join(self.path, f'config-step-{step}.json'), current)
