@@ -134,10 +134,17 @@ def _diagnose(folder: str | None):
   folder: restores --workdir's latest checkpoint and records its next batch as a new folder."""
   import ml_collections
   import models
-  from trainer import forensics
+  from trainer import checkpoints, forensics, lifecycle
   if not folder:
     trainer = models.get_trainer_class(_CONFIG.value.model)(_CONFIG.value, _WORKDIR.value)
-    step = trainer.restore()
+    # Read-only, as eval and export (no lock, config record or event file); only the forensic
+    # folder is written. No checkpoint: the initial weights (a model that overflows at once).
+    if checkpoints.find(trainer.run_dir.checkpoint_dir):
+      step = lifecycle.restore(trainer, '--mode=diagnose')
+    else:
+      logging.warning('--mode=diagnose: no checkpoint in %s; replaying the first batch from the '
+                      'initial weights', trainer.run_dir.checkpoint_dir)
+      step = 0
     batch = next(iter(trainer.datasets.train.skip(step)))
     report = forensics.record(trainer, batch, step)
     print(f'step {step}, loss scale {float(trainer.loss_scaler.scale.numpy()):g}: '

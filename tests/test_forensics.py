@@ -216,6 +216,7 @@ def test_launch_diagnose_records_then_replays_a_folder(tmp_path):
   assert "forward output of 'culprit' (Dense)" in first.stdout
   folder = workdir / 'forensics' / 'step-0'
   assert (folder / 'report.txt').is_file()
+  assert os.listdir(workdir) == ['forensics']  # read-only otherwise: no lock, config, events
   second = subprocess.run(
       [sys.executable, 'launch.py', '--mode=diagnose', f'--forensics={folder}'],
       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)

@@ -51,5 +51,6 @@ def test_second_ctrl_c_interrupts_a_long_compiled_call_at_once(tmp_path):
   assert lines[-1] == ('interrupted by a second SIGINT: exiting at once without saving; the '
                        'newest checkpoint on disk is intact and the same command resumes from it')
   assert f'step {STEPS}/' not in log and 'stopped by' not in log
+  assert not (workdir / 'train.lock').exists()  # released before os._exit
   checkpoints = workdir / 'checkpoints'  # the call never finished: nothing saved
   assert not checkpoints.exists() or not os.listdir(checkpoints)

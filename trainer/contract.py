@@ -149,5 +149,9 @@ def probe(datasets, compute_loss, stateful=()) -> dict:
   """Checks the datasets, runs compute_loss eagerly on the first eval batch (which builds the
   model) and checks its result; returns the metrics dict. Call it under the strategy's scope."""
   check_datasets(datasets)
-  batch = next(iter(datasets.eval.take(1)))
+  batch = next(iter(datasets.eval.take(1)), None)
+  if batch is None:
+    raise UserError('build_datasets: Datasets.eval yielded no batch (an empty eval set, or one '
+                    'filtered or batched with drop_remainder=True down to nothing); give it at '
+                    'least one example.')
   return check_outputs(batch, compute_loss(batch, training=False), stateful)

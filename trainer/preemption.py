@@ -31,6 +31,8 @@ import threading
 
 from absl import logging
 
+from trainer import workdir_lock
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 _POLL_SECONDS = 0.2  # how often the waiting main thread runs pending signal handlers
@@ -113,7 +115,9 @@ class Watcher:
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     # Not sys.exit: the compiled call is still running in the worker thread, and interpreter
-    # shutdown would wait for it (or tear TensorFlow down under it).
+    # shutdown would wait for it (or tear TensorFlow down under it). os._exit skips atexit, so
+    # the workdir lock is released here (a lock left behind blocks a restart on another host).
+    workdir_lock.release_all()
     os._exit(EXIT_INTERRUPTED)
 
   def __enter__(self) -> Watcher:
