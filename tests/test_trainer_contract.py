@@ -148,6 +148,22 @@ def test_nonfinite_loss_shows_and_stops_the_run(tmp_path, caplog):
   assert 'non-finite loss in 5 steps' in lines[0]
 
 
+def test_stateful_metrics_leave_out_nonfinite_loss_steps(tmp_path):
+  class Counted(InfLoss):
+    def build_metrics(self):
+      return {'examples': keras.metrics.Sum()}
+
+    def compute_loss(self, batch, *, training):
+      loss, metrics = super().compute_loss(batch, training=training)
+      return loss, {**metrics, 'examples': (tf.ones_like(loss),)}
+
+  trainer = Counted(tiny_config(**{'train.steps': 10}), str(tmp_path / 'w'))
+  run(trainer, 10)
+  outputs = trainer.train_step.read_outputs()
+  assert outputs['nonfinite_loss'] == 5
+  assert outputs['examples'] == 5 * 32  # the 5 steps before the loss became inf
+
+
 class NanEval(TinyTrainer):
   def compute_loss(self, batch, *, training):
     loss, metrics = super().compute_loss(batch, training=training)

@@ -31,7 +31,8 @@ One `step` (cross-replica context, inside the compiled loop):
      flag, the global step advances (skipped or not).
   5. the outputs summed over replicas, plus the counters 'steps' (1), 'skipped' (0/1) and
      'nonfinite_loss' (0/1); every other output is zero on a step whose loss is not finite, so
-     the host's means are over the steps whose loss was finite.
+     the host's means are over the steps whose loss was finite. Stateful metrics
+     (`build_metrics`) are updated per replica, only when that replica's loss is finite.
 
 The compiled loop (`train_loop`) runs `steps_per_loop` steps per call and sums the step outputs
 in the loop's carry, added to one variable per output once per call; nothing in a call reads a
@@ -222,9 +223,20 @@ class TrainStep:
   def _replica_step(self, batch):
     outputs, grads, nonfinite, saved = self._replica_core_fn(batch)
     outputs = dict(outputs)
-    for name, metric in self.metrics.items():  # outside XLA: metric variables sync on read
-      if name in outputs:
-        metric.update_state(*outputs.pop(name))
+    updates = [(metric, outputs.pop(name)) for name, metric in self.metrics.items()
+               if name in outputs]
+    if updates:  # outside XLA: metric variables sync on read
+
+      def update():
+        for metric, args in updates:
+          metric.update_state(*args)
+        return tf.constant(True)
+
+      # As the summed outputs leave out steps whose loss is not finite, the stateful metrics
+      # leave out this replica's non-finite-loss steps (a NaN logit would corrupt an AUC).
+      loss_finite = (tf.reduce_all(tf.math.is_finite(outputs['loss'])) if 'loss' in outputs
+                     else tf.constant(True))
+      tf.cond(loss_finite, update, lambda: tf.constant(False))
     return outputs, grads, nonfinite, saved
 
   def step(self, iterator) -> dict[str, tf.Tensor]:
