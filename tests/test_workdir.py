@@ -318,3 +318,38 @@ def test_lock_is_reentrant_in_one_process_and_released_by_the_last_holder(tmp_pa
   assert os.path.exists(second)
   workdir_lock.release(second)
   assert not os.path.exists(second)
+
+
+def test_stale_lock_removal_waits_for_the_folder_flock_and_spares_a_newer_lock(tmp_path):
+  # Two processes took over the same stale lock: the later one read the stale record, then the
+  # earlier one replaced the file. The later one's compare-and-remove must not remove it.
+  import fcntl
+  import threading
+  path = tmp_path / workdir_lock.NAME
+  stale = {'pid': 999999, 'host': socket.gethostname(), 'start': None, 'since': '?'}
+  path.write_text(json.dumps(stale))
+  guard = os.open(tmp_path, os.O_RDONLY)
+  fcntl.flock(guard, fcntl.LOCK_EX)  # the other process is between its read and its create
+  remover = threading.Thread(target=workdir_lock._remove_if, args=(str(path), stale))
+  remover.start()
+  remover.join(timeout=0.5)
+  assert remover.is_alive()  # waits for the flock
+  newer = {**stale, 'pid': os.getpid()}
+  path.unlink()
+  path.write_text(json.dumps(newer))
+  os.close(guard)
+  remover.join(timeout=10)
+  assert json.loads(path.read_text()) == newer
+
+
+def test_lock_without_hard_links(tmp_path, monkeypatch):
+  def no_link(*args):
+    raise PermissionError(1, 'Operation not permitted')  # as some FUSE mounts answer
+  monkeypatch.setattr(os, 'link', no_link)
+  path = workdir_lock.acquire(str(tmp_path))
+  assert json.loads(open(path).read())['pid'] == os.getpid()
+  assert os.listdir(tmp_path) == [workdir_lock.NAME]  # no temporary file left
+  other = {'pid': 1, 'host': 'elsewhere', 'start': None, 'since': '?'}
+  assert not workdir_lock._link_new(path, other)  # taken: refused, not overwritten
+  workdir_lock.release(path)
+  assert not os.path.exists(path)

@@ -3,14 +3,19 @@
 The lock is `<workdir>/train.lock`, a small JSON record {"pid", "host", "start", "since"}. It is
 created atomically with its content (written to a fresh temporary file, then hard-linked to the
 lock's name, which fails if any file or symlink of that name exists), so a reader never sees a
-half-written lock and the creation never follows a symlink. It is removed when the holder exits
-(atexit, or `release_all()` before an os._exit) or closes its Workdir.
+half-written lock and the creation never follows a symlink. On a file system without hard links
+(some FUSE mounts) it is created with O_CREAT|O_EXCL and then written; a reader that finds it
+still empty waits. It is removed when the holder exits (atexit, or `release_all()` before an
+os._exit) or closes its Workdir.
 
 A lock whose holder is gone is stale and taken over with a warning: same host and no process
 with that pid, or a process with that pid that started at another time (the pid was reused; the
 start time is read from /proc where there is one). kill -9 leaves the file behind; the next run
-takes it over this way. A lock held by a process on another host cannot be checked from here: the
-error says so and names the file to delete once that process is known to be gone.
+takes it over this way. Comparing the file with the stale record and removing it happen under an
+flock of the workdir, so of two processes taking over the same stale lock, the later one never
+removes the lock the earlier one has just created. A lock held by a process on another host
+cannot be checked from here: the error says so and names the file to delete once that process is
+known to be gone.
 
 The same process may take the lock again (a second Trainer on the same workdir in one script or
 test): the lock is per process, not per object.
@@ -18,11 +23,15 @@ test): the lock is per process, not per object.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import errno
+import fcntl
 import json
 import os
 import socket
 import tempfile
+import time
 
 from absl import logging
 
@@ -74,6 +83,8 @@ def _read(path: str) -> dict | None:
         from None
   with os.fdopen(fd) as f:
     text = f.read()
+  if not text:  # created by _create_new, its record not written yet
+    return {'pid': -1, 'host': '', 'being_written': True}
   try:
     record = json.loads(text)
     int(record['pid']), str(record['host'])
@@ -93,9 +104,53 @@ def _link_new(path: str, record: dict) -> bool:
       os.link(tmp, path)
     except FileExistsError:
       return False
+    except OSError as e:
+      if e.errno not in _NO_HARD_LINKS:
+        raise
+      return _create_new(path, record)
     return True
   finally:
     os.remove(tmp)
+
+
+# File systems without hard links (some FUSE mounts, e.g. gcsfuse) refuse os.link with these.
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV}
+
+
+def _create_new(path: str, record: dict) -> bool:
+  """The fallback of _link_new: O_CREAT|O_EXCL (still atomic creation, never through a link),
+  then the record is written; a reader in between sees an empty file (`_read`: a holder being
+  written)."""
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, 'O_NOFOLLOW', 0), 0o644)
+  except FileExistsError:
+    return False
+  with os.fdopen(fd, 'w') as f:
+    json.dump(record, f)
+    f.flush()
+    os.fsync(f.fileno())
+  return True
+
+
+@contextlib.contextmanager
+def _takeover_guard(path: str):
+  """An exclusive flock on the lock's folder while a lock file is compared and removed: two
+  processes taking over the same stale lock (or one releasing while another takes over) cannot
+  both read the old record and then remove the newer lock the other just created. Where the file
+  system has no flock (some network mounts), without it."""
+  try:
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+  except OSError:
+    yield
+    return
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+      pass
+    yield
+  finally:
+    os.close(fd)  # releases the flock
 
 
 def acquire(workdir: str) -> str:
@@ -111,8 +166,9 @@ def acquire(workdir: str) -> str:
       _held[path] = [ours, 1]
       return path
     holder = _read(path)
-    if holder is None:
-      continue  # released between our attempt and the read
+    if holder is None or holder.get('being_written'):
+      time.sleep(0.05)
+      continue  # released between our attempt and the read, or its record not yet written
     same_host = holder['host'] == ours['host']
     if same_host and holder['pid'] == ours['pid'] and holder.get('start') == ours['start']:
       _held[path] = [holder, 1]  # our own, left by an earlier holder in this process
@@ -133,8 +189,9 @@ def acquire(workdir: str) -> str:
 def _remove_if(path: str, record: dict) -> None:
   """Removes the lock at `path` if it still holds `record` (not a newer holder's)."""
   try:
-    if _read(path) == record:
-      os.remove(path)
+    with _takeover_guard(path):
+      if _read(path) == record:
+        os.remove(path)
   except (OSError, UserError):
     pass
 
