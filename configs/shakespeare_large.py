@@ -9,8 +9,8 @@ Sized so that a run fits in 20 minutes on a 2-core AVX512-BF16 CPU in mixed_bflo
 result: validation loss about 2.4 (README, Performance): in that time the wider model does not get
 past learning character frequencies, so this config is for measuring speed and memory where mixed
 precision matters; configs/shakespeare.py gives the better model on a CPU. Starts from
-configs/shakespeare.py and sets what differs. With train.remat=True the blocks recompute their activations (less
-memory, more compute); batch 32 does not need it.
+configs/shakespeare.py and sets what differs. With train.remat=True the blocks recompute their
+activations (less memory, more compute); batch 32 does not need it.
 """
 from configs import shakespeare
 
