@@ -195,3 +195,22 @@ def test_action_without_the_event_argument(tmp_path):
   message = rejected(Hello, tmp_path)
   assert message.startswith('build_actions: action hello cannot be called with one event')
 
+
+# ---- resuming -------------------------------------------------------------------------------
+def test_resume_with_a_changed_model_says_so(tmp_path, warnings):
+  """The checkpoints were called 'unreadable' and the error asked whether they were written by
+  another model; it is the model that changed, and the error says so."""
+  workdir = str(tmp_path / 'work')
+  TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
+
+  class Wider(TinyTrainer):
+    def build_model(self):
+      return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation='relu'),
+                               keras.layers.Dense(4, dtype='float32')], name='tiny')
+  with pytest.raises(UserError) as info:
+    Wider(tiny_config(**{'train.steps': 10}), workdir).train()
+  message = str(info.value)
+  assert '\n' not in message and message.startswith('no checkpoint in ')
+  assert 'another model than the one build_model() makes now' in message
+  assert any('does not match the model' in w for w in warnings)
+  assert not any('unreadable' in w for w in warnings)
