@@ -214,3 +214,11 @@ def test_resume_with_a_changed_model_says_so(tmp_path, warnings):
   assert 'another model than the one build_model() makes now' in message
   assert any('does not match the model' in w for w in warnings)
   assert not any('unreadable' in w for w in warnings)
+
+
+def test_the_gradient_check_leaves_a_mirrored_run_alone(tmp_path):
+  """Under MirroredStrategy the variables are distributed (no handle outside a replica
+  context): the probe's gradient check must not touch them (it crashed every mirrored run)."""
+  config = tiny_config(**{'train.steps': 2, 'distribute.strategy': 'mirrored',
+                          'distribute.devices': 'CPU:0'})
+  TinyTrainer(config, str(tmp_path / 'work')).train()

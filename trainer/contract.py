@@ -279,7 +279,7 @@ def probe(datasets, compute_loss, stateful=(), model=None) -> dict:
   """Checks the datasets, runs compute_loss eagerly on the first eval batch (which builds the
   model) and checks its result; returns the metrics dict. Call it under the strategy's scope.
   With `model` (the default train step's), the loss must have a gradient for at least one of
-  its trainable variables."""
+  its trainable variables (checked under the default strategy, one device)."""
   check_datasets(datasets)
   batch = next(iter(datasets.eval.take(1)), None)
   if batch is None:
@@ -296,6 +296,10 @@ def probe(datasets, compute_loss, stateful=(), model=None) -> dict:
     raise
   metrics = check_outputs(batch, outputs, stateful)
   variables = model.trainable_variables if model is not None else []
+  # A distributed variable has no handle outside a replica context: checked under TF's
+  # default strategy (config.distribute.strategy='default') only.
+  if tf.distribute.has_strategy():
+    variables = []
   if variables and all(
       g is None for g in tape.gradient(tf.convert_to_tensor(outputs[0]), variables)):
     raise UserError(f'compute_loss returned a loss ({_describe(outputs[0])}) that does not depend '
