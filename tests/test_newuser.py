@@ -222,3 +222,15 @@ def test_the_gradient_check_leaves_a_mirrored_run_alone(tmp_path):
   config = tiny_config(**{'train.steps': 2, 'distribute.strategy': 'mirrored',
                           'distribute.devices': 'CPU:0'})
   TinyTrainer(config, str(tmp_path / 'work')).train()
+
+
+def test_a_finished_run_says_it_trains_nothing(tmp_path, monkeypatch):
+  """Running a finished run again printed 'training ...: 5 steps' and an eval, as if it had
+  trained; it says there is nothing to train."""
+  workdir = str(tmp_path / 'work')
+  TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
+  lines = []
+  monkeypatch.setattr(logging, 'info', lambda msg, *args: lines.append(msg % args))
+  TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
+  assert any(line.startswith('the run is already at step 5 of 5: nothing to train')
+             for line in lines)

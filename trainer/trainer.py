@@ -228,6 +228,9 @@ class Trainer:
     logging.info('training %s: %d steps, global batch %d, policy %s, loss scale %s, %d '
                  'replica(s)', type(self).__name__, total, t.batch_size, self.policy,
                  self.loss_scaler.mode, self.strategy.num_replicas_in_sync)
+    if step >= total:
+      logging.info('the run is already at step %d of %d: nothing to train, evaluating only (to '
+                   'train further, raise config.train.steps or config.train.epochs)', step, total)
     train_ds = self.datasets.train.skip(step) if step else self.datasets.train
     iterator = iter(self.strategy.experimental_distribute_dataset(train_ds))
     # Kept past train()'s return: tearing it down waits for tf.data's threads.
