@@ -74,6 +74,9 @@ def parse_flags(argv):
             'ml_collections.ConfigDict; wrap it: return ml_collections.ConfigDict({...})')
     return rest
   except flags.Error as e:
+    if path and '--config is required' in str(e):  # the file was given: its get_config() gave None
+      _fail(f'--config={path}: get_config() returned None; end it with `return config` (see '
+            'configs/mnist.py)')
     _fail(_flag_error(str(e)))
   except Exception as e:  # ml_collections raises plain KeyError/AttributeError on bad overrides
     _fail(_config_error(argv, path, e))

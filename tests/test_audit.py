@@ -30,7 +30,8 @@ class Float32Inside(keras.layers.Layer):
 
 
 def test_clean_mixed_model_has_float32_variables_and_logits(mixed_float16):
-  model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation='relu'),
+  model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation='relu',
+                                                                  name='hidden'),
                             keras.layers.Dense(3, dtype='float32')], name='clean')
   rows, hazards = audit.audit(model)
   assert [(r.cls, r.compute_dtype, r.variable_dtype, r.output_dtype, r.params) for r in rows] == [
@@ -38,7 +39,7 @@ def test_clean_mixed_model_has_float32_variables_and_logits(mixed_float16):
       ('Dense', 'float32', 'float32', 'float32', 16 * 3 + 3)]
   assert hazards == []
   text = audit.markdown(model, mixed_float16, rows, hazards)
-  assert '| dense | Dense | float16 | float32 | float16 | 144 |' in text
+  assert '| hidden | Dense | float16 | float32 | float16 | 144 |' in text
   assert 'No hazards' in text and '195 parameters' in text
 
 

@@ -145,15 +145,6 @@ def test_eval_dataset_not_batched(tmp_path):
   assert '.batch(config.train.batch_size)' in message
 
 
-def test_empty_eval_dataset(tmp_path):
-  class Empty(FashionTrainer):
-    def build_datasets(self):
-      datasets = super().build_datasets()
-      return datasets._replace(eval=datasets.eval.take(0))
-  message = rejected(Empty, tmp_path)
-  assert message.startswith('build_datasets: Datasets.eval yielded no batch')
-
-
 def test_no_repeat_on_the_train_set_trains_past_the_epoch(tmp_path):
   class Finite(FashionTrainer):
     repeat = False

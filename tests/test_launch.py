@@ -45,6 +45,20 @@ def test_missing_config_file_is_one_line(tmp_path):
       'configs/mnist.py']
 
 
+
+def test_config_file_whose_get_config_returns_none(tmp_path):
+  """It said '--config is required', although --config was given."""
+  path = tmp_path / 'no_return.py'
+  path.write_text('from trainer import config as config_lib\n\n\ndef get_config():\n'
+                  '  config = config_lib.defaults()\n')
+  result = launch(f'--config={path}', f'--workdir={tmp_path / "work"}')
+  assert result.returncode == 2 and 'Traceback' not in result.stderr
+  assert error_lines(result) == [
+      f'error: --config={path}: get_config() returned None; end it with `return config` (see '
+      'configs/mnist.py)']
+  assert not (tmp_path / 'work').exists()
+
+
 def test_launch_trains_and_prints_accuracy(mnist_dir, tmp_path):
   result = launch('--config=configs/mnist.py', f'--config.data.dir={mnist_dir}',
                   '--config.train.steps=20', '--config.train.steps_per_loop=10',

@@ -94,7 +94,9 @@ def audit(model: keras.Model, policy: str | None = None) -> tuple[list[Row], lis
     if _applies_softmax(layer) and compute in LOW:
       hazards.append(Hazard(name, 'low-precision softmax',
                             f'softmax computed in {compute}; give this layer dtype="float32"'))
-    if mixed and compute in LOW and output == 'float32':
+    # A functional model's InputLayer outputs what it is fed (float32): nothing it computes.
+    if (mixed and compute in LOW and output == 'float32'
+        and not isinstance(layer, keras.layers.InputLayer)):
       hazards.append(Hazard(name, 'not autocast',
                             f'compute dtype is {compute} but the output is float32: the layer '
                             'computes in float32 (weights Keras cannot autocast, e.g. '

@@ -64,19 +64,31 @@ def restore_newest_readable(items: dict, directory: str) -> str | None:
     except Exception as e:  # pylint: disable=broad-except
       lines = str(e).strip().splitlines()
       reason = f'{type(e).__name__}: {lines[0][:200] if lines else ""}'.rstrip(': ')
-      logging.warning('checkpoint %s is unreadable (%s); trying the previous one', path, reason)
-      failures.append((path, reason))
+      what = 'does not match the model' if _mismatch(e) else 'is unreadable'
+      logging.warning('checkpoint %s %s (%s); trying the previous one', path, what, reason)
+      failures.append((path, reason, _mismatch(e)))
       continue
     if failures:
       logging.warning('restored %s instead of the newer unreadable %s', path,
-                      ', '.join(p for p, _ in failures))
+                      ', '.join(p for p, _, _ in failures))
     return path
   if failures:
-    names = ', '.join(os.path.basename(p) for p, _ in failures)
+    names = ', '.join(os.path.basename(p) for p, _, _ in failures)
+    if all(mismatch for _, _, mismatch in failures):
+      hint = ('they hold another model than the one build_model() makes now (its layers or '
+              'their sizes changed since this run began): resume with the model as it was')
+    else:
+      hint = 'were they written by another model or config?'
     raise UserError(f'no checkpoint in {directory} can be restored (tried {names}; '
-                    f'newest: {failures[0][1]}); were they written by another model or '
-                    'config? Use a new --workdir, or delete that folder to start over.')
+                    f'newest: {failures[0][1]}); {hint}. Use a new --workdir, or delete that '
+                    'folder to start over.')
   return None
+
+
+def _mismatch(error: Exception) -> bool:
+  """True when a checkpoint read fine but holds other variables or shapes than the model."""
+  return isinstance(error, AssertionError) or (
+      isinstance(error, ValueError) and 'incompatible tensor with shape' in str(error))
 
 
 STATE_FILE = 'checkpoint'

@@ -16,11 +16,20 @@ fail deep inside a kernel).
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
+import keras
+import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from trainer.errors import UserError
+
+
+# Names of the step's own outputs and of the trainer's scalars: a metric cannot take them.
+RESERVED = ('loss', 'steps', 'skipped', 'nonfinite_loss', 'learning_rate', 'loss_scale',
+            'skipped_steps', 'nonfinite_loss_steps', 'steps_per_sec')
 
 
 def _describe(value) -> str:
@@ -40,8 +49,9 @@ def _spec_summary(spec) -> str:
                    if isinstance(s, tf.TensorSpec)) or str(spec)
 
 
-def check_datasets(datasets) -> None:
-  """Structure checks on build_datasets()'s result, from element_specs (no data is read)."""
+def check_datasets(datasets, batch_size: int | None = None) -> None:
+  """Structure checks on build_datasets()'s result, from element_specs (no data is read).
+  With `batch_size` (config.train.batch_size), the train batches' size is checked against it."""
   fields = ('train', 'eval', 'train_examples')
   if not all(hasattr(datasets, f) for f in fields):
     raise UserError(f'build_datasets returned {type(datasets).__name__}; return '
@@ -60,6 +70,8 @@ def check_datasets(datasets) -> None:
                else '.batch(config.train.batch_size)')
       raise UserError(f'build_datasets returned an unbatched Datasets.{name}: its elements are '
                       f'single examples ({_spec_summary(ds.element_spec)}); add {batch}')
+  if batch_size:
+    _check_train_batch(datasets.train, batch_size)
   train = tf.nest.flatten(datasets.train.element_spec)
   eval_ = tf.nest.flatten(datasets.eval.element_spec)
   if len(train) == len(eval_):
@@ -73,6 +85,114 @@ def check_datasets(datasets) -> None:
                         'add .batch(config.train.batch_size) to the eval dataset')
 
 
+def _check_train_batch(train, batch_size: int) -> None:
+  """The trainer divides the summed loss by config.train.batch_size: train batches of another
+  size silently rescale the loss (and so the learning rate); an error. Batches of unknown size
+  (no drop_remainder=True) end each pass with a smaller one: a warning."""
+  specs = [s for s in tf.nest.flatten(train.element_spec)
+           if isinstance(s, tf.TensorSpec) and s.shape.rank]
+  sizes = {s.shape[0] for s in specs}
+  if not sizes:
+    return
+  got = _spec_summary(train.element_spec)
+  if None in sizes:
+    logging.warning('build_datasets returned Datasets.train with batches of unknown size (%s): '
+                    'without drop_remainder=True the last batch of a pass is smaller, its '
+                    'examples weigh less (the loss is divided by config.train.batch_size=%d) '
+                    'and it may not split over the replicas; use .batch(config.train.batch_size, '
+                    'drop_remainder=True)', got, batch_size)
+  elif batch_size not in sizes:
+    size = ' or '.join(str(n) for n in sorted(sizes))
+    raise UserError(f'build_datasets returned Datasets.train with leading dimension {size} '
+                    f'({got}), not config.train.batch_size={batch_size} (unbatched, or batched '
+                    'by another size): the trainer divides the loss by '
+                    'config.train.batch_size, so the loss and the learning rate would be off; '
+                    'batch with .batch(config.train.batch_size, drop_remainder=True)')
+
+
+# How the trainer calls each hook: positional argument names, keyword arguments.
+HOOK_CALLS = {
+    'build_datasets': ((), {}),
+    'build_model': ((), {}),
+    'compute_loss': (('batch',), {'training': False}),
+    'build_optimizer': (('learning_rate',), {}),
+    'build_metrics': ((), {}),
+    'build_train_step': ((), {}),
+    'checkpoint_items': ((), {}),
+    'build_actions': ((), {}),
+}
+REQUIRED_HOOKS = ('build_datasets', 'build_model', 'compute_loss')
+
+
+def _expected(name: str) -> str:
+  args, kwargs = HOOK_CALLS[name]
+  params = ['self', *args] + (['*', *kwargs] if kwargs else [])
+  return f'def {name}({", ".join(params)}):'
+
+
+def check_hooks(trainer, base: type) -> None:
+  """Before any hook runs: the three required hooks are defined, and every hook the subclass
+  overrides accepts the arguments the trainer passes (a wrong signature would otherwise fail
+  later, with a traceback, some of them only at the first log line)."""
+  cls = type(trainer)
+  missing = [n for n in REQUIRED_HOOKS if getattr(cls, n, None) is getattr(base, n)]
+  if missing:
+    raise UserError(f'{cls.__name__} does not define {", ".join(missing)}: a Trainer subclass '
+                    'defines ' + ', '.join(f'`{_expected(n)}`' for n in missing) +
+                    ' (README: "Write your own model")')
+  for name, (args, kwargs) in HOOK_CALLS.items():
+    if getattr(cls, name, None) is getattr(base, name):
+      continue
+    hook = getattr(trainer, name)
+    try:
+      signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+      continue
+    try:
+      signature.bind(*args, **kwargs)
+    except TypeError as e:
+      raise UserError(f'{cls.__name__}.{name}{signature} cannot be called as the trainer calls '
+                      f'it ({e}); define it as `{_expected(name)}`') from None
+
+
+def check_model(model) -> None:
+  """build_model()'s result is a Keras model."""
+  if not isinstance(model, keras.Model):
+    raise UserError('build_model returned None; return a keras.Model, e.g. '
+                    'keras.Sequential([keras.Input(shape), ...]) or keras.Model(inputs, outputs) '
+                    '(did you forget the return?)' if model is None else
+                    f'build_model returned {type(model).__name__}; return a keras.Model, e.g. '
+                    'keras.Sequential([keras.Input(shape), ...]) or keras.Model(inputs, outputs)')
+
+
+def check_metrics(metrics) -> None:
+  """build_metrics()'s result is {name: keras metric}."""
+  if not isinstance(metrics, Mapping):
+    raise UserError(f'build_metrics returned {type(metrics).__name__}; return a dict '
+                    "{name: keras metric}, e.g. {'auc': keras.metrics.AUC(from_logits=True)}")
+  for name, metric in metrics.items():
+    if not isinstance(metric, keras.metrics.Metric):
+      raise UserError(f'build_metrics returned {type(metric).__name__} for {name!r}; each value '
+                      'must be a keras.metrics.Metric instance (note the parentheses: '
+                      'keras.metrics.AUC())')
+
+
+def check_actions(actions) -> None:
+  """Every action is a callable taking one Event."""
+  for action in actions:
+    name = getattr(action, '__name__', type(action).__name__)
+    if not callable(action):
+      raise UserError(f'build_actions returned {type(action).__name__}, not a callable; an '
+                      'action is a function taking one trainer.actions.Event')
+    try:
+      inspect.signature(action).bind(None)
+    except (TypeError, ValueError) as e:
+      if isinstance(e, ValueError):  # no signature to read (a builtin): not checked
+        continue
+      raise UserError(f'build_actions: action {name} cannot be called with one event ({e}); '
+                      f'define it as `def {name}(event):` (a trainer.actions.Event)') from None
+
+
 def _batch_size(batch) -> int | None:
   sizes = {int(t.shape[0]) for t in tf.nest.flatten(batch)
            if hasattr(t, 'shape') and t.shape.rank and t.shape[0] is not None}
@@ -82,6 +202,11 @@ def _batch_size(batch) -> int | None:
 def check_outputs(batch, outputs, stateful=()) -> dict:
   """Checks compute_loss's result on `batch`; returns the metrics dict. Entries named in
   `stateful` (the Trainer's build_metrics()) are update_state arguments, not [B] values."""
+  if isinstance(outputs, (tuple, list)) and len(outputs) == 2 and not isinstance(
+      outputs[1], Mapping):
+    raise UserError(f'compute_loss returned (loss, {_describe(outputs[1])}); the second item must '
+                    'be a dict {metric name: per-example value [B]}, e.g. '
+                    "`return loss, {'accuracy': correct}`, or `return loss, {}` for none")
   if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2
           and isinstance(outputs[1], Mapping)):
     what = (f'a {type(outputs).__name__} of {len(outputs)}' if isinstance(outputs, (tuple, list))
@@ -126,6 +251,11 @@ def check_outputs(batch, outputs, stateful=()) -> dict:
   if not tf.as_dtype(loss.dtype).is_floating:
     raise UserError(f'compute_loss returned the loss as {_describe(loss)}; it must be '
                     'floating-point (tf.cast(loss, tf.float32))')
+  for name in metrics:
+    if name in RESERVED or (isinstance(name, str) and name.startswith('_')):
+      raise UserError(f'compute_loss returned a metric named {name!r}, a name the trainer uses '
+                      f'for its own values ({", ".join(RESERVED)}; and names starting with _): '
+                      'it would replace them in the log and TensorBoard; rename the metric')
   for name, value in metrics.items():
     if name in stateful:
       if not isinstance(value, (tuple, list)):
@@ -145,13 +275,54 @@ def check_outputs(batch, outputs, stateful=()) -> dict:
   return dict(metrics)
 
 
-def probe(datasets, compute_loss, stateful=()) -> dict:
+def probe(datasets, compute_loss, stateful=(), model=None) -> dict:
   """Checks the datasets, runs compute_loss eagerly on the first eval batch (which builds the
-  model) and checks its result; returns the metrics dict. Call it under the strategy's scope."""
+  model) and checks its result; returns the metrics dict. Call it under the strategy's scope.
+  With `model` (the default train step's), the loss must have a gradient for at least one of
+  its trainable variables (checked under the default strategy, one device)."""
   check_datasets(datasets)
   batch = next(iter(datasets.eval.take(1)), None)
   if batch is None:
-    raise UserError('build_datasets: Datasets.eval yielded no batch (an empty eval set, or one '
-                    'filtered or batched with drop_remainder=True down to nothing); give it at '
-                    'least one example.')
-  return check_outputs(batch, compute_loss(batch, training=False), stateful)
+    raise UserError('build_datasets returned an empty Datasets.eval (it yields no batch: an empty '
+                    'source, a filter, or drop_remainder=True on fewer examples than a batch; '
+                    f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
+                    'one example')
+  try:
+    with tf.GradientTape() as tape:
+      outputs = compute_loss(batch, training=False)
+  except Exception as e:  # the user's code: keep the traceback, say which call it was
+    shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
+    e.add_note(f'(raised by compute_loss(batch, training=False) on the first eval batch, '
+               f'{shapes}, when the trainer checked its hooks: trainer/contract.py)')
+    raise
+  metrics = check_outputs(batch, outputs, stateful)
+  variables = model.trainable_variables if model is not None else []
+  # A distributed variable has no handle outside a replica context: checked under TF's
+  # default strategy (config.distribute.strategy='default') only.
+  if tf.distribute.has_strategy():
+    variables = []
+  if variables and all(
+      g is None for g in tape.gradient(tf.convert_to_tensor(outputs[0]), variables)):
+    raise UserError(f'compute_loss returned a loss ({_describe(outputs[0])}) that does not depend '
+                    'on any trainable variable of the model: no gradient reaches them; compute it '
+                    'from self.model(inputs, training=training) with TensorFlow ops (not NumPy '
+                    'or .numpy(), not through tf.stop_gradient)')
+  _warn_nonfinite_loss(outputs[0])
+  return metrics
+
+
+def _warn_nonfinite_loss(loss) -> None:
+  """A loss already non-finite at the initial weights (log(0), a division by zero, an overflow
+  in float16) makes every step a skipped one: one warning line before training starts."""
+  try:
+    values = tf.reshape(tf.cast(loss, tf.float32), [-1]).numpy()
+  except Exception:  # pylint: disable=broad-except  (not eager: nothing to say)
+    return
+  bad = int((~np.isfinite(values)).sum())
+  if bad:
+    kinds = ', '.join(sorted({str(v) for v in values[~np.isfinite(values)]}))
+    logging.warning('compute_loss returned a non-finite loss (%s) for %d of %d examples of the '
+                    'first eval batch, at the initial weights: every step with such an example '
+                    'will be skipped; look for log(0), a division by zero or an overflow in the '
+                    'loss (a log of a probability: use from_logits=True losses, or clip it)',
+                    kinds, bad, values.size)

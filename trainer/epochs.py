@@ -29,7 +29,7 @@ from trainer.errors import ConfigError, DataError
 
 def prepare(datasets, batch_size: int):
   """(datasets with an endless train, steps per epoch; 0 when unknown)."""
-  contract.check_datasets(datasets)
+  contract.check_datasets(datasets, batch_size)
   cardinality = int(tf.data.experimental.cardinality(datasets.train))
   from_examples = int(datasets.train_examples or 0) // batch_size
   if cardinality == tf.data.experimental.INFINITE_CARDINALITY:

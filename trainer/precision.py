@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from trainer import contract
 from trainer.errors import ConfigError
 
 POLICIES = ('float32', 'mixed_float16', 'mixed_bfloat16')
@@ -120,6 +121,7 @@ def build_model(build, names_text: str) -> keras.Model:
   names = parse_layer_names(names_text)
   with float32_layers(names):
     model = build()
+  contract.check_model(model)
   if names:
     # pylint: disable-next=protected-access
     found = {layer.name for layer in model._flatten_layers(include_self=False)}

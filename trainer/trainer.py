@@ -61,6 +61,7 @@ class Trainer:
                strategy: tf.distribute.Strategy | None = None):
     if not flags.FLAGS.is_parsed():  # used from Python, not launch.py: show the progress line
       logging.set_verbosity(logging.INFO)
+    contract.check_hooks(self, Trainer)  # before any hook runs
     self.config = config_lib.validate(config)
     self.workdir = workdir_lib.local_path(workdir)
     c = self.config
@@ -82,11 +83,14 @@ class Trainer:
       self.model = precision.build_model(self.build_model, c.precision.float32_layers)
       # Two sets of the stateful metrics: one the train loop updates, one the eval loop.
       self.train_metrics = self.build_metrics()
+      contract.check_metrics(self.train_metrics)
       self.eval_metrics = self.build_metrics()
       # One eager forward pass builds the model, checks the hooks' contract (one-line errors
       # before anything is written) and tells the metric names.
+      default_step = type(self).build_train_step is Trainer.build_train_step
       self.metric_names = tuple(contract.probe(self.datasets, self.compute_loss,
-                                               stateful=self.train_metrics))
+                                               stateful=self.train_metrics,
+                                               model=self.model if default_step else None))
       if c.precision.float8:  # after the probe: quantize needs a built model
         precision.quantize_float8(self.model)
       self.loss_scaler = LossScaler.from_config(c.precision, self.policy)
@@ -97,6 +101,7 @@ class Trainer:
       self.eval_loop = EvalLoop(strategy=self.strategy, compute_loss=self.compute_loss,
                                 metric_names=self.metric_names, metrics=self.eval_metrics)
     self.actions = list(self.build_actions())
+    contract.check_actions(self.actions)
     self._actions_state = actions.state(self.actions)  # checkpointed: see checkpoint_items
     self.checkpoint = tf.train.Checkpoint(**self.checkpoint_items())
     self.numerics = numerics.Recorder(self, c.numerics.every)
@@ -226,6 +231,9 @@ class Trainer:
     logging.info('training %s: %d steps, global batch %d, policy %s, loss scale %s, %d '
                  'replica(s)', type(self).__name__, total, t.batch_size, self.policy,
                  self.loss_scaler.mode, self.strategy.num_replicas_in_sync)
+    if step >= total:
+      logging.info('the run is already at step %d of %d: nothing to train, evaluating only (to '
+                   'train further, raise config.train.steps or config.train.epochs)', step, total)
     train_ds = self.datasets.train.skip(step) if step else self.datasets.train
     iterator = iter(self.strategy.experimental_distribute_dataset(train_ds))
     # Kept past train()'s return: tearing it down waits for tf.data's threads.

@@ -1,0 +1,236 @@
+"""A new user's mistakes, found by writing a first model from the README: each is one line
+naming the hook and the fix, raised before the workdir is touched (or a warning line where the
+run can still be right)."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from absl import logging
+
+from tiny import TinyTrainer, tiny_config
+from trainer import Datasets, Trainer, audit
+from trainer.errors import UserError
+
+
+def rejected(trainer_class, tmp_path, **overrides) -> str:
+  workdir = tmp_path / 'work'
+  with pytest.raises(UserError) as info:
+    trainer_class(tiny_config(**overrides), str(workdir))
+  message = str(info.value)
+  assert message and '\n' not in message
+  assert not workdir.exists()  # nothing written
+  return message
+
+
+@pytest.fixture
+def warnings(monkeypatch):
+  lines = []
+  monkeypatch.setattr(logging, 'warning', lambda msg, *args: lines.append(msg % args))
+  return lines
+
+
+def points(n=256):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(n, 8)).astype(np.float32)
+  return x, (x[:, 0] > 0).astype(np.int32)
+
+
+# ---- the audit ------------------------------------------------------------------------------
+def test_functional_model_has_no_input_layer_hazard():
+  """A functional model lists its InputLayer, whose float32 output is the input as fed: not a
+  layer that 'computes in float32' (this warned on every keras.Model(inputs, outputs))."""
+  keras.mixed_precision.set_global_policy('mixed_bfloat16')
+  inputs = keras.Input((8,))
+  hidden = keras.layers.Dense(16, activation='relu')(inputs)
+  model = keras.Model(inputs, keras.layers.Dense(4, dtype='float32')(hidden))
+  _, hazards = audit.audit(model, 'mixed_bfloat16')
+  assert hazards == []
+
+
+# ---- build_datasets -------------------------------------------------------------------------
+def batched_by(size, drop_remainder=True):
+  class Trainer(TinyTrainer):
+    def build_datasets(self):
+      x, y = points()
+      data = tf.data.Dataset.from_tensor_slices((x, y))
+      return Datasets(train=data.repeat().batch(size, drop_remainder=drop_remainder),
+                      eval=data.batch(size))
+  return Trainer
+
+
+def test_train_batches_of_another_size_than_the_config(tmp_path):
+  """Batches of 8 with batch_size 32 trained silently with the loss divided by 32 (a quarter of
+  the loss and of the learning rate, and a progress line showing both)."""
+  message = rejected(batched_by(8), tmp_path)
+  assert message.startswith('build_datasets returned Datasets.train with leading dimension 8 ')
+  assert 'config.train.batch_size=32' in message and 'drop_remainder=True' in message
+
+
+def test_train_batches_of_unknown_size_warn(tmp_path, warnings):
+  batched_by(32, drop_remainder=False)(tiny_config(), str(tmp_path / 'work'))
+  assert any('batches of unknown size' in w and 'drop_remainder=True' in w for w in warnings)
+
+
+def test_empty_eval_set(tmp_path):
+  class Empty(TinyTrainer):
+    def build_datasets(self):
+      datasets = super().build_datasets()
+      return datasets._replace(eval=datasets.eval.take(0))
+  message = rejected(Empty, tmp_path)
+  assert message.startswith('build_datasets returned an empty Datasets.eval')
+
+
+# ---- compute_loss ---------------------------------------------------------------------------
+def test_metrics_as_a_list(tmp_path):
+  """It said 'compute_loss returned a tuple of 2', which is what the README asks for."""
+  class ListMetrics(TinyTrainer):
+    def compute_loss(self, batch, *, training):
+      loss, metrics = super().compute_loss(batch, training=training)
+      return loss, list(metrics.values())
+  message = rejected(ListMetrics, tmp_path)
+  assert message.startswith('compute_loss returned (loss, list); the second item must be a dict')
+
+
+@pytest.mark.parametrize('name', ['loss', 'skipped', 'learning_rate'])
+def test_metric_with_a_name_the_trainer_uses(tmp_path, name):
+  """A metric named 'loss' replaced the loss in the progress line and the eval; 'skipped' or
+  'steps' vanished into the step counters."""
+  class Clash(TinyTrainer):
+    def compute_loss(self, batch, *, training):
+      loss, metrics = super().compute_loss(batch, training=training)
+      return loss, {name: metrics['accuracy']}
+  message = rejected(Clash, tmp_path)
+  assert message.startswith(f"compute_loss returned a metric named '{name}', a name the trainer")
+
+
+def test_loss_without_gradients(tmp_path):
+  """A loss cut off from the model (NumPy, .numpy(), tf.stop_gradient) failed at the first
+  compiled call with a Keras traceback ('No gradients provided for any variable'), after the
+  workdir was written."""
+  class Cut(TinyTrainer):
+    def compute_loss(self, batch, *, training):
+      x, y = batch
+      logits = tf.stop_gradient(self.model(x, training=training))
+      return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), {}
+  message = rejected(Cut, tmp_path)
+  assert message.startswith('compute_loss returned a loss (float32 [32]) that does not depend on')
+
+
+def test_an_error_in_compute_loss_names_the_batch(tmp_path):
+  class Typo(TinyTrainer):
+    def compute_loss(self, batch, *, training):
+      x, y, w = batch  # the batch is (x, y)
+      return super().compute_loss((x, y), training=training)
+  with pytest.raises(ValueError) as info:
+    Typo(tiny_config(), str(tmp_path / 'work'))
+  assert 'first eval batch, float32 [32, 8], int32 [32]' in ''.join(info.value.__notes__)
+
+
+def test_nonfinite_loss_at_the_initial_weights_warns(tmp_path, warnings):
+  class LogZero(TinyTrainer):
+    def compute_loss(self, batch, *, training):
+      x, _ = batch
+      return -tf.math.log(tf.reduce_sum(self.model(x, training=training), -1) * 0.0), {}
+  LogZero(tiny_config(), str(tmp_path / 'work'))
+  assert any(w.startswith('compute_loss returned a non-finite loss (inf) for 32 of 32 examples')
+             for w in warnings)
+
+
+# ---- the hooks' signatures and results ------------------------------------------------------
+def test_compute_loss_without_training(tmp_path):
+  class NoTraining(TinyTrainer):
+    def compute_loss(self, batch):  # pylint: disable=arguments-differ
+      return super().compute_loss(batch, training=False)
+  message = rejected(NoTraining, tmp_path)
+  assert message.startswith('NoTraining.compute_loss(batch) cannot be called as the trainer')
+  assert message.endswith('define it as `def compute_loss(self, batch, *, training):`')
+
+
+def test_build_datasets_taking_the_config(tmp_path):
+  class WithConfig(TinyTrainer):
+    def build_datasets(self, config):  # pylint: disable=arguments-differ
+      return super().build_datasets()
+  message = rejected(WithConfig, tmp_path)
+  assert 'define it as `def build_datasets(self):`' in message
+
+
+def test_a_positional_training_argument_is_fine(tmp_path):
+  class Positional(TinyTrainer):
+    def compute_loss(self, batch, training):  # pylint: disable=arguments-differ
+      return super().compute_loss(batch, training=training)
+  Positional(tiny_config(**{'train.steps': 2}), str(tmp_path / 'work')).train()
+
+
+def test_misspelled_compute_loss(tmp_path):
+  class Misspelled(TinyTrainer):
+    compute_losses = TinyTrainer.compute_loss
+    compute_loss = Trainer.compute_loss  # as if TinyTrainer had not defined it
+  message = rejected(Misspelled, tmp_path)
+  assert message.startswith('Misspelled does not define compute_loss')
+
+
+def test_build_model_returning_none(tmp_path):
+  class NoReturn(TinyTrainer):
+    def build_model(self):
+      super().build_model()
+  message = rejected(NoReturn, tmp_path)
+  assert message.startswith('build_model returned None; return a keras.Model')
+
+
+def test_build_metrics_returning_a_list(tmp_path):
+  class ListOfMetrics(TinyTrainer):
+    def build_metrics(self):
+      return [keras.metrics.AUC()]
+  assert rejected(ListOfMetrics, tmp_path).startswith('build_metrics returned list; return a dict')
+
+
+def test_action_without_the_event_argument(tmp_path):
+  """It failed at the first progress line, with a traceback, after the workdir was written."""
+  def hello():
+    print('hello')
+
+  class Hello(TinyTrainer):
+    def build_actions(self):
+      return super().build_actions() + [hello]
+  message = rejected(Hello, tmp_path)
+  assert message.startswith('build_actions: action hello cannot be called with one event')
+
+
+# ---- resuming -------------------------------------------------------------------------------
+def test_resume_with_a_changed_model_says_so(tmp_path, warnings):
+  """The checkpoints were called 'unreadable' and the error asked whether they were written by
+  another model; it is the model that changed, and the error says so."""
+  workdir = str(tmp_path / 'work')
+  TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
+
+  class Wider(TinyTrainer):
+    def build_model(self):
+      return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation='relu'),
+                               keras.layers.Dense(4, dtype='float32')], name='tiny')
+  with pytest.raises(UserError) as info:
+    Wider(tiny_config(**{'train.steps': 10}), workdir).train()
+  message = str(info.value)
+  assert '\n' not in message and message.startswith('no checkpoint in ')
+  assert 'another model than the one build_model() makes now' in message
+  assert any('does not match the model' in w for w in warnings)
+  assert not any('unreadable' in w for w in warnings)
+
+
+def test_the_gradient_check_leaves_a_mirrored_run_alone(tmp_path):
+  """Under MirroredStrategy the variables are distributed (no handle outside a replica
+  context): the probe's gradient check must not touch them (it crashed every mirrored run)."""
+  config = tiny_config(**{'train.steps': 2, 'distribute.strategy': 'mirrored',
+                          'distribute.devices': 'CPU:0'})
+  TinyTrainer(config, str(tmp_path / 'work')).train()
+
+
+def test_a_finished_run_says_it_trains_nothing(tmp_path, monkeypatch):
+  """Running a finished run again printed 'training ...: 5 steps' and an eval, as if it had
+  trained; it says there is nothing to train."""
+  workdir = str(tmp_path / 'work')
+  TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
+  lines = []
+  monkeypatch.setattr(logging, 'info', lambda msg, *args: lines.append(msg % args))
+  TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
+  assert any(line.startswith('the run is already at step 5 of 5: nothing to train')
+             for line in lines)
