@@ -71,3 +71,21 @@ def test_off_builds_nothing(tmp_path):
   trainer = TinyTrainer(tiny_config(**{'numerics.every': 0}), str(tmp_path / 'w'))
   trainer.train()
   assert trainer.numerics.probe is None
+
+
+def test_probe_measures_one_micro_batch_as_the_step_computes_it(tmp_path):
+  """With grad_accum_steps=4 a step's weight gradients each sum 8 of the 32 examples (loss /
+  32): the probe measures those, not the whole batch's (4x larger, underflow under-reported)."""
+  import tensorflow as tf
+  from trainer.numerics import Probe
+  trainer = TinyTrainer(tiny_config(**{'train.grad_accum_steps': 4}), str(tmp_path / 'w'))
+  batch = next(iter(trainer.datasets.train))
+  stats, _ = Probe(trainer).measure(batch)
+  first = trainer.model.layers[0]
+  micro = tf.nest.map_structure(lambda t: t[:8], batch)
+  with tf.GradientTape() as tape:
+    per_example, _ = trainer.compute_loss(micro, training=True)
+    loss = tf.reduce_sum(per_example) / 32
+  kernel = tape.gradient(loss, first.kernel)
+  np.testing.assert_allclose(stats[first.path]['grad_max'],
+                             float(tf.reduce_max(tf.abs(kernel))), rtol=1e-5)

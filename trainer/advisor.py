@@ -14,7 +14,10 @@ layer (every layer, nested ones included) it records:
     the L2 norm of the float32 output, averaged over the steps);
   * gradient underflow: the fraction of the layer's weight-gradient elements that are zero or
     below the compute dtype's smallest normal, in the target at the loss scale the run starts
-    with, next to the fraction that is zero in float32 (ReLU zeros are not underflow).
+    with, next to the fraction that is zero in float32 (ReLU zeros are not underflow). These
+    are the gradients of the whole batch's mean loss: with several replicas or gradient
+    accumulation a step's own weight gradients sum fewer examples and underflow more (the
+    numerics statistics, `numerics.every`, measure one replica's share).
 
 A layer is suggested for `precision.float32_layers` when its float32 output or input comes
 within `HEADROOM_BITS` powers of two of the dtype's maximum (an input must fit too: a float32

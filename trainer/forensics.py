@@ -254,16 +254,14 @@ def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) 
   first non-finite value appeared (see the module docstring). `compute_loss(batch, training=True)`
   returns (per-example loss, metrics), as the Trainer's hook; the loss is their mean (plus the
   model's regularization losses), times `loss_scale`. The model's state is as it was after: the
-  variables its forward pass assigns (BatchNorm statistics) are put back."""
-  from trainer.train_step import forward_state
-  # Every replica's copy (under MirroredStrategy each replica keeps its own statistics).
-  state = [c for v in forward_state(model) for c in getattr(v, 'values', (v,))]
-  saved = [c.numpy() for c in state]
-  try:
+  variables its forward pass assigns (BatchNorm statistics) are put back.
+
+  The whole global batch is replayed, so an example of any replica is in it: each example's
+  gradients are the step's (1/global batch x scale in both); only the weight gradients sum more
+  examples (all replicas' and micro-batches') than any one replica's in the step."""
+  from trainer.train_step import forward_state_kept
+  with forward_state_kept(model):
     return _replay(model, compute_loss, batch, float(loss_scale))
-  finally:
-    for component, value in zip(state, saved):
-      component.assign(value)
 
 
 def _replay(model, compute_loss, batch, scale: float) -> Report:

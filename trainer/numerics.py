@@ -4,10 +4,13 @@ Every `numerics.every` steps (at the first log boundary past each multiple; 0 = 
 runs one compiled probe: a forward and backward pass of `compute_loss` at the current weights and
 loss scale, on a batch from an iterator of its own (the training iterator's order, hence a
 resume, is untouched), with the forward-pass state (BatchNorm statistics) put back afterwards.
+The probe computes what one replica's (first) micro-batch computes in a step, with the step's
+loss (`TrainStep.replica_share`, `share_loss`): a whole global batch would sum replicas x
+micro-batches as many examples into each weight gradient and under-report its underflow.
 Only the statistics are read back:
 
   per layer, over the gradients of its variables as the backward pass computes them (scaled):
-    grad_max         the largest |gradient| after unscaling;
+    grad_max         the largest |gradient| after unscaling (of that share of the batch);
     grad_underflow   the fraction of elements that are zero or below the smallest normal number
                      of the layer's compute dtype (float16: 6.1e-5), i.e. lost or losing
                      precision at this loss scale;
@@ -30,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from trainer.train_step import forward_state
+from trainer.train_step import forward_state_kept
 
 
 def smallest_normal(dtype) -> float:
@@ -99,17 +102,13 @@ class Probe:
         outputs[layer_name(layer)] = tf.reduce_max(
             tf.stack([tf.reduce_max(tf.abs(tf.cast(o, tf.float32))) for o in values]))
 
-    # Every replica's copy (under MirroredStrategy each replica keeps its own statistics).
-    state = [c for v in forward_state(t.model) for c in getattr(v, 'values', (v,))]
-    saved = [v.read_value() for v in state]
-    with recording_outputs(self.layers, record), tf.GradientTape() as tape:
-      per_example, _ = t.compute_loss(batch, training=True)
-      loss = tf.reduce_mean(tf.cast(per_example, tf.float32))
-      scaled = t.loss_scaler.scale_loss(loss)
-    grads = tape.gradient(scaled, self.variables)
-    with tf.control_dependencies(grads):
-      for variable, value in zip(state, saved):
-        variable.assign(value)
+    # One replica's (micro-)batch with the step's own loss: the gradients the step computes.
+    share = t.train_step.replica_share(batch)
+    with forward_state_kept(t.model):
+      with recording_outputs(self.layers, record), tf.GradientTape() as tape:
+        per_example, _ = t.compute_loss(share, training=True)
+        scaled = t.loss_scaler.scale_loss(t.train_step.share_loss(per_example))
+      grads = tape.gradient(scaled, self.variables)
     scale = tf.cast(t.loss_scaler.scale, tf.float32) if t.loss_scaler.mode != 'none' else 1.0
     grad_stats = []
     for g, layer in zip(grads, self.owners):

@@ -41,6 +41,7 @@ on, its counter), and at log time `read_outputs()` (sums since the last read, th
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -62,6 +63,20 @@ def forward_state(model) -> list[tf.Variable]:
   """The variables a forward pass may assign: the model's non-trainable variables (Batch-
   Normalization's moving statistics, any state a layer updates in `call`), as tf.Variables."""
   return [getattr(v, 'value', v) for v in model.non_trainable_variables]
+
+
+@contextlib.contextmanager
+def forward_state_kept(model):
+  """Within: a forward pass may assign the model's forward state (`forward_state`); on exit every
+  replica's copy of it is put back. Eager or while a tf.function traces (the reads and the
+  restoring assignments are ordered with the forward pass's own by the shared variables)."""
+  state = [c for v in forward_state(model) for c in getattr(v, 'values', (v,))]
+  saved = [v.read_value() for v in state]
+  try:
+    yield
+  finally:
+    for variable, value in zip(state, saved):
+      variable.assign(value)
 
 
 class TrainStep:
@@ -116,6 +131,25 @@ class TrainStep:
       replica_core = lambda batch: compiled(batch)  # pylint: disable=unnecessary-lambda
     self._replica_core_fn = replica_core
     self.train_loop = tf.function(self._train_loop)
+
+  def replica_share(self, batch):
+    """The first examples of a global batch, as many as one replica's (first) micro-batch has in
+    a step: batch_size / (replicas * grad_accum_steps). A probe that stands for a step (the
+    numerics statistics) computes on it with `share_loss`, so its weight gradients have the
+    magnitudes the step's have (a whole global batch sums replicas x micro-batches as many)."""
+    n = self.global_batch_size // (self.strategy.num_replicas_in_sync * self.grad_accum_steps)
+    return tf.nest.map_structure(lambda t: t[:n], batch)
+
+  def share_loss(self, per_example_loss) -> tf.Tensor:
+    """The loss the default step differentiates for a `replica_share`: the per-example losses
+    summed / global batch size, plus the model's regularization losses / (replicas x micro-
+    batches); float32. Any context (no replica context needed)."""
+    loss = tf.nn.compute_average_loss(tf.cast(per_example_loss, tf.float32),
+                                      global_batch_size=self.global_batch_size)
+    if self.model.losses:
+      loss += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) / (
+          self.strategy.num_replicas_in_sync * self.grad_accum_steps)
+    return loss
 
   # ---- what a custom step overrides ---------------------------------------------------------
   @property

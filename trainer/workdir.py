@@ -158,7 +158,6 @@ class Workdir:
     self._manager = None
     self._writer = None
     self._lock = None
-    self._record_step = None  # the step whose config record this process wrote or checked
 
   # ---- reading ---------------------------------------------------------------------------------
   def restore_read_only(self) -> str | None:
