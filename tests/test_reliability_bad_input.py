@@ -5,7 +5,6 @@ import gzip
 import os
 import struct
 
-import ml_collections
 import numpy as np
 import pytest
 
@@ -13,7 +12,7 @@ from trainer import config as config_lib
 from trainer.data import mnist
 from trainer.errors import ConfigError, DataError
 
-from test_reliability_bad_config import launch  # pytest puts tests/ on sys.path
+from test_reliability_bad_config import invalid, launch  # pytest puts tests/ on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_DIR = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
@@ -22,16 +21,6 @@ MNIST_DIR = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
 def one_line(error) -> str:
   message = str(error)
   assert message and '\n' not in message
-  return message
-
-
-def invalid(key, value):
-  values = config_lib.defaults().to_dict()  # a plain dict, so any type can go in
-  config_lib.set_dotted(values, key, value)
-  with pytest.raises(ConfigError) as info:
-    config_lib.validate(ml_collections.ConfigDict(values))
-  message = one_line(info.value)
-  assert f'config.{key}' in message
   return message
 
 
@@ -95,6 +84,14 @@ def write_idx(path, magic, dims, payload_bytes=None):
     f.write(struct.pack('>i', magic) + struct.pack(f'>{len(dims)}i', *dims) + body)
 
 
+def write_mnist(folder, *, train_images, train_labels, test=2):
+  """The four MNIST files in `folder`, with these counts and all-zero pixels."""
+  write_idx(folder / 'train-images-idx3-ubyte.gz', 2051, (train_images, 28, 28))
+  write_idx(folder / 'train-labels-idx1-ubyte.gz', 2049, (train_labels,))
+  write_idx(folder / 't10k-images-idx3-ubyte.gz', 2051, (test, 28, 28))
+  write_idx(folder / 't10k-labels-idx1-ubyte.gz', 2049, (test,))
+
+
 def test_data_folder_missing(tmp_path):
   with pytest.raises(DataError) as info:
     mnist.load(str(tmp_path / 'no-such-folder'))
@@ -130,10 +127,7 @@ def test_idx_truncated_gzip_stream(tmp_path):
 
 
 def test_images_and_labels_of_different_counts(tmp_path):
-  write_idx(tmp_path / 'train-images-idx3-ubyte.gz', 2051, (5, 28, 28))
-  write_idx(tmp_path / 'train-labels-idx1-ubyte.gz', 2049, (4,))
-  write_idx(tmp_path / 't10k-images-idx3-ubyte.gz', 2051, (2, 28, 28))
-  write_idx(tmp_path / 't10k-labels-idx1-ubyte.gz', 2049, (2,))
+  write_mnist(tmp_path, train_images=5, train_labels=4)
   with pytest.raises(DataError) as info:
     mnist.load(str(tmp_path))
   message = one_line(info.value)

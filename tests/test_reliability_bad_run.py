@@ -19,7 +19,7 @@ from trainer.data import mnist
 from trainer.errors import ConfigError, DataError, UserError
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_reliability_bad_input import write_idx  # noqa: E402
+from test_reliability_bad_input import write_mnist  # noqa: E402
 from test_reliability_checkpoints import damage  # noqa: E402
 from tiny import TinyTrainer, tiny_config, weights  # noqa: E402
 
@@ -100,10 +100,7 @@ def test_tf_config_task_not_in_cluster(tmp_path, monkeypatch, task, expected):
 
 # ---- data --------------------------------------------------------------------------------------
 def test_mnist_files_with_zero_images(tmp_path):
-  write_idx(tmp_path / 'train-images-idx3-ubyte.gz', 2051, (0, 28, 28))
-  write_idx(tmp_path / 'train-labels-idx1-ubyte.gz', 2049, (0,))
-  write_idx(tmp_path / 't10k-images-idx3-ubyte.gz', 2051, (2, 28, 28))
-  write_idx(tmp_path / 't10k-labels-idx1-ubyte.gz', 2049, (2,))
+  write_mnist(tmp_path, train_images=0, train_labels=0)
   with pytest.raises(DataError) as info:
     mnist.load(str(tmp_path))
   message = one_line(info.value)
