@@ -9,8 +9,12 @@ CPU-second of the process, each as a ratio to `fit`:
   no_cond   ours without `tf.cond(finite, apply, skip)`: gradients always applied (the finite
             check, loss scaler, metrics and counters stay), i.e. the cost of the skip guarantee;
   bare      tape, gradients, apply_gradients, global step += 1: the floor of a custom loop;
+  no_forensics  ours with numerics.forensics_first = forensics_every = 0: the compiled loop's
+            per-step check whether to stop for a forensic replay is gone;
+  no_guard  ours with precision.max_consecutive_skips = 0: the collapse guard's per-step check
+            is gone;
   fit       Keras `model.fit`, steps_per_execution = steps_per_loop.
-A diagnostic, not a test: `no_cond` and `bare` drop guarantees the trainer keeps.
+A diagnostic, not a test: every contender but `ours` and `fit` drops something the trainer keeps.
 """
 from __future__ import annotations
 
@@ -83,11 +87,19 @@ def main(argv):
   trainer_class = models.get_trainer_class(_MODEL.value)
   spl = _SPL.value
   config = variant(model_config(_MODEL.value), policy=_POLICY.value, steps_per_loop=spl)
+  no_forensics = config.copy_and_resolve_references()
+  no_forensics.numerics.forensics_first = no_forensics.numerics.forensics_every = 0
+  no_guard = config.copy_and_resolve_references()
+  no_guard.precision.max_consecutive_skips = 0
+  contenders = {'ours': (trainer_class, config),
+                'no_cond': (ablated(trainer_class, keep_checks=True), config),
+                'bare': (ablated(trainer_class, keep_checks=False), config),
+                'no_forensics': (trainer_class, no_forensics),
+                'no_guard': (trainer_class, no_guard),
+                'fit': (trainer_class, config)}
   built = {}
-  for name in ('ours', 'no_cond', 'bare', 'fit'):
-    cls = (ablated(trainer_class, keep_checks=name == 'no_cond')
-           if name in ('no_cond', 'bare') else trainer_class)
-    contender = (KerasFit if name == 'fit' else Ours)(cls, config)
+  for name, (cls, cfg) in contenders.items():
+    contender = (KerasFit if name == 'fit' else Ours)(cls, cfg)
     contender.timed(spl)
     contender.timed(spl * _CALLS.value)
     built[name] = contender
@@ -101,7 +113,7 @@ def main(argv):
       cpu[name].append(steps / c)
   print(f'{_MODEL.value} {_POLICY.value} steps_per_loop={spl}, {rounds} rounds; '
         'median (min-max) of per-round ratios to fit')
-  print(f'{"":8} {"steps/s":>8} {"/ fit (wall)":>20} {"steps/CPU-s":>12} {"/ fit (CPU)":>20}')
+  print(f'{"":12} {"steps/s":>8} {"/ fit (wall)":>20} {"steps/CPU-s":>12} {"/ fit (CPU)":>20}')
   for name in built:
     row = [name, f'{statistics.median(wall[name]):8.1f}']
     for rates in (wall, cpu):
@@ -110,7 +122,7 @@ def main(argv):
       if rates is cpu:
         row.append(f'{statistics.median(cpu[name]):12.1f}')
       row.append(f'{text:>20}')
-    print(f'{row[0]:8} {row[1]} {row[2]} {row[3]} {row[4]}')
+    print(f'{row[0]:12} {row[1]} {row[2]} {row[3]} {row[4]}')
   for contender in built.values():
     contender.close()
 

@@ -71,3 +71,17 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
     assert heading in table, heading
   for p in policies:
     assert f'| {p} |' in table
+
+
+def test_step_ablation_runs_every_contender():
+  """benchmarks/ablate_step.py builds its stripped-down steps on the public TrainStep contract;
+  one short round of each, on the MLP, so it never rots. No claim about speed."""
+  done = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'benchmarks', 'ablate_step.py'), '--model=mnist_mlp',
+       '--policy=mixed_bfloat16', '--rounds=1', '--calls=1'],
+      capture_output=True, text=True, cwd=ROOT, timeout=600,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:] if line.strip()}
+  assert set(rows) == {'ours', 'no_cond', 'bare', 'no_forensics', 'no_guard', 'fit'}, done.stdout
+  assert all(float(row[1]) > 0 for row in rows.values())  # steps per second
