@@ -212,7 +212,7 @@ def test_resume_with_a_changed_model_says_so(tmp_path, warnings):
   message = str(info.value)
   assert '\n' not in message and message.startswith('no checkpoint in ')
   assert 'another model than the one build_model() makes now' in message
-  assert any('does not match the model' in w for w in warnings)
+  assert any('does not match this run' in w and "its 'model'" in w for w in warnings)
   assert not any('unreadable' in w for w in warnings)
 
 
@@ -234,3 +234,89 @@ def test_a_finished_run_says_it_trains_nothing(tmp_path, monkeypatch):
   TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
   assert any(line.startswith('the run is already at step 5 of 5: nothing to train')
              for line in lines)
+
+
+def test_resume_with_another_optimizer_names_the_optimizer(tmp_path, warnings):
+  """An optimizer change was reported as 'another model than the one build_model() makes'."""
+  workdir = str(tmp_path / 'work')
+  TinyTrainer(tiny_config(**{'train.steps': 5, 'optimizer.name': 'sgd'}), workdir).train()
+  with pytest.raises(UserError) as info:
+    TinyTrainer(tiny_config(**{'train.steps': 10, 'optimizer.name': 'adam',
+                               'train.accept_config_change': True}), workdir).train()
+  message = str(info.value)
+  assert 'another optimizer state than config.optimizer builds now' in message
+  assert 'build_model' not in message
+  assert any("its 'optimizer' does not match" in w for w in warnings)
+
+
+def test_an_action_added_on_resume_starts_fresh(tmp_path):
+  """Adding early stopping to a resumed run failed: the checkpoint had no state for it."""
+  workdir = str(tmp_path / 'work')
+  TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
+  trainer = TinyTrainer(tiny_config(**{'train.steps': 10, 'train.eval_every': 5,
+                                       'early_stopping.metric': 'loss',
+                                       'early_stopping.patience': 100,
+                                       'train.accept_config_change': True}), workdir)
+  trainer.train()
+  assert int(trainer.global_step.numpy()) == 10
+
+
+def test_an_eval_path_with_other_weights_is_not_a_loss_without_gradient(tmp_path):
+  """The gradient check differentiated compute_loss(training=False); a trainer that evaluates an
+  average of the weights (a copy with no trainable variables) was refused."""
+  class AveragedEval(TinyTrainer):
+    def build_model(self):
+      model = super().build_model()
+      self.average = keras.models.clone_model(model)
+      self.average.trainable = False
+      return model
+
+    def compute_loss(self, batch, *, training):
+      x, y = batch
+      logits = tf.cast((self.model if training else self.average)(x, training=training),
+                       tf.float32)
+      return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), {}
+  trainer = AveragedEval(tiny_config(**{'train.steps': 2}), str(tmp_path / 'work'))
+  trainer.train()
+  assert int(trainer.global_step.numpy()) == 2
+
+
+def test_a_hook_set_on_the_instance_counts(tmp_path):
+  """compute_loss assigned in __init__ before super().__init__() was 'does not define'."""
+  class Assigned(Trainer):
+    build_datasets, build_model = TinyTrainer.build_datasets, TinyTrainer.build_model
+
+    def __init__(self, config, workdir):
+      self.compute_loss = lambda batch, *, training: TinyTrainer.compute_loss(
+          self, batch, training=training)
+      super().__init__(config, workdir)
+
+  trainer = Assigned(tiny_config(**{'train.steps': 2}), str(tmp_path / 'a'))
+  trainer.train()
+  assert int(trainer.global_step.numpy()) == 2
+
+
+def test_a_metric_with_the_three_methods_is_accepted(tmp_path):
+  class Count:
+    """Not a keras.metrics.Metric: update_state, result and reset_state are enough."""
+    def __init__(self):
+      self.total = keras.Variable(0.0, trainable=False)
+
+    def update_state(self, values):
+      self.total.assign_add(tf.reduce_sum(values))
+
+    def result(self):
+      return self.total.value
+
+    def reset_state(self):
+      self.total.assign(0.0)
+
+  class Counted(TinyTrainer):
+    def build_metrics(self):
+      return {'examples': Count()}
+
+    def compute_loss(self, batch, *, training):
+      loss, metrics = super().compute_loss(batch, training=training)
+      return loss, {**metrics, 'examples': (tf.ones_like(loss),)}
+  trainer = Counted(tiny_config(**{'train.steps': 2}), str(tmp_path / 'w'))
+  assert trainer.train()['examples'] > 0

@@ -46,8 +46,20 @@ def restore(items: dict, path: str) -> None:
   missing = [k for k in items if k not in present and k not in LATER_ITEMS]
   if missing:
     raise AssertionError(f'the checkpoint has no {", ".join(missing)}')
-  found = {k: v for k, v in items.items() if k in present}
-  tf.train.Checkpoint(**found).restore(path).assert_existing_objects_matched()
+  # One item at a time, so a mismatch names the item (the model, the optimizer, ...).
+  for name, item in items.items():
+    if name not in present:
+      continue
+    try:
+      status = tf.train.Checkpoint(**{name: item}).restore(path)
+      if name != 'actions':  # an action added on resume starts fresh; a removed one's is left
+        status.assert_existing_objects_matched()
+      status.expect_partial()  # the other items are restored by their own Checkpoint
+    except (AssertionError, ValueError) as e:
+      if not _mismatch(e):
+        raise
+      first = (str(e).strip().splitlines() or [''])[0]
+      raise AssertionError(f'its {name!r} does not match this run\'s ({first[:160]})') from e
 
 
 def restore_newest_readable(items: dict, directory: str) -> str | None:
@@ -64,7 +76,7 @@ def restore_newest_readable(items: dict, directory: str) -> str | None:
     except Exception as e:  # pylint: disable=broad-except
       lines = str(e).strip().splitlines()
       reason = f'{type(e).__name__}: {lines[0][:200] if lines else ""}'.rstrip(': ')
-      what = 'does not match the model' if _mismatch(e) else 'is unreadable'
+      what = 'does not match this run' if _mismatch(e) else 'is unreadable'
       logging.warning('checkpoint %s %s (%s); trying the previous one', path, what, reason)
       failures.append((path, reason, _mismatch(e)))
       continue
@@ -75,8 +87,17 @@ def restore_newest_readable(items: dict, directory: str) -> str | None:
   if failures:
     names = ', '.join(os.path.basename(p) for p, _, _ in failures)
     if all(mismatch for _, _, mismatch in failures):
-      hint = ('they hold another model than the one build_model() makes now (its layers or '
-              'their sizes changed since this run began): resume with the model as it was')
+      item = re.search(r"its '(\w+)' does not match", failures[0][1])
+      what = {'model': "another model than the one build_model() makes now (its layers or "
+                       "their sizes changed since this run began): resume with the model as it "
+                       "was",
+              'optimizer': 'another optimizer state than config.optimizer builds now (its '
+                           'name or kind changed since this run began): resume with the '
+                           'optimizer as it was'}
+      hint = 'they hold ' + what.get(
+          item.group(1) if item else '',
+          f"other {item.group(1) if item else 'state'} than this run builds now (a "
+          'checkpoint_items() entry changed since this run began): resume with it as it was')
     else:
       hint = 'were they written by another model or config?'
     raise UserError(f'no checkpoint in {directory} can be restored (tried {names}; '

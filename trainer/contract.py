@@ -97,10 +97,11 @@ def _check_train_batch(train, batch_size: int) -> None:
   got = _spec_summary(train.element_spec)
   if None in sizes:
     logging.warning('build_datasets returned Datasets.train with batches of unknown size (%s): '
-                    'without drop_remainder=True the last batch of a pass is smaller, its '
-                    'examples weigh less (the loss is divided by config.train.batch_size=%d) '
-                    'and it may not split over the replicas; use .batch(config.train.batch_size, '
-                    'drop_remainder=True)', got, batch_size)
+                    'unless the data is repeated before .batch(), the last batch of each pass '
+                    'is smaller, its examples weigh less (the loss is divided by '
+                    'config.train.batch_size=%d) and it may not split over the replicas; use '
+                    '.batch(config.train.batch_size, drop_remainder=True), which also makes the '
+                    'size known', got, batch_size)
   elif batch_size not in sizes:
     size = ' or '.join(str(n) for n in sorted(sizes))
     raise UserError(f'build_datasets returned Datasets.train with leading dimension {size} '
@@ -135,13 +136,15 @@ def check_hooks(trainer, base: type) -> None:
   overrides accepts the arguments the trainer passes (a wrong signature would otherwise fail
   later, with a traceback, some of them only at the first log line)."""
   cls = type(trainer)
-  missing = [n for n in REQUIRED_HOOKS if getattr(cls, n, None) is getattr(base, n)]
+  # A hook may also be an instance attribute set before super().__init__().
+  missing = [n for n in REQUIRED_HOOKS
+             if getattr(cls, n, None) is getattr(base, n) and n not in vars(trainer)]
   if missing:
     raise UserError(f'{cls.__name__} does not define {", ".join(missing)}: a Trainer subclass '
                     'defines ' + ', '.join(f'`{_expected(n)}`' for n in missing) +
                     ' (README: "Write your own model")')
   for name, (args, kwargs) in HOOK_CALLS.items():
-    if getattr(cls, name, None) is getattr(base, name):
+    if getattr(cls, name, None) is getattr(base, name) and name not in vars(trainer):
       continue
     hook = getattr(trainer, name)
     try:
@@ -171,7 +174,9 @@ def check_metrics(metrics) -> None:
     raise UserError(f'build_metrics returned {type(metrics).__name__}; return a dict '
                     "{name: keras metric}, e.g. {'auc': keras.metrics.AUC(from_logits=True)}")
   for name, metric in metrics.items():
-    if not isinstance(metric, keras.metrics.Metric):
+    # Keras metrics, or anything with their three methods (duck-typed, as the loops use it).
+    if not all(callable(getattr(metric, m, None))
+               for m in ('update_state', 'result', 'reset_state')) or isinstance(metric, type):
       raise UserError(f'build_metrics returned {type(metric).__name__} for {name!r}; each value '
                       'must be a keras.metrics.Metric instance (note the parentheses: '
                       'keras.metrics.AUC())')
@@ -275,11 +280,9 @@ def check_outputs(batch, outputs, stateful=()) -> dict:
   return dict(metrics)
 
 
-def probe(datasets, compute_loss, stateful=(), model=None) -> dict:
+def probe(datasets, compute_loss, stateful=()) -> dict:
   """Checks the datasets, runs compute_loss eagerly on the first eval batch (which builds the
-  model) and checks its result; returns the metrics dict. Call it under the strategy's scope.
-  With `model` (the default train step's), the loss must have a gradient for at least one of
-  its trainable variables (checked under the default strategy, one device)."""
+  model) and checks its result; returns the metrics dict. Call it under the strategy's scope."""
   check_datasets(datasets)
   batch = next(iter(datasets.eval.take(1)), None)
   if batch is None:
@@ -288,27 +291,36 @@ def probe(datasets, compute_loss, stateful=(), model=None) -> dict:
                     f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
                     'one example')
   try:
-    with tf.GradientTape() as tape:
-      outputs = compute_loss(batch, training=False)
+    outputs = compute_loss(batch, training=False)
   except Exception as e:  # the user's code: keep the traceback, say which call it was
     shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
     e.add_note(f'(raised by compute_loss(batch, training=False) on the first eval batch, '
                f'{shapes}, when the trainer checked its hooks: trainer/contract.py)')
     raise
   metrics = check_outputs(batch, outputs, stateful)
-  variables = model.trainable_variables if model is not None else []
-  # A distributed variable has no handle outside a replica context: checked under TF's
-  # default strategy (config.distribute.strategy='default') only.
-  if tf.distribute.has_strategy():
-    variables = []
-  if variables and all(
-      g is None for g in tape.gradient(tf.convert_to_tensor(outputs[0]), variables)):
-    raise UserError(f'compute_loss returned a loss ({_describe(outputs[0])}) that does not depend '
-                    'on any trainable variable of the model: no gradient reaches them; compute it '
-                    'from self.model(inputs, training=training) with TensorFlow ops (not NumPy '
-                    'or .numpy(), not through tf.stop_gradient)')
   _warn_nonfinite_loss(outputs[0])
   return metrics
+
+
+def check_gradient(datasets, compute_loss, model) -> None:
+  """The default train step's loss has a gradient for at least one trainable variable of
+  `model`: compute_loss(batch, training=True) on the first eval batch, as the step
+  differentiates it (an eval path may use other weights, e.g. an average), the state that
+  forward pass assigns (BatchNorm statistics) put back. Call it once the trainer is built (a
+  training loss may read its global step). A distributed variable has no handle outside a
+  replica context: checked under TF's default strategy (distribute.strategy='default') only."""
+  variables = model.trainable_variables
+  if not variables or tf.distribute.has_strategy():
+    return
+  from trainer.train_step import forward_state_kept
+  batch = next(iter(datasets.eval.take(1)))
+  with forward_state_kept(model), tf.GradientTape() as tape:
+    loss = compute_loss(batch, training=True)[0]
+  if all(g is None for g in tape.gradient(tf.convert_to_tensor(loss), variables)):
+    raise UserError(f'compute_loss returned a loss ({_describe(loss)}) that does not depend on '
+                    'any trainable variable of the model: no gradient reaches them; compute it '
+                    'from self.model(inputs, training=training) with TensorFlow ops (not NumPy '
+                    'or .numpy(), not through tf.stop_gradient)')
 
 
 def _warn_nonfinite_loss(loss) -> None:

@@ -4,8 +4,8 @@ Every `numerics.every` steps (at the first log boundary past each multiple; 0 = 
 runs one compiled probe: a forward and backward pass of `compute_loss` at the current weights and
 loss scale, on a batch from an iterator of its own (the training iterator's order, hence a
 resume, is untouched), with the forward-pass state (BatchNorm statistics) put back afterwards.
-The probe computes what one replica's (first) micro-batch computes in a step, with the step's
-loss (`TrainStep.replica_share`, `share_loss`): a whole global batch would sum replicas x
+The probe computes what one replica's (first) micro-batch computes in a step, with the default
+step's loss (`TrainStep.replica_share`, `share_loss`): a whole global batch would sum replicas x
 micro-batches as many examples into each weight gradient and under-report its underflow.
 Only the statistics are read back:
 
