@@ -306,9 +306,10 @@ def check_gradient(datasets, compute_loss, model) -> None:
   """The default train step's loss has a gradient for at least one trainable variable of
   `model`: compute_loss(batch, training=True) on the first eval batch, as the step
   differentiates it (an eval path may use other weights, e.g. an average), the state that
-  forward pass assigns (BatchNorm statistics) put back. Call it once the trainer is built (a
-  training loss may read its global step). A distributed variable has no handle outside a
-  replica context: checked under TF's default strategy (distribute.strategy='default') only."""
+  forward pass assigns (BatchNorm statistics) put back. Call it before float8 quantization
+  (Keras's float8 layers' custom gradient fails under this eager tape). A distributed
+  variable has no handle outside a replica context: checked under TF's default strategy
+  (distribute.strategy='default') only."""
   variables = model.trainable_variables
   if not variables or tf.distribute.has_strategy():
     return

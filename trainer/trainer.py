@@ -87,19 +87,19 @@ class Trainer:
       self.eval_metrics = self.build_metrics()
       # One eager forward pass builds the model, checks the hooks' contract (one-line errors
       # before anything is written) and tells the metric names.
+      self.global_step = state_variable(0, tf.int64, 'global_step')  # a loss may read it
       self.metric_names = tuple(contract.probe(self.datasets, self.compute_loss,
                                                stateful=self.train_metrics))
+      if type(self).build_train_step is Trainer.build_train_step:  # a custom step may differ
+        contract.check_gradient(self.datasets, self.compute_loss, self.model)
       if c.precision.float8:  # after the probe: quantize needs a built model
         precision.quantize_float8(self.model)
       self.loss_scaler = LossScaler.from_config(c.precision, self.policy)
-      self.global_step = state_variable(0, tf.int64, 'global_step')
       self.learning_rate = optimizers.schedule(c.optimizer, self.total_steps)
       self.optimizer = self.build_optimizer(lambda: self.learning_rate(self.global_step))
       self.train_step = self.build_train_step()
       self.eval_loop = EvalLoop(strategy=self.strategy, compute_loss=self.compute_loss,
                                 metric_names=self.metric_names, metrics=self.eval_metrics)
-      if type(self).build_train_step is Trainer.build_train_step:  # a custom step may differ
-        contract.check_gradient(self.datasets, self.compute_loss, self.model)
     self.actions = list(self.build_actions())
     contract.check_actions(self.actions)
     self._actions_state = actions.state(self.actions)  # checkpointed: see checkpoint_items
