@@ -37,15 +37,24 @@ from trainer.errors import UserError
 LATER_ITEMS = ('consecutive_skips', 'actions')
 
 
+class Mismatch(AssertionError):
+  """A checkpoint that reads fine but holds other state than `items`; `item` names the
+  checkpoint item at fault (None: items are missing)."""
+
+  def __init__(self, message: str, item: str | None = None):
+    super().__init__(message)
+    self.item = item
+
+
 def restore(items: dict, path: str) -> None:
   """Restores `items` ({name: trackable}, as saved by tf.train.Checkpoint(**items)) from
-  `path`; raises AssertionError naming what does not match."""
+  `path`; raises Mismatch naming what does not match."""
   graph = trackable_object_graph_pb2.TrackableObjectGraph()
   graph.ParseFromString(tf.train.load_checkpoint(path).get_tensor('_CHECKPOINTABLE_OBJECT_GRAPH'))
   present = {child.local_name for child in graph.nodes[0].children}  # the root's items
   missing = [k for k in items if k not in present and k not in LATER_ITEMS]
   if missing:
-    raise AssertionError(f'the checkpoint has no {", ".join(missing)}')
+    raise Mismatch(f'the checkpoint has no {", ".join(missing)}')
   # One item at a time, so a mismatch names the item (the model, the optimizer, ...).
   for name, item in items.items():
     if name not in present:
@@ -56,10 +65,12 @@ def restore(items: dict, path: str) -> None:
         status.assert_existing_objects_matched()
       status.expect_partial()  # the other items are restored by their own Checkpoint
     except (AssertionError, ValueError) as e:
-      if not _mismatch(e):
+      # Other variables (AssertionError) or shapes (ValueError) than the item's; any other
+      # ValueError is a damaged file.
+      if isinstance(e, ValueError) and 'incompatible tensor with shape' not in str(e):
         raise
       first = (str(e).strip().splitlines() or [''])[0]
-      raise AssertionError(f'its {name!r} does not match this run\'s ({first[:160]})') from e
+      raise Mismatch(f'its {name!r} does not match this run\'s ({first[:160]})', name) from e
 
 
 def restore_newest_readable(items: dict, directory: str) -> str | None:
@@ -67,18 +78,18 @@ def restore_newest_readable(items: dict, directory: str) -> str | None:
   trackable}); returns its path, or None when the folder holds none. Raises UserError when
   there are some and none loads."""
   candidates = find(directory, warn=True)
-  failures = []
+  failures = []  # (path, reason, the exception)
   for path in candidates:
     try:
       restore(items, path)
     # A damaged file surfaces as OpError (DataLoss, NotFound), IndexError, ValueError, a
-    # protobuf DecodeError ...; a structure mismatch as AssertionError.
+    # protobuf DecodeError ...; a structure mismatch as Mismatch.
     except Exception as e:  # pylint: disable=broad-except
       lines = str(e).strip().splitlines()
       reason = f'{type(e).__name__}: {lines[0][:200] if lines else ""}'.rstrip(': ')
-      what = 'does not match this run' if _mismatch(e) else 'is unreadable'
+      what = 'does not match this run' if isinstance(e, Mismatch) else 'is unreadable'
       logging.warning('checkpoint %s %s (%s); trying the previous one', path, what, reason)
-      failures.append((path, reason, _mismatch(e)))
+      failures.append((path, reason, e))
       continue
     if failures:
       logging.warning('restored %s instead of the newer unreadable %s', path,
@@ -86,8 +97,8 @@ def restore_newest_readable(items: dict, directory: str) -> str | None:
     return path
   if failures:
     names = ', '.join(os.path.basename(p) for p, _, _ in failures)
-    if all(mismatch for _, _, mismatch in failures):
-      item = re.search(r"its '(\w+)' does not match", failures[0][1])
+    if all(isinstance(e, Mismatch) for _, _, e in failures):
+      item = failures[0][2].item
       what = {'model': "another model than the one build_model() makes now (its layers or "
                        "their sizes changed since this run began): resume with the model as it "
                        "was",
@@ -95,21 +106,14 @@ def restore_newest_readable(items: dict, directory: str) -> str | None:
                            'name or kind changed since this run began): resume with the '
                            'optimizer as it was'}
       hint = 'they hold ' + what.get(
-          item.group(1) if item else '',
-          f"other {item.group(1) if item else 'state'} than this run builds now (a "
-          'checkpoint_items() entry changed since this run began): resume with it as it was')
+          item, f"other {item or 'state'} than this run builds now (a checkpoint_items() entry "
+          'changed since this run began): resume with it as it was')
     else:
       hint = 'were they written by another model or config?'
     raise UserError(f'no checkpoint in {directory} can be restored (tried {names}; '
                     f'newest: {failures[0][1]}); {hint}. Use a new --workdir, or delete that '
                     'folder to start over.')
   return None
-
-
-def _mismatch(error: Exception) -> bool:
-  """True when a checkpoint read fine but holds other variables or shapes than the model."""
-  return isinstance(error, AssertionError) or (
-      isinstance(error, ValueError) and 'incompatible tensor with shape' in str(error))
 
 
 STATE_FILE = 'checkpoint'
