@@ -141,9 +141,10 @@ class TrainStep:
     return tf.nest.map_structure(lambda t: t[:n], batch)
 
   def share_loss(self, per_example_loss) -> tf.Tensor:
-    """The loss the default step differentiates for a `replica_share`: the per-example losses
-    summed / global batch size, plus the model's regularization losses / (replicas x micro-
-    batches); float32. Any context (no replica context needed)."""
+    """The loss the default step differentiates for one replica's (micro-)batch (its
+    `compute_gradients` calls this; so does a probe on a `replica_share`): the per-example
+    losses summed / global batch size, plus the model's regularization losses / (replicas x
+    micro-batches); float32. Any context (no replica context needed)."""
     loss = tf.nn.compute_average_loss(tf.cast(per_example_loss, tf.float32),
                                       global_batch_size=self.global_batch_size)
     if self.model.losses:
@@ -170,12 +171,12 @@ class TrainStep:
     is already divided by the global batch, so the sum is the whole batch's gradient)."""
     k = self.grad_accum_steps
     if k == 1:
-      return self._micro_gradients(batch, 1.0)
+      return self._micro_gradients(batch)
     flat = [tf.split(t, k, axis=0) for t in tf.nest.flatten(batch)]
     outputs, grads = None, None
     for i in range(k):
       micro = tf.nest.pack_sequence_as(batch, [parts[i] for parts in flat])
-      micro_outputs, micro_grads = self._micro_gradients(micro, 1.0 / k)
+      micro_outputs, micro_grads = self._micro_gradients(micro)
       micro_grads = [None if g is None else tf.convert_to_tensor(g) for g in micro_grads]
       if grads is None:
         outputs, grads = micro_outputs, micro_grads
@@ -311,15 +312,10 @@ class TrainStep:
     first = next(i for i, g in enumerate(grads) if g is not None)
     return [g * poison if i == first else g for i, g in enumerate(grads)]
 
-  def _micro_gradients(self, batch, regularization_weight):
+  def _micro_gradients(self, batch):
     with tf.GradientTape() as tape:
       per_example_loss, metrics = self.compute_loss(batch, training=True)
-      per_example_loss = tf.cast(per_example_loss, tf.float32)
-      loss = tf.nn.compute_average_loss(per_example_loss,
-                                        global_batch_size=self.global_batch_size)
-      if self.model.losses:
-        loss += regularization_weight * tf.nn.scale_regularization_loss(
-            tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]))
+      loss = self.share_loss(per_example_loss)
       scaled_loss = self.loss_scaler.scale_loss(loss)
     grads = self.loss_scaler.unscale(tape.gradient(scaled_loss, self.variables), self.variables)
     outputs = {'loss': loss}
