@@ -1,7 +1,8 @@
 """The hook contract, checked once before training on one eval batch (no cost per step).
 
-`probe(datasets, compute_loss)` runs the eager forward pass the trainer needs anyway (it builds
-the model and tells the metric names) and checks what the user's hooks returned:
+`check_datasets(datasets)` reads the datasets' element specs; `probe(batch, compute_loss)`, on
+the first eval batch, runs the eager forward pass the trainer needs anyway (it builds the model
+and tells the metric names). Together they check what the user's hooks returned:
 
   build_datasets() -> Datasets whose `train` and `eval` are batched tf.data.Datasets;
   compute_loss(batch, training=...) -> (loss, {name: value}): the loss floating-point with shape
@@ -207,13 +208,12 @@ def _batch_size(batch) -> int | None:
 def check_outputs(batch, outputs, stateful=()) -> dict:
   """Checks compute_loss's result on `batch`; returns the metrics dict. Entries named in
   `stateful` (the Trainer's build_metrics()) are update_state arguments, not [B] values."""
-  if isinstance(outputs, (tuple, list)) and len(outputs) == 2 and not isinstance(
-      outputs[1], Mapping):
+  pair = isinstance(outputs, (tuple, list)) and len(outputs) == 2
+  if pair and not isinstance(outputs[1], Mapping):
     raise UserError(f'compute_loss returned (loss, {_describe(outputs[1])}); the second item must '
                     'be a dict {metric name: per-example value [B]}, e.g. '
                     "`return loss, {'accuracy': correct}`, or `return loss, {}` for none")
-  if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2
-          and isinstance(outputs[1], Mapping)):
+  if not pair:
     what = (f'a {type(outputs).__name__} of {len(outputs)}' if isinstance(outputs, (tuple, list))
             else _describe(outputs))
     raise UserError(f'compute_loss returned {what}; return a pair (per-example loss [B], '
@@ -280,16 +280,21 @@ def check_outputs(batch, outputs, stateful=()) -> dict:
   return dict(metrics)
 
 
-def probe(datasets, compute_loss, stateful=()) -> dict:
-  """Checks the datasets, runs compute_loss eagerly on the first eval batch (which builds the
-  model) and checks its result; returns the metrics dict. Call it under the strategy's scope."""
-  check_datasets(datasets)
+def first_eval_batch(datasets):
+  """The first batch of `datasets.eval` (checked by check_datasets), which the checks below
+  run on; an error when the eval set is empty."""
   batch = next(iter(datasets.eval.take(1)), None)
   if batch is None:
     raise UserError('build_datasets returned an empty Datasets.eval (it yields no batch: an empty '
                     'source, a filter, or drop_remainder=True on fewer examples than a batch; '
                     f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
                     'one example')
+  return batch
+
+
+def probe(batch, compute_loss, stateful=()) -> dict:
+  """Runs compute_loss eagerly on `batch` (the first eval batch; the call builds the model)
+  and checks its result; returns the metrics dict. Call it under the strategy's scope."""
   try:
     outputs = compute_loss(batch, training=False)
   except Exception as e:  # the user's code: keep the traceback, say which call it was
@@ -302,7 +307,7 @@ def probe(datasets, compute_loss, stateful=()) -> dict:
   return metrics
 
 
-def check_gradient(datasets, compute_loss, model) -> None:
+def check_gradient(batch, compute_loss, model) -> None:
   """The default train step's loss has a gradient for at least one trainable variable of
   `model`: compute_loss(batch, training=True) on the first eval batch, as the step
   differentiates it (an eval path may use other weights, e.g. an average), the state that
@@ -314,7 +319,6 @@ def check_gradient(datasets, compute_loss, model) -> None:
   if not variables or tf.distribute.has_strategy():
     return
   from trainer.train_step import forward_state_kept
-  batch = next(iter(datasets.eval.take(1)))
   with forward_state_kept(model), tf.GradientTape() as tape:
     loss = compute_loss(batch, training=True)[0]
   if all(g is None for g in tape.gradient(tf.convert_to_tensor(loss), variables)):

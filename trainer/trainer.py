@@ -88,10 +88,11 @@ class Trainer:
       # One eager forward pass builds the model, checks the hooks' contract (one-line errors
       # before anything is written) and tells the metric names.
       self.global_step = state_variable(0, tf.int64, 'global_step')  # a loss may read it
-      self.metric_names = tuple(contract.probe(self.datasets, self.compute_loss,
+      batch = contract.first_eval_batch(self.datasets)  # the datasets: checked by epochs.prepare
+      self.metric_names = tuple(contract.probe(batch, self.compute_loss,
                                                stateful=self.train_metrics))
       if type(self).build_train_step is Trainer.build_train_step:  # a custom step may differ
-        contract.check_gradient(self.datasets, self.compute_loss, self.model)
+        contract.check_gradient(batch, self.compute_loss, self.model)
       if c.precision.float8:  # after the probe: quantize needs a built model
         precision.quantize_float8(self.model)
       self.loss_scaler = LossScaler.from_config(c.precision, self.policy)
