@@ -49,6 +49,9 @@ def _one_of(*choices):
 
 # The choices are defined where they are implemented (one source of truth); the schema reads them.
 POLICIES = ('auto', *precision.POLICIES)
+MASTER_WEIGHTS = ('float32', 'bfloat16_sr', 'bfloat16_kahan')  # trainer/low_precision.py
+STATE_BITS = (32, 8)
+LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/low_precision.py has
 LOSS_SCALES = ('auto', *(m for m in loss_scale.MODES if m != 'static'))  # static: a number
 
 
@@ -107,6 +110,9 @@ SCHEMA: dict[str, Key] = {
     'optimizer.momentum': Key(float, 0.9, 'momentum (sgd only)', _momentum),
     'optimizer.fused': Key(bool, True, "fused TF kernels in the update (Keras's results); "
                            "False = Keras's own element-wise update"),
+    'optimizer.state_bits': Key(int, 32, 'bits per Adam/AdamW moment element: 32, or 8 (block-'
+                                'wise quantized, trainer/low_precision.py)', lambda v: None if v
+                                in STATE_BITS else 'must be 32 or 8'),
     'precision.policy': Key(str, 'auto', 'dtype policy', _one_of(*POLICIES)),
     'precision.loss_scale': Key(str, 'auto', "'auto', 'none', 'dynamic' or a static number",
                                 _loss_scale),
@@ -126,6 +132,11 @@ SCHEMA: dict[str, Key] = {
     'precision.float32_layers': Key(str, '', 'comma-separated layer names computed in float32 '
                                     "under a mixed policy (and the layers inside them); '' = "
                                     'none (launch.py --advise suggests a value)'),
+    'precision.master_weights': Key(str, 'float32', "the weights the optimizer updates: "
+                                    "'float32', or bfloat16 (mixed_bfloat16 only) rounded "
+                                    "stochastically ('bfloat16_sr') or Kahan-compensated "
+                                    "('bfloat16_kahan'); trainer/low_precision.py",
+                                    _one_of(*MASTER_WEIGHTS)),
     'precision.max_consecutive_skips': Key(int, 50, 'skipped steps in a row that stop training '
                                            'with an error; 0 = never stop', _non_negative),
     'precision.allow_low_precision_variables': Key(
@@ -309,10 +320,26 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.early_stopping.metric and not t.eval_every:
     raise ConfigError(f'config.early_stopping.metric={config.early_stopping.metric!r} needs '
                       'evals during training: set config.train.eval_every > 0.')
+  _check_low_precision(config)
   parse_steps(config.debug.inject_nonfinite_steps)
   from trainer import profiling  # the parser lives with the profiler
   profiling.parse(config.train.profile_steps)
   return config
+
+
+def _check_low_precision(config) -> None:
+  """precision.master_weights and optimizer.state_bits: what they need (one-line errors)."""
+  p, o = config.precision, config.optimizer
+  if p.master_weights != 'float32' and p.policy != 'mixed_bfloat16':
+    raise ConfigError(f'config.precision.master_weights={p.master_weights!r} needs '
+                      f"config.precision.policy='mixed_bfloat16' (got {p.policy!r}); or set "
+                      "master_weights='float32'.")
+  if p.master_weights != 'float32' and o.name not in LOW_PRECISION_OPTIMIZERS:
+    raise ConfigError(f'config.precision.master_weights={p.master_weights!r} works with '
+                      f'config.optimizer.name adam, adamw or sgd, not {o.name!r}.')
+  if o.state_bits == 8 and o.name not in ('adam', 'adamw'):
+    raise ConfigError(f'config.optimizer.state_bits=8 quantizes Adam/AdamW moments; '
+                      f'config.optimizer.name={o.name!r} is not adam or adamw: set state_bits=32.')
 
 
 def parse_steps(text: str) -> tuple[int, ...]:

@@ -34,8 +34,9 @@ import tensorflow as tf
 from absl import flags, logging
 
 from trainer import config as config_lib
-from trainer import (actions, audit, contract, distribute, epochs, forensics,
-                     lifecycle, numerics, optimizers, precision, preemption, profiling, progress)
+from trainer import (actions, audit, contract, distribute, epochs, forensics, lifecycle,
+                     low_precision, numerics, optimizers, precision, preemption, profiling,
+                     progress)
 from trainer import workdir as workdir_lib
 from trainer.errors import NonFiniteError
 from trainer.loss_scale import LossScaler, all_finite, state_variable
@@ -80,7 +81,8 @@ class Trainer:
 
     self.jit_compile = _jit(c.train.jit_compile)
     with self.strategy.scope():
-      self.model = precision.build_model(self.build_model, c.precision.float32_layers)
+      self.model = precision.build_model(self.build_model, c.precision.float32_layers,
+                                         bfloat16_variables=c.precision.master_weights != 'float32')
       # Two sets of the stateful metrics: one the train loop updates, one the eval loop.
       self.train_metrics = self.build_metrics()
       contract.check_metrics(self.train_metrics)
@@ -98,6 +100,7 @@ class Trainer:
       self.loss_scaler = LossScaler.from_config(c.precision, self.policy)
       self.learning_rate = optimizers.schedule(c.optimizer, self.total_steps)
       self.optimizer = self.build_optimizer(lambda: self.learning_rate(self.global_step))
+      low_precision.check_optimizer(self.optimizer, c)
       self.train_step = self.build_train_step()
       self.eval_loop = EvalLoop(strategy=self.strategy, compute_loss=self.compute_loss,
                                 metric_names=self.metric_names, metrics=self.eval_metrics)
@@ -126,7 +129,9 @@ class Trainer:
 
   def build_optimizer(self, learning_rate) -> keras.optimizers.Optimizer:
     """`learning_rate` is a no-argument callable (the schedule at the global step)."""
-    return optimizers.build(self.config.optimizer, learning_rate)
+    c = self.config
+    return optimizers.build(c.optimizer, learning_rate, master_weights=c.precision.master_weights,
+                            seed=c.seed, step=self.global_step)
 
   def build_metrics(self) -> dict[str, keras.metrics.Metric]:
     """Stateful Keras metrics by name (e.g. {'auc': keras.metrics.AUC(from_logits=True)}):
@@ -226,7 +231,8 @@ class Trainer:
     Ends early, with a checkpoint, when an action calls `request_stop`."""
     t = self.config.train
     audit.check_at_start(self.model, self.policy,  # precision hazards: one warning line each
-                         self.config.precision.allow_low_precision_variables)
+                         self.config.precision.allow_low_precision_variables,
+                         bfloat16_masters=self.config.precision.master_weights != 'float32')
     step = self.restore()
     total = self.total_steps
     logging.info('training %s: %d steps, global batch %d, policy %s, loss scale %s, %d '
