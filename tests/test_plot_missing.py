@@ -12,7 +12,7 @@ PLOT_WITHOUT_MATPLOTLIB = '''
 import runpy, sys
 sys.modules['matplotlib'] = None
 sys.argv = ['plot', '--workdir', sys.argv[1]]
-runpy.run_module('trainer.plot', run_name='__main__', alter_sys=True)
+runpy.run_module('trainer.insight.plot', run_name='__main__', alter_sys=True)
 '''
 
 

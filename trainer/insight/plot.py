@@ -1,6 +1,6 @@
 """A PNG of one or more runs from their TensorBoard events.
 
-  python -m trainer.plot --workdir=runs/a [--workdir=runs/b ...] [--out=runs/a/curves.png]
+  `python -m trainer.insight.plot --workdir=runs/a [--workdir=runs/b ...] [--out=runs/a/curves.png]`
 
 Panels: loss (train solid, eval dashed with dots: a curve when config.train.eval_every is set),
 the first metric (same; accuracy for the MNIST models), learning rate, loss scale (log axis),
