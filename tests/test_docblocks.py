@@ -1,4 +1,8 @@
-"""Every `<!-- tests/... -->` marker in README.md and docs/ names a test that runs its block."""
+"""Every `<!-- tests/... -->` marker in README.md and docs/ names a test that runs its block; the
+README's links into docs/ reach their pages."""
+import os
+import re
+
 import docblocks
 
 
@@ -54,3 +58,30 @@ def test_problems_names_each_bad_marker(tmp_path):
     assert '2 markers' in str(e) and 'README.md:1, README.md:11' in str(e)
   else:
     raise AssertionError('a marker used twice was not refused')
+
+
+def slug(heading: str) -> str:
+  """GitHub's and MkDocs' anchor of a heading: lower case, punctuation dropped, spaces to '-'."""
+  text = re.sub(r'[`*]', '', heading.strip().lower())
+  return re.sub(r'[^\w\- ]', '', text).replace(' ', '-')
+
+
+def test_readme_links_reach_existing_pages_and_headings():
+  """The README is not part of the MkDocs site (whose --strict build checks the pages' links):
+  its relative links and anchors are checked here."""
+  readme = open(os.path.join(docblocks.ROOT, 'README.md')).read()
+  links = re.findall(r'\]\(([^)\s]+)\)', readme)
+  local = [link for link in links if not re.match(r'\w+://', link)]
+  assert len(local) >= 10
+  broken = []
+  for link in local:
+    path, _, anchor = link.partition('#')
+    page = os.path.join(docblocks.ROOT, path) if path else os.path.join(docblocks.ROOT, 'README.md')
+    if not os.path.isfile(page):
+      broken.append(f'{link}: no file {path}')
+      continue
+    if anchor:
+      headings = re.findall(r'^#+ (.+)$', open(page).read(), re.M)
+      if anchor not in {slug(h) for h in headings}:
+        broken.append(f'{link}: no heading #{anchor} in {path or "README.md"}')
+  assert broken == []
