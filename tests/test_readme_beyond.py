@@ -1,34 +1,29 @@
-"""README "Beyond the three hooks": its code blocks, run as written, keep their promises.
+"""The custom-step and metrics guides (docs/guides/): their code blocks, run as written, keep
+their promises.
 
 The GAN block is written to my_project/gan.py and used through the public step contract only:
 one loss scale for two optimizers, both updates skipped together, a resume bit-identical to an
 uninterrupted run. The metric block's AUC equals the rank statistic of the same predictions.
 """
 import importlib
-import os
-import re
 import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import MNIST_DIR, ROOT
+from conftest import MNIST_DIR
+from docblocks import block as doc_block
 from trainer import config as config_lib
-
-
-def readme_block(marker: str) -> str:
-  readme = open(os.path.join(ROOT, 'README.md')).read()
-  return re.search(re.escape(marker) + r'[^\n]*-->\n```python\n(.*?)```', readme, re.S).group(1)
 
 
 @pytest.fixture
 def package(tmp_path, monkeypatch):
-  """The README's blocks as modules of a package `my_project` outside the repository."""
+  """The docs' blocks as modules of a package `my_project` outside the repository."""
   folder = tmp_path / 'src' / 'my_project'
   folder.mkdir(parents=True)
   (folder / '__init__.py').write_text('')
-  (folder / 'gan.py').write_text(readme_block('runs this block as my_project/gan.py'))
+  (folder / 'gan.py').write_text(doc_block('runs this block as my_project/gan.py'))
   monkeypatch.syspath_prepend(str(tmp_path / 'src'))
 
   def forget():  # another test's my_project package may be imported already
@@ -71,16 +66,16 @@ def test_gan_step_one_scale_skips_both_updates_together(package, tmp_path):
                            str(tmp_path / 'w'))
   step = trainer.train_step
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  trainer.run_steps(iterator, 2)  # steps 0, 1 apply both updates
+  trainer.runner.run_steps(iterator, 2)  # steps 0, 1 apply both updates
   before, scale = state(trainer), float(trainer.loss_scaler.scale.numpy())
   d_applied, g_applied = int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)
   assert (d_applied, g_applied) == (2, 2)
-  trainer.run_steps(iterator, 1)  # step 2: the D's first gradient is poisoned
+  trainer.runner.run_steps(iterator, 1)  # step 2: the D's first gradient is poisoned
   for a, b in zip(before, state(trainer)):
     np.testing.assert_array_equal(a, b)  # neither model nor either optimizer moved
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (2, 2)
   assert float(trainer.loss_scaler.scale.numpy()) == scale / 2  # the one scale backed off
-  trainer.run_steps(iterator, 1)  # step 3: both apply again
+  trainer.runner.run_steps(iterator, 1)  # step 3: both apply again
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (3, 3)
   outputs = step.read_outputs()
   assert set(outputs) >= {'loss', 'd_loss', 'g_loss', 'steps', 'skipped'}
@@ -94,10 +89,10 @@ def test_gan_resume_is_bit_identical(package, tmp_path):
   straight.train()
   # Interrupted: 4 steps, a checkpoint, a new process-like trainer resumes to 8.
   first = gan.GanTrainer(gan_config(), str(tmp_path / 'resumed'))
-  first.restore()
+  first.runner.restore()
   iterator = iter(first.strategy.experimental_distribute_dataset(first.datasets.train))
-  assert first.run_steps(iterator, 4) == 4
-  first.save()
+  assert first.runner.run_steps(iterator, 4) == 4
+  first.runner.save()
   resumed = gan.GanTrainer(gan_config(), str(tmp_path / 'resumed'))
   resumed.train()
   assert int(resumed.global_step.numpy()) == 8
@@ -130,8 +125,8 @@ def rank_auc(labels, scores):
 @pytest.fixture
 def zeros(package, tmp_path):
   src = tmp_path / 'src' / 'my_project'
-  (src / 'zeros.py').write_text(readme_block('runs this block as my_project/zeros.py'))
-  target = readme_block('runs this block as my_project/zeros_target.py')
+  (src / 'zeros.py').write_text(doc_block('runs this block as my_project/zeros.py'))
+  target = doc_block('runs this block as my_project/zeros_target.py')
   (src / 'zeros_target.py').write_text(target)
   return package('my_project.zeros'), package('my_project.zeros_target')
 

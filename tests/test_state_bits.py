@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import low_precision_runs as runs
 from tiny import TinyTrainer, tiny_config
-from trainer import low_precision
+from trainer.step import low_precision
 from trainer.errors import ConfigError
 
 

@@ -1,0 +1,222 @@
+"""The precision advisor: which layers should stay float32 under a mixed policy, measured.
+
+`advise(trainer_class, config, workdir, steps=N)` builds the model twice, in the config's policy
+(the target) and in float32, with the same initial weights, and runs N calibration steps on the
+same training batches, eagerly, every layer's call hooked (trainer/insight/forensics.py). At each
+step both models see the same weights: the float32 model's gradients update it and its weights are
+copied into the target (so the comparison measures precision, not two diverging runs). Per
+layer (every layer, nested ones included) it records:
+
+  * the largest |output| and |input| of the float32 run, and the headroom to the target compute
+    dtype's largest finite value in powers of two (negative: the value does not fit);
+  * the fraction of the target's outputs that are non-finite;
+  * the relative error of the target's output against float32 (L2 norm of the difference over
+    the L2 norm of the float32 output, averaged over the steps);
+  * gradient underflow: the fraction of the layer's weight-gradient elements that are zero or
+    below the compute dtype's smallest normal, in the target at the loss scale the run starts
+    with, next to the fraction that is zero in float32 (ReLU zeros are not underflow). These
+    are the gradients of the whole batch's mean loss: with several replicas or gradient
+    accumulation a step's own weight gradients sum fewer examples and underflow more (the
+    numerics statistics, `numerics.every`, measure one replica's share).
+
+A layer is suggested for `precision.float32_layers` when its float32 output or input comes
+within `HEADROOM_BITS` powers of two of the dtype's maximum (an input must fit too: a float32
+layer's large output is cast down again by the low-precision layer that consumes it). Its
+output error and gradient underflow are reported, not acted on: the remedy for underflow is the
+loss scale. `launch.py --advise` prints the report and writes <workdir>/advice.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import keras
+import ml_collections
+import tensorflow as tf
+
+from trainer.insight import forensics
+
+HEADROOM_BITS = 2  # keep values at least 2**HEADROOM_BITS below the dtype's maximum
+LOW = ('float16', 'bfloat16')
+
+
+@dataclasses.dataclass
+class LayerStats:
+  name: str
+  cls: str
+  compute_dtype: str
+  max_out: float = 0.0  # float32 run
+  max_in: float = 0.0
+  nonfinite: int = 0  # target outputs
+  outputs: int = 0
+  rel_error_sum: float = 0.0
+  rel_error_n: int = 0
+  grad_small: int = 0  # target: zero or below the smallest normal
+  grad_zero32: int = 0  # float32: exactly zero
+  grad_total: int = 0
+  grad_nonfinite: int = 0  # target: non-finite gradient elements (underflow is moot then)
+
+  def headroom(self, value: float) -> float:
+    limit = _finfo(self.compute_dtype)[0]
+    if limit is None:
+      return math.inf
+    return math.log2(limit / value) if value > 0 else math.inf
+
+  @property
+  def rel_error(self) -> float:
+    return self.rel_error_sum / self.rel_error_n if self.rel_error_n else math.nan
+
+
+def _finfo(dtype: str):
+  """(largest finite, smallest normal) of a float dtype name; (None, None) otherwise."""
+  try:
+    info = tf.experimental.numpy.finfo(dtype)
+    return float(info.max), float(info.tiny)
+  except (TypeError, ValueError):
+    return None, None
+
+
+@dataclasses.dataclass
+class Advice:
+  policy: str
+  steps: int
+  loss_scale: float
+  layers: list[LayerStats]
+  suggested: list[str]
+
+  @property
+  def suggested_value(self) -> str:
+    return ','.join(self.suggested)
+
+  def markdown(self) -> str:
+    lines = [f'# precision advice: {self.policy}, {self.steps} calibration steps, loss scale '
+             f'{self.loss_scale:g}', '',
+             '| layer | class | compute | max abs out (f32) | headroom out | max abs in (f32) | '
+             'headroom in | non-finite out | rel. error vs f32 | grad zero/subnormal | '
+             'grad zero (f32) |',
+             '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |']
+    def pct(a, b):
+      return f'{100.0 * a / b:.1f} %' if b else '-'
+
+    for s in self.layers:
+      underflow = (f'non-finite ({pct(s.grad_nonfinite, s.grad_total)})' if s.grad_nonfinite
+                   else pct(s.grad_small, s.grad_total))
+      lines.append(
+          f'| {s.name}{" **float32**" if s.name in self.suggested else ""} | {s.cls} | '
+          f'{s.compute_dtype} | {s.max_out:.3g} | {_bits(s.headroom(s.max_out))} | '
+          f'{s.max_in:.3g} | {_bits(s.headroom(s.max_in))} | {pct(s.nonfinite, s.outputs)} | '
+          f'{s.rel_error:.2g} | {underflow} | '
+          f'{pct(s.grad_zero32, s.grad_total)} |')
+    lines.append('')
+    lines.append(f'Headroom: powers of two between the largest |value| of the float32 run and '
+                 f'the compute dtype\'s largest finite value (negative: out of range); a layer '
+                 f'within {HEADROOM_BITS} is suggested for float32. Gradients are the weight '
+                 'gradients at the loss scale above.')
+    lines.append('')
+    if self.suggested:
+      lines.append(f'Suggested: `precision.float32_layers = \'{self.suggested_value}\'` '
+                   f'(`--config.precision.float32_layers={self.suggested_value}`)')
+    elif not self.policy.startswith('mixed_'):
+      lines.append(f'Nothing to advise: the policy {self.policy} computes in float32.')
+    else:
+      lines.append('Suggested: `precision.float32_layers = \'\'` (every layer fits '
+                   f'{self.policy}).')
+    return '\n'.join(lines) + '\n'
+
+
+def _bits(value: float) -> str:
+  return 'inf' if math.isinf(value) else f'{value:+.1f}'
+
+
+def _observe(model, compute_loss, batch, scale):
+  """One eager forward and backward pass with the layers hooked: the calls, the scaled weight
+  gradients {id(variable): gradient}, and the unscaled gradients in model order."""
+  with tf.GradientTape(persistent=True) as tape:
+    with forensics.recording(model, tape) as calls:
+      per_example, _ = compute_loss(batch, training=True)
+    loss = tf.reduce_mean(tf.cast(per_example, tf.float32))
+    if model.losses:
+      loss += tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
+    scaled = loss * scale
+  variables = model.trainable_variables
+  grads = tape.gradient(scaled, variables)
+  del tape
+  by_id = {id(v): g for v, g in zip(variables, grads)}
+  unscaled = [None if g is None else tf.cast(g, tf.float32) / scale for g in grads]
+  return calls, by_id, unscaled
+
+
+def _float_outputs(call):
+  return [t for t in tf.nest.flatten(call.outputs) if forensics.is_float(t)]
+
+
+def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
+           steps: int = 10) -> Advice:
+  """Builds the config's model in its policy and in float32 and runs `steps` calibration steps
+  (see the module docstring). The target is built first, so its layer names are the ones a
+  training run of this config gets."""
+  target = trainer_class(config, workdir)
+  policy = target.policy
+  reference_config = ml_collections.ConfigDict(config.to_dict())
+  reference_config.precision.policy = 'float32'
+  reference_config.precision.float32_layers = ''
+  reference = trainer_class(reference_config, workdir)
+  keras.mixed_precision.set_global_policy(policy)  # as the target's run would leave it
+  reference.model.set_weights(target.model.get_weights())
+  scale = float(target.loss_scaler.scale.numpy())
+
+  stats: dict[int, LayerStats] = {}
+  batches = iter(target.datasets.train)
+  for _ in range(steps):
+    batch = next(batches)
+    calls_t, grads_t, _ = _observe(target.model, target.compute_loss, batch, scale)
+    calls_r, grads_r, unscaled_r = _observe(reference.model, reference.compute_loss, batch, scale)
+    layers_r = forensics.sublayers(reference.model)
+    layers_t = forensics.sublayers(target.model)
+    to_target = {id(r): t for r, t in zip(layers_r, layers_t)}
+    for ct, cr in zip(calls_t, calls_r):
+      layer = ct.layer
+      s = stats.setdefault(id(layer), LayerStats(layer.name, type(layer).__name__,
+                                                 layer.compute_dtype))
+      assert to_target.get(id(cr.layer)) is layer, 'the two builds called different layers'
+      s.max_out = max(s.max_out, forensics.max_abs(cr.outputs))
+      s.max_in = max(s.max_in, forensics.max_abs((cr.args, cr.kwargs)))
+      for yt, yr in zip(_float_outputs(ct), _float_outputs(cr)):
+        yt32, yr32 = tf.cast(yt, tf.float32), tf.cast(yr, tf.float32)
+        finite = tf.math.is_finite(yt32)
+        s.nonfinite += int(tf.size(yt32) - tf.math.count_nonzero(finite, dtype=tf.int32))
+        s.outputs += int(tf.size(yt32))
+        norm = float(tf.norm(yr32))
+        if bool(tf.reduce_all(finite)) and norm > 0:
+          s.rel_error_sum += float(tf.norm(yt32 - yr32)) / norm
+          s.rel_error_n += 1
+      if forensics.sublayers(layer):
+        continue  # a container: its weights are counted with the layers inside it
+      tiny = _finfo(layer.compute_dtype)[1] or 0.0
+      for vt, vr in zip(layer.trainable_variables, cr.layer.trainable_variables):
+        gt, gr = grads_t.get(id(vt)), grads_r.get(id(vr))
+        if gt is None or gr is None:
+          continue
+        gt = tf.abs(tf.cast(gt, tf.float32))
+        s.grad_small += int(tf.math.count_nonzero(gt < tiny))
+        s.grad_nonfinite += int(tf.size(gt)) - int(tf.math.count_nonzero(tf.math.is_finite(gt)))
+        s.grad_zero32 += int(tf.math.count_nonzero(tf.equal(gr, 0.0)))
+        s.grad_total += int(tf.size(gt))
+    reference.optimizer.apply_gradients(
+        [(g, v) for g, v in zip(unscaled_r, reference.model.trainable_variables) if g is not None])
+    target.model.set_weights(reference.model.get_weights())
+
+  layers = list(stats.values())
+  suggested = [s.name for s in layers if s.compute_dtype in LOW and
+               min(s.headroom(s.max_out), s.headroom(s.max_in)) < HEADROOM_BITS]
+  return Advice(policy, steps, scale, layers, list(dict.fromkeys(suggested)))
+
+
+def report(trainer_class, config, workdir: str, *, steps: int = 10) -> str:
+  """`advise` as markdown, also written to <workdir>/advice.md."""
+  text = advise(trainer_class, config, workdir, steps=steps).markdown()
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'advice.md'), 'w') as f:
+    f.write(text)
+  return text

@@ -1,0 +1,164 @@
+"""A dtype audit of a built Keras model: what each layer computes in, stores and outputs.
+
+`audit(model)` returns one `Row` per layer (nested models are walked) and the `Hazard`s found:
+  * low-precision logits: a float16/bfloat16 model output reaches the loss (whose softmax and
+    log would run in float16: overflow, or bfloat16: 8-bit precision);
+  * low-precision softmax: a layer applying softmax computes in float16/bfloat16;
+  * low-precision variables: a layer stores float16/bfloat16 weights, so the optimizer's updates
+    are rounded away (use a mixed_* policy: float32 variables, low-precision compute);
+  * not autocast: under a mixed policy a layer outputs float32 although its compute dtype is low
+    precision (it creates or reads weights Keras cannot autocast, e.g. a raw tf.Variable, or has
+    `autocast=False` on its weights), so it silently computes in float32.
+`markdown(...)` renders the table and the hazards; `python launch.py --config=... --audit` prints
+it and writes it to <workdir>/audit.md.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import keras
+
+from trainer.errors import UserError
+
+LOW = ('float16', 'bfloat16')
+
+
+class Row(NamedTuple):
+  name: str
+  cls: str
+  compute_dtype: str
+  variable_dtype: str  # the dtypes of the layer's own variables, '-' when it has none
+  output_dtype: str  # '?' when the model is not symbolic (a subclassed model)
+  params: int
+
+
+class Hazard(NamedTuple):
+  layer: str
+  kind: str
+  message: str
+
+
+def _layers(model, prefix=''):
+  for layer in model.layers:
+    yield prefix + layer.name, layer
+    if isinstance(layer, keras.Model) or hasattr(layer, 'layers') and layer.layers:
+      yield from _layers(layer, prefix + layer.name + '/')
+
+
+def _output_dtype(layer) -> str:
+  try:
+    outputs = layer.output
+  except (AttributeError, ValueError):
+    return '?'
+  dtypes = {keras.backend.standardize_dtype(t.dtype) for t in keras.tree.flatten(outputs)}
+  return ','.join(sorted(dtypes))
+
+
+def _own_variables(layer):
+  nested = {id(v) for sub in getattr(layer, '_layers', []) for v in sub.weights}
+  return [v for v in layer.weights if id(v) not in nested]
+
+
+def _applies_softmax(layer) -> bool:
+  if isinstance(layer, keras.layers.Softmax):
+    return True
+  activation = getattr(layer, 'activation', None)
+  return activation is keras.activations.softmax or getattr(activation, '__name__', '') == 'softmax'
+
+
+def audit(model: keras.Model, policy: str | None = None) -> tuple[list[Row], list[Hazard]]:
+  """Rows for every layer of a built model and the hazards found. `policy`: the global policy
+  name the model was built under (default: the current global policy)."""
+  policy = policy or keras.mixed_precision.global_policy().name
+  mixed = policy.startswith('mixed_')
+  rows, hazards = [], []
+  for name, layer in _layers(model):
+    variables = _own_variables(layer)
+    var_dtypes = sorted({keras.backend.standardize_dtype(v.dtype) for v in variables})
+    compute = layer.compute_dtype if layer.dtype_policy is not None else '?'
+    output = _output_dtype(layer)
+    is_model = isinstance(layer, keras.Model)
+    rows.append(Row(name, type(layer).__name__, compute, ','.join(var_dtypes) or '-', output,
+                    int(sum(int(v.numpy().size) for v in variables)) if not is_model
+                    else layer.count_params()))
+    if is_model:
+      continue
+    low_vars = [v.path for v in variables if keras.backend.standardize_dtype(v.dtype) in LOW]
+    if low_vars:
+      hazards.append(Hazard(name, 'low-precision variables',
+                            f'{len(low_vars)} variable(s) stored in '
+                            f'{",".join(d for d in var_dtypes if d in LOW)} ({low_vars[0]}, ...): '
+                            'the optimizer updates are rounded away; give the layer a mixed_* '
+                            'policy (float32 variables) instead of dtype float16/bfloat16'))
+    if _applies_softmax(layer) and compute in LOW:
+      hazards.append(Hazard(name, 'low-precision softmax',
+                            f'softmax computed in {compute}; give this layer dtype="float32"'))
+    # A functional model's InputLayer outputs what it is fed (float32): nothing it computes.
+    if (mixed and compute in LOW and output == 'float32'
+        and not isinstance(layer, keras.layers.InputLayer)):
+      hazards.append(Hazard(name, 'not autocast',
+                            f'compute dtype is {compute} but the output is float32: the layer '
+                            'computes in float32 (weights Keras cannot autocast, e.g. '
+                            'add_weight(autocast=False) or a raw tf.Variable, or an explicit '
+                            'cast); cast inputs and weights to self.compute_dtype in call (see '
+                            'trainer/nn/layers.py), or give the layer dtype="float32" if intended'))
+  for i, out in enumerate(getattr(model, 'outputs', None) or []):
+    dtype = keras.backend.standardize_dtype(out.dtype)
+    if dtype in LOW:
+      hazards.append(Hazard(f'output {i}', 'low-precision logits',
+                            f'the model outputs {dtype}, so the loss (softmax, log) computes in '
+                            f'{dtype}; give the last layer dtype="float32"'))
+  return rows, hazards
+
+
+def markdown(model: keras.Model, policy: str, rows: list[Row], hazards: list[Hazard]) -> str:
+  lines = [f'# dtype audit: {model.name} under {policy}', '',
+           '| layer | class | compute dtype | variable dtype | output dtype | parameters |',
+           '| --- | --- | --- | --- | --- | ---: |']
+  for r in rows:
+    lines.append(f'| {r.name} | {r.cls} | {r.compute_dtype} | {r.variable_dtype} | '
+                 f'{r.output_dtype} | {r.params:,} |')
+  lines += ['', f'{len(rows)} layers, {model.count_params():,} parameters.', '']
+  if hazards:
+    lines.append(f'## {len(hazards)} hazard(s)')
+    lines.append('')
+    lines += [f'- **{h.layer}** ({h.kind}): {h.message}' for h in hazards]
+  else:
+    lines.append('No hazards: variables are float32, logits and softmax are float32, every '
+                 'layer computes in its policy dtype.')
+  return '\n'.join(lines) + '\n'
+
+
+def report(trainer) -> str:
+  """The audit of a Trainer's model as markdown, also written to <workdir>/audit.md."""
+  rows, hazards = audit(trainer.model, trainer.policy)
+  text = markdown(trainer.model, trainer.policy, rows, hazards)
+  path = os.path.join(trainer.workdir, 'audit.md')
+  try:
+    os.makedirs(trainer.workdir, exist_ok=True)
+    with open(path, 'w') as f:
+      f.write(text)
+  except OSError as e:
+    raise UserError(f'--audit: cannot write {path} ({e.strerror}); pass --workdir=<a folder you '
+                    'can write>') from None
+  return text
+
+
+def check_at_start(model: keras.Model, policy: str, allow_low_precision_variables: bool,
+                   bfloat16_masters: bool = False) -> None:
+  """The hazards, when training starts: one warning line each; low-precision variables are a
+  ConfigError unless config.precision.allow_low_precision_variables (then a warning), and
+  expected (not reported) with config.precision.master_weights bfloat16_*."""
+  from absl import logging
+
+  from trainer.errors import ConfigError
+  _, hazards = audit(model, policy)
+  if bfloat16_masters:  # the optimizer rounds them stochastically or Kahan-compensates them
+    hazards = [h for h in hazards if h.kind != 'low-precision variables']
+  for h in hazards:
+    if h.kind == 'low-precision variables' and not allow_low_precision_variables:
+      raise ConfigError(f'build_model: layer {h.layer} ({h.kind}): {h.message}; or set '
+                        'config.precision.allow_low_precision_variables=True to train it anyway')
+  for h in hazards:
+    logging.warning('precision hazard in layer %s (%s): %s', h.layer, h.kind, h.message)

@@ -1,0 +1,163 @@
+"""Outer-loop actions: callables the runner calls at log, eval and save boundaries (Orbit's
+train/eval actions).
+
+An action is any callable taking one `Event`. The runner (trainer/run/runner.py) calls its
+built-in actions, then every action of `Trainer.build_actions()`, after each progress line
+('log', with the train metrics), each eval ('eval', with the eval metrics; also the final one)
+and each save ('save', with the checkpoint path). An action may ask the run to end with
+`event.trainer.request_stop(reason)`: the runner saves a checkpoint at that step and returns the
+last eval; it writes TensorBoard scalars with `event.scalar(name, value)`. Two ship here, each
+driven by config keys and added by the runner: `EarlyStopping` (config.early_stopping.*) and
+`BestCheckpoint` (config.best_checkpoint.*).
+
+An action that is a `tf.Module` (both shipped ones are) is saved in every checkpoint under
+`actions` (`state`): a resumed run goes on comparing with the best eval before the restart and
+counting the evals without improvement, instead of starting from scratch.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+from absl import logging
+
+from trainer.run import checkpoints
+from trainer.run import workdir
+from trainer.errors import ConfigError
+
+
+class Event(NamedTuple):
+  """What an action is called with."""
+  kind: str  # 'log', 'eval' or 'save'
+  step: int  # the global step
+  metrics: dict[str, float]  # train metrics ('log'), eval metrics ('eval'), {} ('save')
+  trainer: Any  # the Trainer: its parts (model, optimizer, ...) and request_stop(reason)
+  checkpoint: str | None = None  # 'save' only: the checkpoint's path
+  runner: Any = None  # the Runner (trainer/run/runner.py): the run folder, `is_chief`
+
+  def scalar(self, name: str, value: float) -> None:
+    """Writes `value` as the TensorBoard scalar `actions/<name>` at this event's step (the
+    run's event file; a no-op outside a run)."""
+    if self.runner is not None:
+      self.runner.write_scalars('actions', {name: float(value)}, self.step)
+
+
+def _direction(metric: str, mode: str) -> str:
+  """'min' or 'max'; mode 'auto' is 'min' for losses and errors, 'max' otherwise."""
+  if mode != 'auto':
+    return mode
+  return 'min' if any(w in metric for w in ('loss', 'error', 'perplexity')) else 'max'
+
+
+class _Tracker(tf.Module):
+  """The best value of one eval metric so far (checkpointed)."""
+
+  def __init__(self, metric: str, mode: str, min_delta: float = 0.0):
+    super().__init__(name=type(self).__name__)
+    self.metric, self.mode, self.min_delta = metric, _direction(metric, mode), min_delta
+    # A flag rather than +-inf: every floating variable of a checkpoint is checked finite.
+    self._best = tf.Variable(0.0, dtype=tf.float64, trainable=False, name='best')
+    self._has_best = tf.Variable(False, trainable=False, name='has_best')
+
+  @property
+  def best(self) -> float:
+    if bool(self._has_best.numpy()):
+      return float(self._best.numpy())
+    return math.inf if self.mode == 'min' else -math.inf
+
+  def value(self, event: Event) -> float:
+    if self.metric not in event.metrics:
+      raise ConfigError(f'{type(self).__name__}: no eval metric {self.metric!r}; the eval '
+                        f'reports {", ".join(event.metrics)}.')
+    return event.metrics[self.metric]
+
+  def improved(self, value: float) -> bool:
+    if not math.isfinite(value):
+      return False
+    better = (value < self.best - self.min_delta if self.mode == 'min' else
+              value > self.best + self.min_delta)
+    if better:
+      self._best.assign(value)
+      self._has_best.assign(True)
+    return better
+
+
+class EarlyStopping(_Tracker):
+  """Stops training when `metric` has not improved by more than `min_delta` for `patience`
+  evals in a row."""
+
+  def __init__(self, metric: str, mode: str = 'auto', patience: int = 3, min_delta: float = 0.0):
+    super().__init__(metric, mode, min_delta)
+    self.patience = int(patience)
+    self._waited = tf.Variable(0, dtype=tf.int64, trainable=False, name='waited')
+
+  @property
+  def waited(self) -> int:
+    return int(self._waited.numpy())
+
+  def __call__(self, event: Event) -> None:
+    if event.kind != 'eval':
+      return
+    value = self.value(event)
+    if self.improved(value):
+      self._waited.assign(0)
+      return
+    self._waited.assign_add(1)
+    if self.waited >= self.patience:
+      event.trainer.request_stop(
+          f'early stopping: eval {self.metric} has not improved on {self.best:.4g} for '
+          f'{self.waited} evals (config.early_stopping.patience={self.patience})')
+
+
+class BestCheckpoint(_Tracker):
+  """Keeps the model weights of the best eval by `metric` in <workdir>/best/ (a checkpoint of
+  the model alone, loadable with train.init_from=<workdir>/best, and best.json with the step
+  and the metric). Only the chief writes."""
+
+  def __init__(self, metric: str, mode: str = 'auto'):
+    super().__init__(metric, mode)
+    self._manager = None
+
+  def __call__(self, event: Event) -> None:
+    if event.kind != 'eval':
+      return
+    value = self.value(event)
+    trainer = event.trainer
+    if not self.improved(value) or (event.runner is not None and not event.runner.is_chief):
+      return
+    folder = os.path.join(trainer.workdir, 'best')
+    if self._manager is None:
+      self._manager = tf.train.CheckpointManager(
+          tf.train.Checkpoint(model=trainer.model), os.path.join(folder, 'checkpoints'),
+          max_to_keep=1)
+    # One-line errors for a full disk; best.json written atomically, never through a symlink.
+    path = checkpoints.save(self._manager, event.step, resumed_from=False)
+    workdir.write_json(os.path.join(folder, 'best.json'),
+                       {'step': event.step, 'metric': self.metric, 'value': value,
+                        'checkpoint': os.path.relpath(path, folder)})
+    logging.info('best eval %s %.4f at step %d: saved %s', self.metric, value, event.step, path)
+
+
+def state(actions: list) -> tf.Module:
+  """The checkpoint item of `actions`: the ones that are tf.Modules, by class name (and a
+  number after the first of a class)."""
+  module, counts = tf.Module(name='actions'), {}
+  for action in actions:
+    if isinstance(action, tf.Module):
+      name = type(action).__name__
+      counts[name] = counts.get(name, 0) + 1
+      setattr(module, name if counts[name] == 1 else f'{name}_{counts[name]}', action)
+  return module
+
+
+def from_config(config) -> list:
+  """The actions the config asks for (early_stopping.metric, best_checkpoint.metric)."""
+  actions = []
+  if config.early_stopping.metric:
+    e = config.early_stopping
+    actions.append(EarlyStopping(e.metric, e.mode, e.patience, e.min_delta))
+  if config.best_checkpoint.metric:
+    actions.append(BestCheckpoint(config.best_checkpoint.metric, config.best_checkpoint.mode))
+  return actions

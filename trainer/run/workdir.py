@@ -1,0 +1,308 @@
+"""The run folder (workdir): what training writes into it, and reading it back without writing.
+
+  <workdir>/config.json               the config the run started with (never rewritten by a resume)
+  <workdir>/config-step-<N>.json      the whole config of a resume at step N that changed keys
+  <workdir>/checkpoints/              tf.train.CheckpointManager's ckpt-N files and state file
+  <workdir>/tensorboard/              tf.summary events (train/..., eval/...)
+  <workdir>/train.lock                while a training process runs (trainer/run/lock.py)
+
+Two ways in:
+  * `restore_read_only()` for eval, export, sampling and `init_from`: restores the newest readable
+    checkpoint and writes nothing at all (no lock, no config, no event file), so it works on a
+    read-only (archived) run folder and on a run that another process is training.
+  * `restore_for_training(init)` for training, in this order: read-only checks (the workdir and
+    its `checkpoints/` and `tensorboard/` are folders, `config.json` parses, the config has not
+    changed in a way that would be silently ignored), then the lock, then the restore, and only
+    after a successful restore the config record, the checkpoint manager and the summary writer.
+    A failed restore (another model) leaves every file as it was.
+
+A resume with a changed config. The config is compared with the newest record (config.json or the
+highest config-step-N.json). Keys in RESUMABLE (run length, bookkeeping, where the data is, how
+the run is distributed) may change with a warning; any other change is a ConfigError naming the
+keys, unless `config.train.accept_config_change=True`. An accepted change is recorded as
+config-step-<N>.json (N = the step resumed from); config.json stays the first run's record.
+A workdir with no checkpoint holds no progress to protect: a new config replaces config.json (and
+drops the config-step records of the checkpoints that are gone).
+
+The workdir's own files (config records, the lock) are never written through a symlink: they are
+created under fresh random names with O_EXCL (which does not follow links) and renamed into place
+(a rename replaces a link, it does not write through it). checkpoints/ and tensorboard/ are
+written by TensorFlow, which follows a symlinked folder: one can be put on another disk that way.
+
+Under multi_worker only the chief writes the workdir and takes the lock. Saving takes part in
+collective ops, so every other worker saves too, into a temporary folder removed right after
+each save (`distribute.scratch_dir`); its summaries go nowhere.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable
+
+import tensorflow as tf
+from absl import logging
+
+from trainer.run import checkpoints
+from trainer.step import distribute
+from trainer.run import lock as workdir_lock
+from trainer import config as config_lib
+from trainer.errors import ConfigError, UserError
+
+CONFIG = 'config.json'
+CHECKPOINTS = 'checkpoints'
+TENSORBOARD = 'tensorboard'
+ACCEPT_KEY = 'train.accept_config_change'
+
+# Keys a resume may change without config.train.accept_config_change (with a warning): they set
+# how long the run goes, how often it logs or saves, where the data is, and how the same steps
+# are run, not what a step computes.
+RESUMABLE = frozenset({
+    'train.steps', 'train.epochs', 'train.steps_per_loop', 'train.log_every', 'train.eval_every',
+    'train.checkpoint_every', 'train.max_to_keep', 'train.profile_steps', 'train.jit_compile',
+    'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
+
+
+def local_path(path: str, flag: str = '--workdir') -> str:
+  """`path` made absolute; ConfigError for a URL (gs://, s3://, hdfs://, ...). The workdir's
+  guarantees (the lock, writes that never follow a symlink, atomic config records) are made with
+  the local file system's calls, which an object store does not offer; a bucket mounted as a
+  folder (gcsfuse, s3fs) or a shared file system (NFS) is a path like any other."""
+  if '://' in str(path):
+    raise ConfigError(f'{flag}={path}: a URL is not a workdir this framework can lock and write '
+                      'safely; mount the bucket as a folder (e.g. gcsfuse) or use a shared file '
+                      f'system, and pass {flag}=<that folder>/...')
+  return os.path.abspath(path)
+
+
+def config_records(path: str) -> list[tuple[int, str]]:
+  """(step, file) of the workdir's config records, oldest first; config.json counts as step -1."""
+  records = []
+  if os.path.isfile(os.path.join(path, CONFIG)):
+    records.append((-1, os.path.join(path, CONFIG)))
+  for name in glob.glob(os.path.join(glob.escape(path), 'config-step-*.json')):
+    match = re.fullmatch(r'config-step-(\d+)\.json', os.path.basename(name))
+    if match:
+      records.append((int(match.group(1)), name))
+  return sorted(records)
+
+
+def read_config(path: str) -> dict | None:
+  """The newest config record of the workdir at `path` as a dict (None when it has none);
+  ConfigError when that file is not a JSON config."""
+  records = config_records(path)
+  if not records:
+    return None
+  name = records[-1][1]
+  try:
+    with open(name) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f'{name} is not a config this framework wrote ({type(e).__name__}: '
+                      f'{str(e)[:100]}); move it out of the workdir or use a new --workdir.') \
+        from None
+  if not isinstance(saved, dict):
+    raise ConfigError(f'{name} is not a config this framework wrote (a JSON '
+                      f'{type(saved).__name__}, not an object); move it out of the workdir or '
+                      'use a new --workdir.')
+  return saved
+
+
+def changed_keys(saved: dict, current: dict) -> list[str]:
+  """Keys whose values differ; a key the record lacks counts as unchanged when the current value
+  is the schema's default (the record was written before that key existed)."""
+  a, b = config_lib.flatten(saved), config_lib.flatten(current)
+  changed = []
+  for key in config_lib.diff(saved, current):
+    if key not in a and key in config_lib.SCHEMA and b.get(key) == config_lib.SCHEMA[key].default:
+      continue
+    changed.append(key)
+  return changed
+
+
+def write_json(path: str, value: dict) -> None:
+  """Writes `path` atomically without following a symlink (see the module docstring)."""
+  folder = os.path.dirname(path)
+  fd, tmp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}-', suffix='.tmp', dir=folder)
+  try:
+    with os.fdopen(fd, 'w') as f:
+      json.dump(value, f, indent=2, sort_keys=True)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except OSError as e:  # disk full, quota: nothing half-written stays behind
+    if os.path.lexists(tmp):
+      os.remove(tmp)
+    raise ConfigError(f'could not write {path} ({e.strerror}); free disk space or pass '
+                      '--workdir=<a folder you can write>.') from None
+  except BaseException:
+    if os.path.lexists(tmp):
+      os.remove(tmp)
+    raise
+
+
+class Workdir:
+  """A run folder: `checkpoint` (a tf.train.Checkpoint) is what it saves; `items` (default: the
+  checkpoint) is what restores read, passed to `checkpoints.restore_newest_readable`."""
+
+  def __init__(self, path: str, checkpoint: tf.train.Checkpoint, config, *,
+               strategy: tf.distribute.Strategy, items=None):
+    self.path = local_path(path)
+    self.checkpoint = checkpoint
+    self.items = checkpoint if items is None else items
+    self.config = config
+    self.strategy = strategy
+    self.is_chief = distribute.is_chief(strategy)
+    self.checkpoint_dir = os.path.join(self.path, CHECKPOINTS)
+    self.scratch = None  # a non-chief worker's temporary checkpoint folder
+    self._manager = None
+    self._writer = None
+    self._lock = None
+
+  # ---- reading ---------------------------------------------------------------------------------
+  def restore_read_only(self) -> str | None:
+    """Restores the newest readable checkpoint (eval, export, sampling); writes nothing. Returns
+    its path, or None when there is none."""
+    return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir)
+
+  # ---- training --------------------------------------------------------------------------------
+  def restore_for_training(self, init: Callable[[], object] | None = None) -> str | None:
+    """Checks, locks, restores (calling `init()` when there is no checkpoint, e.g. init_from),
+    then opens the workdir for writing. Returns the restored checkpoint's path or None."""
+    self._check()
+    self._acquire()
+    try:
+      restored = checkpoints.restore_newest_readable(self.items, self.checkpoint_dir)
+      if restored is None and init is not None:
+        init()
+      if restored and self.is_chief:
+        checkpoints.repair_state(self.checkpoint_dir, restored)
+      self._open(restored is not None, checkpoints.step_of(restored) if restored else 0)
+    except BaseException:
+      self.close()
+      self._remove_if_created_empty()  # a failed start leaves no trace (e.g. a bad init_from)
+      raise
+    return restored
+
+  def save(self, step: int) -> str:
+    """Saves the checkpoint as ckpt-<step>; returns its path (a non-chief: a removed scratch
+    path). Callers run their pre-save checks (Trainer.save) before this: nothing is written
+    before this call."""
+    self.open_for_writing(step)
+    path = checkpoints.save(self._manager, step)  # a failed write: one line, partial files gone
+    if self.scratch:
+      distribute.remove_scratch(self.scratch)
+      return path
+    logging.info('saved checkpoint %s', path)
+    return path
+
+  def write_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
+    self.open_for_writing(step)
+    with self._writer.as_default(step=step):
+      for k, v in values.items():
+        tf.summary.scalar(f'{prefix}/{k}', v)
+    self._writer.flush()
+
+  @property
+  def latest_checkpoint(self) -> str | None:
+    """The newest checkpoint this run saved or resumed from (None before the workdir is open)."""
+    return self._manager.latest_checkpoint if self._manager is not None else None
+
+  def close(self) -> None:
+    """Flushes the summaries and releases the lock (also done at exit)."""
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+    self._manager = None
+    if self._lock is not None:
+      workdir_lock.release(self._lock)
+      self._lock = None
+
+  # ---- inside ----------------------------------------------------------------------------------
+  def open_for_writing(self, step: int) -> None:
+    """Opens the workdir for writing if `restore_for_training` has not (a custom loop that saves
+    or logs without restoring first): checks, lock, config record, manager, writer."""
+    if self._manager is None:
+      self._check()
+      self._acquire()
+      self._open(bool(checkpoints.find(self.checkpoint_dir)), step)
+
+  def _check(self) -> None:
+    """Read-only checks before anything is written: UserError/ConfigError, one line each."""
+    if os.path.exists(self.path) and not os.path.isdir(self.path):
+      raise ConfigError(f'workdir {self.path} is a file, not a folder; pass --workdir=<a '
+                        'folder>.')
+    for name in (CHECKPOINTS, TENSORBOARD):
+      sub = os.path.join(self.path, name)
+      if os.path.lexists(sub) and not os.path.isdir(sub):
+        raise UserError(f'{sub} is a file, not a folder; move it out of the workdir or use a '
+                        'new --workdir.')
+    saved = read_config(self.path)
+    if saved is None or not checkpoints.find(self.checkpoint_dir):
+      return  # nothing to resume: the current config starts (or restarts) the run
+    changed = changed_keys(saved, json.loads(json.dumps(self.config.to_dict())))
+    other = [k for k in changed if k not in RESUMABLE]
+    if other and not self.config.train.accept_config_change:
+      flat_saved, flat_now = config_lib.flatten(saved), config_lib.flatten(self.config.to_dict())
+      shown = '; '.join(f'config.{k}: {flat_saved.get(k, "(none)")!r} -> '
+                        f'{flat_now.get(k, "(none)")!r}' for k in other[:4])
+      more = f' and {len(other) - 4} more' if len(other) > 4 else ''
+      raise ConfigError(f'workdir {self.path} holds a run trained with another config ({shown}'
+                        f'{more}); resuming would ignore or mix the change. Use a new workdir for '
+                        'the new config, or set config.train.accept_config_change=True to resume '
+                        'this run with it.')
+    if changed:
+      logging.warning('resuming %s with a changed config (%s); the change is recorded as '
+                      'config-step-<step>.json, config.json keeps the earlier record', self.path,
+                      ', '.join(changed))
+
+  def _acquire(self) -> None:
+    if not self.is_chief or self._lock is not None:
+      return
+    self._created = not os.path.lexists(self.path)
+    try:
+      os.makedirs(self.path, exist_ok=True)
+      self._lock = workdir_lock.acquire(self.path)
+    except OSError as e:
+      self._remove_if_created_empty()
+      raise ConfigError(f'workdir {self.path} is not writable ({e.strerror}); pass '
+                        '--workdir=<a folder you can write>.') from None
+
+  def _remove_if_created_empty(self) -> None:
+    if getattr(self, '_created', False) and os.path.isdir(self.path) and not os.listdir(self.path):
+      os.rmdir(self.path)
+
+  def _open(self, resumed: bool, step: int) -> None:
+    """After a successful restore (`resumed`: of a checkpoint at `step`): the config record, the
+    checkpoint manager, the summary writer."""
+    if self._manager is not None:
+      return
+    if not self.is_chief:
+      self.scratch = distribute.scratch_dir(self.strategy)
+      self._manager = tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1)
+      self._writer = tf.summary.create_noop_writer()
+      return
+    try:
+      self._record_config(resumed, step)
+    except OSError as e:
+      raise ConfigError(f'workdir {self.path}: cannot write the config record ({e.strerror}); '
+                        'free some space or pass another --workdir.') from None
+    self._manager = tf.train.CheckpointManager(self.checkpoint, self.checkpoint_dir,
+                                               max_to_keep=self.config.train.max_to_keep)
+    self._writer = tf.summary.create_file_writer(os.path.join(self.path, TENSORBOARD))
+
+  def _record_config(self, resumed: bool, step: int) -> None:
+    current = json.loads(json.dumps(self.config.to_dict()))
+    if not resumed:
+      for record_step, name in config_records(self.path):
+        if record_step >= 0:
+          os.remove(name)  # the record of checkpoints that are gone
+      write_json(os.path.join(self.path, CONFIG), current)
+      return
+    saved = read_config(self.path)
+    if saved is None:
+      write_json(os.path.join(self.path, CONFIG), current)
+    elif changed_keys(saved, current):
+      write_json(os.path.join(self.path, f'config-step-{step}.json'), current)

@@ -1,0 +1,345 @@
+"""The hook contract, checked once before training on one eval batch (no cost per step).
+
+`check_datasets(datasets)` reads the datasets' element specs; `probe(batch, compute_loss)`, on
+the first eval batch, runs the eager forward pass the trainer needs anyway (it builds the model
+and tells the metric names). Together they check what the user's hooks returned:
+
+  build_datasets() -> Datasets whose `train` and `eval` are batched tf.data.Datasets;
+  compute_loss(batch, training=...) -> (loss, {name: value}): the loss floating-point with shape
+      [B], every metric numeric with shape [B], B being the batch's leading dimension.
+
+A violation raises UserError: one line naming the hook, what it returned (shapes, dtypes) and
+the fix. The check runs before the workdir is opened, so a failed check writes nothing. Shapes
+that only broadcast by accident (labels [B, 1] against predictions [B] give a [B, B] metric)
+and a batch mean returned in place of per-example values (shape []) are caught here; an
+unbatched eval set is caught from its element_spec before the model sees it (the model would
+fail deep inside a kernel).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from trainer.errors import UserError
+
+
+# Names of the step's own outputs and of the trainer's scalars: a metric cannot take them.
+RESERVED = ('loss', 'steps', 'skipped', 'nonfinite_loss', 'learning_rate', 'loss_scale',
+            'skipped_steps', 'nonfinite_loss_steps', 'steps_per_sec')
+
+
+def _describe(value) -> str:
+  """'float32 [128, 10]' for a tensor-like, the type name otherwise."""
+  if hasattr(value, 'shape') and hasattr(value, 'dtype'):
+    dtype = tf.as_dtype(value.dtype).name
+    return f'{dtype} {_shape(value.shape)}'
+  return type(value).__name__
+
+
+def _shape(shape) -> str:
+  return '[' + ', '.join('?' if d is None else str(d) for d in tf.TensorShape(shape)) + ']'
+
+
+def _spec_summary(spec) -> str:
+  return ', '.join(f'{s.dtype.name} {_shape(s.shape)}' for s in tf.nest.flatten(spec)
+                   if isinstance(s, tf.TensorSpec)) or str(spec)
+
+
+def check_datasets(datasets, batch_size: int | None = None) -> None:
+  """Structure checks on build_datasets()'s result, from element_specs (no data is read).
+  With `batch_size` (config.train.batch_size), the train batches' size is checked against it."""
+  fields = ('train', 'eval', 'train_examples')
+  if not all(hasattr(datasets, f) for f in fields):
+    raise UserError(f'build_datasets returned {type(datasets).__name__}; return '
+                    'trainer.Datasets(train=..., eval=..., train_examples=...)')
+  for name in ('train', 'eval'):
+    ds = getattr(datasets, name)
+    if not isinstance(ds, tf.data.Dataset):
+      raise UserError(f'build_datasets returned Datasets.{name} of type {type(ds).__name__}; '
+                      'it must be a tf.data.Dataset (tf.data.Dataset.from_tensor_slices(...)'
+                      '.batch(...))')
+    specs = [s for s in tf.nest.flatten(ds.element_spec) if isinstance(s, tf.TensorSpec)]
+    # Every batched component has a leading batch axis; a rank-0 component (a single label)
+    # means the dataset yields single examples.
+    if any(s.shape.rank == 0 for s in specs):
+      batch = ('.batch(config.train.batch_size, drop_remainder=True)' if name == 'train'
+               else '.batch(config.train.batch_size)')
+      raise UserError(f'build_datasets returned an unbatched Datasets.{name}: its elements are '
+                      f'single examples ({_spec_summary(ds.element_spec)}); add {batch}')
+  if batch_size:
+    _check_train_batch(datasets.train, batch_size)
+  train = tf.nest.flatten(datasets.train.element_spec)
+  eval_ = tf.nest.flatten(datasets.eval.element_spec)
+  if len(train) == len(eval_):
+    for t, e in zip(train, eval_):
+      if (isinstance(t, tf.TensorSpec) and isinstance(e, tf.TensorSpec)
+          and t.shape.rank is not None and e.shape.rank is not None
+          and e.shape.rank + 1 == t.shape.rank):
+        raise UserError('build_datasets returned an unbatched Datasets.eval: its elements '
+                        f'({_spec_summary(datasets.eval.element_spec)}) have one axis fewer '
+                        f'than the train batches ({_spec_summary(datasets.train.element_spec)}); '
+                        'add .batch(config.train.batch_size) to the eval dataset')
+
+
+def _check_train_batch(train, batch_size: int) -> None:
+  """The trainer divides the summed loss by config.train.batch_size: train batches of another
+  size silently rescale the loss (and so the learning rate); an error. Batches of unknown size
+  (no drop_remainder=True) end each pass with a smaller one: a warning."""
+  specs = [s for s in tf.nest.flatten(train.element_spec)
+           if isinstance(s, tf.TensorSpec) and s.shape.rank]
+  sizes = {s.shape[0] for s in specs}
+  if not sizes:
+    return
+  got = _spec_summary(train.element_spec)
+  if None in sizes:
+    logging.warning('build_datasets returned Datasets.train with batches of unknown size (%s): '
+                    'unless the data is repeated before .batch(), the last batch of each pass '
+                    'is smaller, its examples weigh less (the loss is divided by '
+                    'config.train.batch_size=%d) and it may not split over the replicas; use '
+                    '.batch(config.train.batch_size, drop_remainder=True), which also makes the '
+                    'size known', got, batch_size)
+  elif batch_size not in sizes:
+    size = ' or '.join(str(n) for n in sorted(sizes))
+    raise UserError(f'build_datasets returned Datasets.train with leading dimension {size} '
+                    f'({got}), not config.train.batch_size={batch_size} (unbatched, or batched '
+                    'by another size): the trainer divides the loss by '
+                    'config.train.batch_size, so the loss and the learning rate would be off; '
+                    'batch with .batch(config.train.batch_size, drop_remainder=True)')
+
+
+# How the trainer calls each hook: positional argument names, keyword arguments.
+HOOK_CALLS = {
+    'build_datasets': ((), {}),
+    'build_model': ((), {}),
+    'compute_loss': (('batch',), {'training': False}),
+    'build_optimizer': (('learning_rate',), {}),
+    'build_metrics': ((), {}),
+    'build_train_step': ((), {}),
+    'checkpoint_items': ((), {}),
+    'build_actions': ((), {}),
+}
+REQUIRED_HOOKS = ('build_datasets', 'build_model', 'compute_loss')
+
+
+def _expected(name: str) -> str:
+  args, kwargs = HOOK_CALLS[name]
+  params = ['self', *args] + (['*', *kwargs] if kwargs else [])
+  return f'def {name}({", ".join(params)}):'
+
+
+def check_hooks(trainer, base: type) -> None:
+  """Before any hook runs: the three required hooks are defined, and every hook the subclass
+  overrides accepts the arguments the trainer passes (a wrong signature would otherwise fail
+  later, with a traceback, some of them only at the first log line)."""
+  cls = type(trainer)
+  # A hook may also be an instance attribute set before super().__init__().
+  missing = [n for n in REQUIRED_HOOKS
+             if getattr(cls, n, None) is getattr(base, n) and n not in vars(trainer)]
+  if missing:
+    raise UserError(f'{cls.__name__} does not define {", ".join(missing)}: a Trainer subclass '
+                    'defines ' + ', '.join(f'`{_expected(n)}`' for n in missing) +
+                    ' (README: "Write your own model")')
+  for name, (args, kwargs) in HOOK_CALLS.items():
+    if getattr(cls, name, None) is getattr(base, name) and name not in vars(trainer):
+      continue
+    hook = getattr(trainer, name)
+    try:
+      signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+      continue
+    try:
+      signature.bind(*args, **kwargs)
+    except TypeError as e:
+      raise UserError(f'{cls.__name__}.{name}{signature} cannot be called as the trainer calls '
+                      f'it ({e}); define it as `{_expected(name)}`') from None
+
+
+def check_model(model) -> None:
+  """build_model()'s result is a Keras model."""
+  if not isinstance(model, keras.Model):
+    raise UserError('build_model returned None; return a keras.Model, e.g. '
+                    'keras.Sequential([keras.Input(shape), ...]) or keras.Model(inputs, outputs) '
+                    '(did you forget the return?)' if model is None else
+                    f'build_model returned {type(model).__name__}; return a keras.Model, e.g. '
+                    'keras.Sequential([keras.Input(shape), ...]) or keras.Model(inputs, outputs)')
+
+
+def check_metrics(metrics) -> None:
+  """build_metrics()'s result is {name: keras metric}."""
+  if not isinstance(metrics, Mapping):
+    raise UserError(f'build_metrics returned {type(metrics).__name__}; return a dict '
+                    "{name: keras metric}, e.g. {'auc': keras.metrics.AUC(from_logits=True)}")
+  for name, metric in metrics.items():
+    # Keras metrics, or anything with their three methods (duck-typed, as the loops use it).
+    if not all(callable(getattr(metric, m, None))
+               for m in ('update_state', 'result', 'reset_state')) or isinstance(metric, type):
+      raise UserError(f'build_metrics returned {type(metric).__name__} for {name!r}; each value '
+                      'must be a keras.metrics.Metric instance (note the parentheses: '
+                      'keras.metrics.AUC())')
+
+
+def check_actions(actions) -> None:
+  """Every action is a callable taking one Event."""
+  for action in actions:
+    name = getattr(action, '__name__', type(action).__name__)
+    if not callable(action):
+      raise UserError(f'build_actions returned {type(action).__name__}, not a callable; an '
+                      'action is a function taking one trainer.Event')
+    try:
+      inspect.signature(action).bind(None)
+    except (TypeError, ValueError) as e:
+      if isinstance(e, ValueError):  # no signature to read (a builtin): not checked
+        continue
+      raise UserError(f'build_actions: action {name} cannot be called with one event ({e}); '
+                      f'define it as `def {name}(event):` (a trainer.Event)') from None
+
+
+def _batch_size(batch) -> int | None:
+  sizes = {int(t.shape[0]) for t in tf.nest.flatten(batch)
+           if hasattr(t, 'shape') and t.shape.rank and t.shape[0] is not None}
+  return sizes.pop() if len(sizes) == 1 else None
+
+
+def check_outputs(batch, outputs, stateful=()) -> dict:
+  """Checks compute_loss's result on `batch`; returns the metrics dict. Entries named in
+  `stateful` (the Trainer's build_metrics()) are update_state arguments, not [B] values."""
+  pair = isinstance(outputs, (tuple, list)) and len(outputs) == 2
+  if pair and not isinstance(outputs[1], Mapping):
+    raise UserError(f'compute_loss returned (loss, {_describe(outputs[1])}); the second item must '
+                    'be a dict {metric name: per-example value [B]}, e.g. '
+                    "`return loss, {'accuracy': correct}`, or `return loss, {}` for none")
+  if not pair:
+    what = (f'a {type(outputs).__name__} of {len(outputs)}' if isinstance(outputs, (tuple, list))
+            else _describe(outputs))
+    raise UserError(f'compute_loss returned {what}; return a pair (per-example loss [B], '
+                    '{metric name: per-example value [B]}), e.g. `return loss, {}` when there '
+                    'are no metrics')
+  loss, metrics = outputs
+  b = _batch_size(batch)
+  batch_shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
+  labelish = [t for t in tf.nest.flatten(batch)
+              if hasattr(t, 'shape') and t.shape.rank == 2 and t.shape[-1] == 1]
+  hint_11 = (f'; the batch holds a {_describe(labelish[0])} tensor: flatten labels to [B] '
+             '(y.reshape(-1) or tf.squeeze(y, -1)) so they compare with predictions [B]'
+             if labelish else '; a [B, 1] tensor compared with a [B] one broadcasts to '
+             '[B, B]: flatten it to [B]')
+
+  def per_example(kind: str, value, fix_scalar: str):
+    if not hasattr(value, 'shape') or not hasattr(value, 'dtype'):
+      raise UserError(f'compute_loss returned {kind} of type {type(value).__name__}; return a '
+                      'tensor with one value per example, shape [B]')
+    shape = tf.TensorShape(value.shape)
+    got = _describe(value)
+    if shape.rank == 0:
+      raise UserError(f'compute_loss returned {kind} as a scalar ({got}) for a batch of {b} '
+                      f'({batch_shapes}); {fix_scalar}')
+    if b is not None and shape.rank == 2 and shape[0] == b and shape[1] == b and b > 1:
+      raise UserError(f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
+                      f'batch of {b}: two shapes broadcast against each other{hint_11}')
+    if shape.rank != 1:
+      raise UserError(f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
+                      f'batch of {b} ({batch_shapes}); it must be [B]: reduce the other axes '
+                      'per example (e.g. tf.reduce_mean(x, axis=-1)) or use a per-example '
+                      'loss such as keras.losses.sparse_categorical_crossentropy')
+    if b is not None and shape[0] is not None and shape[0] != b:
+      raise UserError(f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
+                      f'batch of {b} ({batch_shapes}); it must have one value per example, '
+                      f'[{b}]')
+
+  per_example('the loss', loss, 'return the per-example loss, shape [B] (drop the '
+              'tf.reduce_mean: the trainer averages over the global batch)')
+  if not tf.as_dtype(loss.dtype).is_floating:
+    raise UserError(f'compute_loss returned the loss as {_describe(loss)}; it must be '
+                    'floating-point (tf.cast(loss, tf.float32))')
+  for name in metrics:
+    if name in RESERVED or (isinstance(name, str) and name.startswith('_')):
+      raise UserError(f'compute_loss returned a metric named {name!r}, a name the trainer uses '
+                      f'for its own values ({", ".join(RESERVED)}; and names starting with _): '
+                      'it would replace them in the log and TensorBoard; rename the metric')
+  for name, value in metrics.items():
+    if name in stateful:
+      if not isinstance(value, (tuple, list)):
+        raise UserError(f'compute_loss returned the stateful metric {name!r} as '
+                        f'{_describe(value)}; return the tuple of its update_state arguments, '
+                        f'e.g. {{{name!r}: (labels, predictions)}}')
+      continue
+    if not isinstance(name, str):
+      raise UserError(f'compute_loss returned a metric named {name!r}; metric names are '
+                      'strings')
+    per_example(f'the metric {name!r}', value, 'return one value per example, shape [B] (the '
+                'trainer averages it; a batch mean would be divided by the batch again)')
+    dtype = tf.as_dtype(value.dtype)
+    if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
+      raise UserError(f'compute_loss returned the metric {name!r} as {_describe(value)}; '
+                      'metrics must be numbers (tf.cast(value, tf.float32))')
+  return dict(metrics)
+
+
+def first_eval_batch(datasets):
+  """The first batch of `datasets.eval` (checked by check_datasets), which the checks below
+  run on; an error when the eval set is empty."""
+  batch = next(iter(datasets.eval.take(1)), None)
+  if batch is None:
+    raise UserError('build_datasets returned an empty Datasets.eval (it yields no batch: an empty '
+                    'source, a filter, or drop_remainder=True on fewer examples than a batch; '
+                    f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
+                    'one example')
+  return batch
+
+
+def probe(batch, compute_loss, stateful=()) -> dict:
+  """Runs compute_loss eagerly on `batch` (the first eval batch; the call builds the model)
+  and checks its result; returns the metrics dict. Call it under the strategy's scope."""
+  try:
+    outputs = compute_loss(batch, training=False)
+  except Exception as e:  # the user's code: keep the traceback, say which call it was
+    shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
+    e.add_note(f'(raised by compute_loss(batch, training=False) on the first eval batch, '
+               f'{shapes}, when the trainer checked its hooks: trainer/step/contract.py)')
+    raise
+  metrics = check_outputs(batch, outputs, stateful)
+  _warn_nonfinite_loss(outputs[0])
+  return metrics
+
+
+def check_gradient(batch, compute_loss, model) -> None:
+  """The default train step's loss has a gradient for at least one trainable variable of
+  `model`: compute_loss(batch, training=True) on the first eval batch, as the step
+  differentiates it (an eval path may use other weights, e.g. an average), the state that
+  forward pass assigns (BatchNorm statistics) put back. Call it before float8 quantization
+  (Keras's float8 layers' custom gradient fails under this eager tape). A distributed
+  variable has no handle outside a replica context: checked under TF's default strategy
+  (distribute.strategy='default') only."""
+  variables = model.trainable_variables
+  if not variables or tf.distribute.has_strategy():
+    return
+  from trainer.step.forward_state import forward_state_kept
+  with forward_state_kept(model), tf.GradientTape() as tape:
+    loss = compute_loss(batch, training=True)[0]
+  if all(g is None for g in tape.gradient(tf.convert_to_tensor(loss), variables)):
+    raise UserError(f'compute_loss returned a loss ({_describe(loss)}) that does not depend on '
+                    'any trainable variable of the model: no gradient reaches them; compute it '
+                    'from self.model(inputs, training=training) with TensorFlow ops (not NumPy '
+                    'or .numpy(), not through tf.stop_gradient)')
+
+
+def _warn_nonfinite_loss(loss) -> None:
+  """A loss already non-finite at the initial weights (log(0), a division by zero, an overflow
+  in float16) makes every step a skipped one: one warning line before training starts."""
+  try:
+    values = tf.reshape(tf.cast(loss, tf.float32), [-1]).numpy()
+  except Exception:  # pylint: disable=broad-except  (not eager: nothing to say)
+    return
+  bad = int((~np.isfinite(values)).sum())
+  if bad:
+    kinds = ', '.join(sorted({str(v) for v in values[~np.isfinite(values)]}))
+    logging.warning('compute_loss returned a non-finite loss (%s) for %d of %d examples of the '
+                    'first eval batch, at the initial weights: every step with such an example '
+                    'will be skipped; look for log(0), a division by zero or an overflow in the '
+                    'loss (a log of a probability: use from_logits=True losses, or clip it)',
+                    kinds, bad, values.size)

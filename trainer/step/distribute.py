@@ -1,0 +1,185 @@
+"""The tf.distribute strategy from `config.distribute`, and who writes files under it.
+
+  default       one device (TF's default strategy)
+  mirrored      MirroredStrategy over every local GPU, or the devices in `distribute.devices`
+                ('GPU:0,GPU:1', 'CPU:0,CPU:1', ...)
+  multi_worker  MultiWorkerMirroredStrategy; the cluster and this process's task come from the
+                TF_CONFIG environment variable (see docs/guides/distribution.md)
+  tpu           TPUStrategy via TPUClusterResolver(distribute.tpu): a TPU name, a
+                'grpc://host:port' address, or '' / 'local' for a TPU attached to this host
+
+Build the strategy before anything else touches TensorFlow devices: MultiWorkerMirroredStrategy
+and the TPU system must be set up at program start.
+
+Rules checked here (each a ConfigError or UserError naming the key and what to do):
+  * the global batch `train.batch_size` must divide evenly among the replicas;
+  * on a TPU only float32 and mixed_bfloat16 are allowed and loss scaling is off
+    (`precision.loss_scale` 'auto' or 'none');
+  * no TPU reachable, a missing TF_CONFIG, or a device that does not exist is an error.
+
+Under multi_worker only the chief (task 'chief', or 'worker' 0 when the cluster has no chief)
+writes checkpoints, summaries and config.json into the workdir. Every worker must still call
+`save` (saving takes part in collective ops), so the others save into a temporary folder that is
+removed right after (`scratch_dir`, `remove_scratch`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import urllib.parse
+
+import tensorflow as tf
+from absl import logging
+
+from trainer import config
+from trainer.errors import ConfigError, UserError
+
+STRATEGIES = config.STRATEGIES
+
+
+def check_precision(config) -> None:
+  """ConfigError unless the precision settings suit the strategy (TPU: no float16, no scale)."""
+  if config.distribute.strategy != 'tpu':
+    return
+  if config.precision.policy == 'mixed_float16':
+    raise ConfigError("config.precision.policy='mixed_float16' is not supported on a TPU "
+                      "(config.distribute.strategy='tpu'); use 'mixed_bfloat16', 'float32' or "
+                      "'auto'.")
+  if config.precision.loss_scale not in ('auto', 'none'):
+    raise ConfigError(f'config.precision.loss_scale={config.precision.loss_scale!r}: loss '
+                      "scaling is off on a TPU (bfloat16 has float32's range); set it to "
+                      "'auto' or 'none'.")
+
+
+def build(config) -> tf.distribute.Strategy:
+  """The strategy named by `config.distribute.strategy` (config already validated)."""
+  check_precision(config)
+  kind = config.distribute.strategy
+  if kind == 'default':
+    return tf.distribute.get_strategy()
+  if kind == 'mirrored':
+    return _mirrored(config.distribute.devices)
+  if kind == 'multi_worker':
+    return _multi_worker()
+  if kind == 'tpu':
+    return _tpu(config.distribute.tpu)
+  raise ConfigError(f'config.distribute.strategy={kind!r} must be one of '
+                    f'{", ".join(STRATEGIES)}.')
+
+
+def _mirrored(devices: str) -> tf.distribute.MirroredStrategy:
+  names = [d.strip() for d in devices.split(',') if d.strip()]
+  if not names:
+    gpus = tf.config.list_logical_devices('GPU')
+    if not gpus:
+      logging.warning("config.distribute.strategy='mirrored' found no GPU: one replica on the "
+                      'CPU. Set config.distribute.devices to choose devices.')
+    return tf.distribute.MirroredStrategy()
+  known = {_short(d.name): d.name for d in tf.config.list_logical_devices()}
+  chosen = []
+  for name in names:
+    if _short(name) not in known:
+      raise ConfigError(f'config.distribute.devices={devices!r}: no device {name!r} here; '
+                        f'available: {", ".join(sorted(known))}.')
+    chosen.append(known[_short(name)])
+  if len(set(chosen)) != len(chosen):
+    raise ConfigError(f'config.distribute.devices={devices!r} names a device twice.')
+  return tf.distribute.MirroredStrategy(chosen)
+
+
+def _short(name: str) -> str:
+  """'/job:localhost/replica:0/task:0/device:GPU:1', '/gpu:1', 'gpu:1' -> 'GPU:1'."""
+  kind, _, index = name.rsplit('/', 1)[-1].replace('device:', '').rpartition(':')
+  return f'{kind.upper()}:{index}'
+
+
+def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
+  text = os.environ.get('TF_CONFIG', '')
+  if not text:
+    raise UserError("config.distribute.strategy='multi_worker' needs the TF_CONFIG environment "
+                    'variable (cluster and task of this process); see '
+                    'docs/guides/distribution.md.')
+  try:
+    tf_config = json.loads(text)
+    workers = dict(tf_config['cluster'])
+    task = tf_config['task']
+    task['type'], int(task['index'])
+  except (ValueError, KeyError, TypeError) as e:
+    raise UserError(f'TF_CONFIG is not valid ({type(e).__name__}: {e}); it must be JSON like '
+                    '{"cluster": {"worker": ["host1:port", "host2:port"]}, '
+                    '"task": {"type": "worker", "index": 0}}.') from None
+  task_type, index = task['type'], int(task['index'])
+  if task_type not in workers or not isinstance(workers[task_type], list):
+    raise UserError(f'TF_CONFIG: task type {task_type!r} is not in the cluster (it has '
+                    f'{", ".join(map(repr, workers)) or "no task types"}); set task.type to '
+                    'one of them.')
+  if not 0 <= index < len(workers[task_type]):
+    raise UserError(f'TF_CONFIG: task index {index} is not in the cluster: {task_type!r} has '
+                    f'{len(workers[task_type])} address(es), so the index must be in '
+                    f'[0, {len(workers[task_type])}).')
+  logging.info('multi_worker: cluster %s, this task %s:%s', workers, task_type, index)
+  return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def _tpu(tpu: str) -> tf.distribute.TPUStrategy:
+  address = tpu or 'local'
+  if address.startswith('grpc://'):
+    _check_reachable(address)
+  try:
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
+    if address != 'local':
+      tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+  except Exception as e:  # resolver, connection and init raise many types; all mean "no TPU"
+    text = str(e).strip()
+    first = text.splitlines()[0].split('. ')[0] if text else type(e).__name__  # one sentence
+    raise UserError(f'config.distribute.tpu={tpu!r}: no TPU reachable ({first}). Give the TPU '
+                    "name or 'grpc://host:port' address, or run on a TPU VM with ''.") from None
+  return tf.distribute.TPUStrategy(resolver)
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+  parsed = urllib.parse.urlparse(address)
+  try:
+    with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout):
+      pass
+  except (OSError, ValueError, TypeError) as e:
+    raise UserError(f'config.distribute.tpu={address!r}: no TPU reachable ({e}). Check the '
+                    'address and that the TPU is up.') from None
+
+
+def check_batch(strategy: tf.distribute.Strategy, global_batch: int) -> int:
+  """The per-replica batch; ConfigError if `global_batch` does not divide among the replicas."""
+  replicas = strategy.num_replicas_in_sync
+  if global_batch % replicas:
+    raise ConfigError(f'config.train.batch_size={global_batch} does not divide among '
+                      f'{replicas} replicas; use a multiple of {replicas} (e.g. '
+                      f'{(global_batch // replicas + 1) * replicas}).')
+  return global_batch // replicas
+
+
+# ---- who writes ------------------------------------------------------------------------------
+def task(strategy: tf.distribute.Strategy) -> tuple[str | None, int | None]:
+  """(task type, task index) of this process under multi_worker, else (None, None)."""
+  resolver = getattr(strategy, 'cluster_resolver', None)
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
+    return None, None
+  return resolver.task_type, resolver.task_id
+
+
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
+  """True for the one process that writes the workdir (always, without multi_worker)."""
+  return bool(strategy.extended.should_checkpoint)
+
+
+def scratch_dir(strategy: tf.distribute.Strategy) -> str:
+  """A new temporary folder for a non-chief worker's checkpoints; remove it after each save."""
+  task_type, task_id = task(strategy)
+  return tempfile.mkdtemp(prefix=f'mpt-{task_type}{task_id}-')
+
+
+def remove_scratch(path: str) -> None:
+  shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,168 @@
+"""Loss scaling: static or dynamic, written here rather than borrowed from Keras.
+
+Why: float16 has 5 exponent bits. Gradients smaller than about 6e-8 flush to zero, so the loss is
+multiplied by a scale S before backprop, which shifts every gradient up by S; the float32
+gradients are then divided by S before the optimizer sees them. Too large an S overflows to
+inf/NaN, so the scale is adjusted as training runs. bfloat16 has float32's exponent range and needs
+no scaling; float32 needs none either.
+
+Each step (see `trainer/step/train_step.py`):
+  1. loss x S  -> gradients  -> x (1/S) in float32 (`unscale`; exact when S is a power of 2,
+     as the default dynamic scales are; otherwise within one rounding of a divide);
+  2. every gradient on every replica is checked finite (`all_finite`: a sum per gradient, and
+     an element-wise check only when a sum is not finite);
+  3. non-finite: the optimizer is not applied (weights and slots untouched) and the step counts
+     as skipped; finite: the optimizer applies the (optionally clipped) unscaled gradients;
+  4. `update(finite)` moves the scale by the rules below, once per step, in cross-replica context.
+
+Modes:
+  'none'    S = 1 and nothing is multiplied; non-finite steps are still skipped.
+  'static'  S is fixed; non-finite steps are skipped, S never changes.
+  'dynamic' the rules below.
+
+Dynamic rules, exactly (state: `scale`, `good_steps`, `hysteresis_left`; all tf.Variables, saved
+in checkpoints):
+  start      scale = initial_scale, good_steps = 0, hysteresis_left = hysteresis.
+  finite     good_steps += 1 and hysteresis_left = hysteresis (the budget refills).
+             If good_steps == growth_interval: good_steps = 0 and
+             scale = min(scale * growth_factor, max_scale), unless that product is not finite,
+             in which case scale stays. The scale never exceeds max_scale and never becomes inf.
+  non-finite good_steps = 0 and hysteresis_left = max(hysteresis_left - 1, 0).
+             If hysteresis_left == 0: scale = max(scale * backoff_factor, min_scale).
+             So with hysteresis = 1 (the default) every non-finite step backs off; with N > 1 the
+             first N-1 non-finite steps in a row only skip, the N-th and every further one in the
+             same run back off, and one finite step refills the budget to N.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from trainer import config
+
+MODES = config.LOSS_SCALE_MODES
+
+
+def state_variable(value, dtype, name) -> tf.Variable:
+  """A non-trainable variable of the step's own state (loss scale, counters, step), created
+  under the strategy's scope and written once per step in cross-replica context: every replica
+  holds the same value, and on save/restore the first replica's stands for all."""
+  return tf.Variable(value, dtype=dtype, trainable=False, name=name,
+                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+def overwritten(variables) -> list[bool]:
+  """Per variable: whether the optimizer assigns its "gradient" as its new value instead of
+  stepping it (Keras's `overwrite_with_gradient`, set on float8 layers' scale and amax-history
+  variables)."""
+  return [bool(getattr(v, 'overwrite_with_gradient', False)) for v in variables]
+
+
+def all_finite(grads) -> tf.Tensor:
+  """A scalar bool: every element of every gradient is finite (None gradients are ignored).
+
+  Fast path, every step: one float32 sum per gradient. A sum is finite only if every element
+  is (an inf or NaN element makes it inf or NaN), so a finite total proves the step finite.
+  A non-finite total can also be a float32 overflow of huge but finite elements, so only then
+  are the elements checked one by one. A sum reads each gradient once; the element check writes
+  a boolean tensor the size of the gradient and reads it again.
+  """
+  grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+  if not grads:
+    return tf.constant(True)
+  total = tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads])
+
+  def elementwise():
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
+
+  return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True), elementwise)
+
+
+class LossScaler(tf.Module):
+  """The loss scale and its state. Create it under the strategy's scope.
+
+  `scale_loss` and `unscale` run per replica; `update` runs once per step in cross-replica
+  context with the all-replica finite flag, so every replica holds the same state.
+  """
+
+  def __init__(self, *, mode: str = 'dynamic', initial_scale: float = 2.0**15,
+               growth_interval: int = 2000, growth_factor: float = 2.0,
+               backoff_factor: float = 0.5, min_scale: float = 1.0,
+               max_scale: float = 2.0**24, hysteresis: int = 1):
+    super().__init__(name='loss_scaler')
+    if mode not in MODES:
+      raise ValueError(f'loss scale mode must be one of {MODES}, got {mode!r}')
+    if not initial_scale > 0:
+      raise ValueError(f'initial_scale must be > 0, got {initial_scale}')
+    if growth_interval < 1 or hysteresis < 1:
+      raise ValueError('growth_interval and hysteresis must be >= 1')
+    if not 0 < min_scale <= max_scale:
+      raise ValueError(f'need 0 < min_scale <= max_scale, got {min_scale}, {max_scale}')
+    self.mode = mode
+    self.growth_interval = int(growth_interval)
+    self.growth_factor = float(growth_factor)
+    self.backoff_factor = float(backoff_factor)
+    self.min_scale = float(min_scale)
+    self.max_scale = float(max_scale)
+    self.hysteresis = int(hysteresis)
+    first = 1.0 if mode == 'none' else float(initial_scale)
+    self.scale = state_variable(first, tf.float32, 'scale')
+    self.good_steps = state_variable(0, tf.int64, 'good_steps')
+    self.hysteresis_left = state_variable(self.hysteresis, tf.int64, 'hysteresis_left')
+
+  @classmethod
+  def from_config(cls, precision, policy: str) -> LossScaler:
+    """From `config.precision` and the resolved policy name ('auto' is dynamic only under
+    mixed_float16)."""
+    text = precision.loss_scale
+    if text == 'auto':
+      text = 'dynamic' if policy == 'mixed_float16' else 'none'
+    if text in ('none', 'dynamic'):
+      mode, initial = text, precision.initial_scale
+    else:
+      mode, initial = 'static', float(text)
+    return cls(mode=mode, initial_scale=initial, growth_interval=precision.growth_interval,
+               growth_factor=precision.growth_factor, backoff_factor=precision.backoff_factor,
+               min_scale=precision.min_scale, max_scale=precision.max_scale,
+               hysteresis=precision.get('hysteresis', 1))
+
+  def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
+    if self.mode == 'none':
+      return loss
+    return loss * tf.cast(self.scale, loss.dtype)
+
+  def unscale(self, grads, variables=None):
+    """Gradients in float32, divided by the scale. Given the `variables` they belong to, the
+    values of variables marked `overwrite_with_gradient` (Keras float8 layers' scales and amax
+    histories: new values, not gradients) are left as they are."""
+    grads = [None if g is None else tf.cast(g, tf.float32) for g in grads]
+    if self.mode == 'none':
+      return grads
+    keep = overwritten(variables) if variables is not None else [False] * len(grads)
+    inverse = 1.0 / self.scale  # read once; x (1/S) is exact for a power-of-two S
+    return [g if g is None or k else g * inverse for g, k in zip(grads, keep)]
+
+  def update(self, finite: tf.Tensor) -> None:
+    """Applies the rules in the module docstring for one step. Cross-replica context."""
+    if self.mode != 'dynamic':
+      return
+    finite = tf.convert_to_tensor(finite)
+
+    def on_finite():
+      good = self.good_steps + 1
+      grow = good >= self.growth_interval
+      grown = self.scale * self.growth_factor
+      grown = tf.where(tf.math.is_finite(grown), tf.minimum(grown, self.max_scale), self.scale)
+      return (tf.where(grow, grown, self.scale), tf.where(grow, tf.zeros_like(good), good),
+              tf.constant(self.hysteresis, tf.int64))
+
+    def on_nonfinite():
+      left = tf.maximum(self.hysteresis_left - 1, 0)
+      backed = tf.maximum(self.scale * self.backoff_factor, self.min_scale)
+      return (tf.where(left == 0, backed, self.scale), tf.zeros_like(self.good_steps), left)
+
+    # Both outcomes are a few scalar ops: select with tf.where rather than branch with tf.cond
+    # (a cond per step costs more than the arithmetic on CPU).
+    scale, good, left = (tf.where(finite, x, y) for x, y in zip(on_finite(), on_nonfinite()))
+    self.scale.assign(scale)
+    self.good_steps.assign(good)
+    self.hysteresis_left.assign(left)

@@ -1,0 +1,91 @@
+"""The optimizer and learning-rate schedule from `config.optimizer`.
+
+`optimizer.fused` (default True) picks the one-kernel-per-variable update of
+trainer/step/fused_optimizers.py (the same formulas as Keras's Adam, AdamW and SGD, measurably
+faster on small models); False picks Keras's own classes.
+
+Optimizers come from a registry a project can extend (trainer/registry.py:
+`register_optimizer(name, builder)`, where `builder(opt_config, learning_rate)` returns a Keras
+optimizer; `opt_config` is `config.optimizer`, `learning_rate` a float or a no-argument
+callable). The builders of adam, adamw and sgd are the functions below.
+
+The schedule is a function of the trainer's global step, which advances on every step, skipped
+or not; `optimizer.iterations` counts only applied updates, so it is not used for the schedule.
+"""
+from __future__ import annotations
+
+import math
+import keras
+import tensorflow as tf
+
+from trainer import registry
+from trainer.errors import ConfigError
+from trainer.step import fused_optimizers
+
+def schedule(opt_config, total_steps: int):
+  """step (a scalar tensor) -> learning rate (float32): linear warm-up from 0 over
+  `warmup_steps`, then constant or cosine decay to 0 at `total_steps`."""
+  peak = float(opt_config.learning_rate)
+  warmup = int(opt_config.warmup_steps)
+  kind = opt_config.schedule
+  decay_steps = max(total_steps - warmup, 1)
+
+  def learning_rate(step):
+    step = tf.cast(step, tf.float32)
+    if kind == 'cosine':
+      progress = tf.clip_by_value((step - warmup) / decay_steps, 0.0, 1.0)
+      rate = 0.5 * peak * (1.0 + tf.cos(math.pi * progress))
+    else:
+      rate = tf.constant(peak, tf.float32)
+    if warmup > 0:
+      rate = rate * tf.minimum(1.0, (step + 1.0) / warmup)
+    return rate
+
+  return learning_rate
+
+
+def build(opt_config, learning_rate, *, master_weights: str = 'float32', seed: int = 0,
+          step=None) -> keras.optimizers.Optimizer:
+  """The registered builder of `opt_config.name`, called with (opt_config, learning_rate);
+  `learning_rate` is a float or a no-argument callable (Keras 3 calls it every update).
+
+  With bfloat16 `master_weights` (config.precision.master_weights) or
+  `opt_config.state_bits=8`, adam, adamw and sgd are trainer/step/low_precision.py's classes
+  instead, seeded by (`seed`, `step`: the trainer's global step variable)."""
+  found = registry.builder(opt_config.name)
+  if found is None:
+    raise ConfigError(f'config.optimizer.name={opt_config.name!r}: '
+                      f'{registry.check_name(opt_config.name)}')
+  state_bits = int(opt_config.get('state_bits', 32))
+  if master_weights == 'float32' and state_bits == 32:
+    return found(opt_config, learning_rate)
+  from trainer.step import low_precision  # pylint: disable=import-outside-toplevel
+  kwargs = dict(learning_rate=learning_rate, master_weights=master_weights,
+                state_bits=state_bits, seed=seed, step=step,
+                weight_decay=float(opt_config.weight_decay) or None)
+  if opt_config.name == 'sgd':
+    kwargs['momentum'] = opt_config.momentum
+  return low_precision.CLASSES[opt_config.name](**kwargs)
+
+
+def _classes(opt_config):
+  """(Adam, AdamW, SGD): the fused ones (one kernel per variable) or Keras's own."""
+  if opt_config.get('fused', True):
+    return (fused_optimizers.FusedAdam, fused_optimizers.FusedAdamW, fused_optimizers.FusedSGD)
+  return keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.SGD
+
+
+def _adam(opt_config, learning_rate):
+  return _classes(opt_config)[0](learning_rate=learning_rate,
+                                 weight_decay=float(opt_config.weight_decay) or None)
+
+
+def _adamw(opt_config, learning_rate):
+  return _classes(opt_config)[1](learning_rate=learning_rate,
+                                 weight_decay=float(opt_config.weight_decay))
+
+
+def _sgd(opt_config, learning_rate):
+  return _classes(opt_config)[2](learning_rate=learning_rate, momentum=opt_config.momentum,
+                                 weight_decay=float(opt_config.weight_decay) or None)
+

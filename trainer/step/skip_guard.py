@@ -1,0 +1,101 @@
+"""The collapse guard: counts skipped steps in a row and names the variables that overflowed.
+
+A skipped step (non-finite gradients on any replica; no update applied) is routine under dynamic
+loss scaling. Step after step of them is not: the weights stop moving and the run trains on
+nothing. The guard lives inside the compiled loop:
+
+  * on the skip branch of the step's `tf.cond` only, it checks each gradient for non-finite
+    values, keeps the per-variable result in a variable and `tf.print`s one line naming the step,
+    the loss scale and the first variables whose gradients were non-finite; a finite step pays
+    only the reset of one scalar counter;
+  * it counts bad steps in a row (skipped, or applied with a non-finite loss); when
+    `max_consecutive_skips` (> 0) is reached the loop
+    stops early, and `check()` (host side, between compiled calls) raises `CollapseError` naming
+    the step, the loss scale and those variables. The trainer checks before saving, so the last
+    checkpoint written before the storm is left as it was.
+"""
+from __future__ import annotations
+
+import sys
+
+import tensorflow as tf
+
+from trainer.errors import CollapseError
+from trainer.step.loss_scale import state_variable
+
+SUM = tf.distribute.ReduceOp.SUM
+SHOWN = 3  # variables named per line
+
+
+def _nonfinite_per_variable(grads):
+  """Replica context: int32 [num variables], 1 where that gradient has a non-finite value."""
+  return tf.stack([tf.constant(0) if g is None else
+                   tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(g))), tf.int32)
+                   for g in grads])
+
+
+class SkipGuard(tf.Module):
+  """Create it under the strategy's scope. `record` and `count` run in cross-replica context
+  inside the compiled step; `check` runs on the host between calls."""
+
+  def __init__(self, *, strategy: tf.distribute.Strategy, variables,
+               max_consecutive_skips: int = 0):
+    super().__init__(name='skip_guard')
+    self.strategy = strategy
+    self.names = [getattr(v, 'path', None) or v.name for v in variables]
+    self.max_consecutive_skips = int(max_consecutive_skips)
+    self.consecutive = state_variable(0, tf.int64, 'consecutive_skips')
+    # Replicas on which each variable's gradient was non-finite, at the last skipped step.
+    self.nonfinite = state_variable(tf.zeros([len(self.names)], tf.int32), tf.int32,
+                                    'nonfinite_per_variable')
+    self.last_scale = state_variable(0.0, tf.float32, 'scale_at_last_skip')  # for forensics
+
+  def record(self, grads, step, scale) -> None:
+    """Skip branch only: which gradients are non-finite, kept and printed (one line)."""
+    per_replica = self.strategy.run(_nonfinite_per_variable, args=(grads,))
+    counts = self.strategy.reduce(SUM, per_replica, axis=None)
+    self.nonfinite.assign(counts)
+    self.last_scale.assign(tf.cast(scale, tf.float32))
+    bad = tf.boolean_mask(tf.constant(self.names), counts > 0)
+    tf.print(tf.strings.join([
+        'skipped step ', tf.strings.as_string(step), ' (non-finite gradients, no update): loss '
+        'scale ', tf.strings.as_string(scale, shortest=True), ', non-finite in ',
+        tf.strings.as_string(tf.size(bad)), f' of {len(self.names)} variables, first: ',
+        tf.strings.reduce_join(bad[:SHOWN], separator=', ')]), output_stream=sys.stderr)
+
+  def count(self, good) -> None:
+    """Every step: the number of bad steps in a row (skipped, or with a non-finite loss)."""
+    self.consecutive.assign(tf.where(good, tf.zeros_like(self.consecutive),
+                                     self.consecutive + 1))
+
+  def collapsed(self):
+    """A bool tensor for the loop to stop on (Python False when the guard is off)."""
+    if self.max_consecutive_skips <= 0:
+      return False
+    return self.consecutive >= self.max_consecutive_skips
+
+  def nonfinite_names(self) -> list[str]:
+    """Host side: the variables whose gradients were non-finite at the last skipped step."""
+    return [n for n, c in zip(self.names, self.nonfinite.numpy()) if c > 0]
+
+  def check(self, *, step: int, scale: tf.Variable, checkpoint: str | None) -> None:
+    """Host side, between compiled calls: raises CollapseError once the limit is reached.
+    `scale` (the loss scale variable) is read only then."""
+    limit = self.max_consecutive_skips
+    if limit <= 0:
+      return
+    run = int(self.consecutive.numpy())
+    if run < limit:
+      return
+    bad = self.nonfinite_names()
+    shown = ', '.join(bad[:SHOWN]) + (f' and {len(bad) - SHOWN} more' if len(bad) > SHOWN else '')
+    where = (f'first non-finite gradients in: {shown}' if shown else
+             'the gradients were finite but the loss was not')
+    kept = (f'The newest checkpoint, {checkpoint}, was verified finite when saved' if checkpoint
+            else 'No checkpoint was written yet')
+    raise CollapseError(
+        f'training collapsed at step {step}: {run} steps in a row (steps {step - run} to '
+        f'{step - 1}) were skipped for non-finite gradients or had a non-finite loss; loss scale '
+        f'{float(scale.numpy()):g}; {where}. {kept}. Lower config.optimizer.learning_rate, '
+        'check the input data, or raise config.precision.max_consecutive_skips '
+        f'(now {limit}; 0 turns the guard off).')
