@@ -337,22 +337,25 @@ def account(policy: str, remat: bool) -> dict:
                      for s, n, d, sh, o in rows if 'block0_1/' in n]}
 
 
-def timing(settings: list[tuple[str, bool]]) -> dict:
-  """steps/s per (policy, remat), interleaved rounds in this process, and MFU."""
+def timing(settings: list[tuple]) -> dict:
+  """steps/s per (policy, remat), or per (label, policy, remat, overrides) from --setting,
+  interleaved rounds in this process, and MFU."""
   import keras
   import models
   import tensorflow as tf
   from benchmarks import flops
   from benchmarks.contenders import Ours
-  built = []
-  for policy, remat in settings:
-    config = build_config(_MODEL.value, _CONFIG.value, _SET.value, policy=policy, remat=remat,
-                          batch_size=_BATCH.value)
+  built, policies = [], {}
+  for setting in settings:
+    key, policy, remat, extra = (setting, *setting, ()) if len(setting) == 2 else setting
+    config = build_config(_MODEL.value, _CONFIG.value, _SET.value + list(extra), policy=policy,
+                          remat=remat, batch_size=_BATCH.value)
     contender = Ours(models.get_trainer_class(config.model), config)
     contender.timed(1)
     contender.timed(1)
-    built.append(((policy, remat), contender))
-    logging.warning('built %s remat=%s', policy, remat)
+    built.append((key, contender))
+    policies[key] = policy
+    logging.warning('built %s', key)
   step_flops = flops.step_flops(built[0][1].trainer)
   keras.mixed_precision.set_global_policy('float32')
   rates = {k: [] for k, _ in built}
@@ -366,11 +369,12 @@ def timing(settings: list[tuple[str, bool]]) -> dict:
   peaks = {d: flops.matmul_peak(tf.as_dtype(d), 1024) for d in ('float32', 'bfloat16')}
   base = rates[built[0][0]]
   out = {'flops_per_step': step_flops, 'matmul_peak_flops': peaks, 'settings': {}}
-  for (policy, remat), values in rates.items():
+  for key, values in rates.items():
+    policy = policies[key]
     dtype = 'bfloat16' if policy == 'mixed_bfloat16' else 'float32'
     median = statistics.median(values)
-    same_policy_off = rates.get((policy, False))
-    out['settings'][f'{policy} remat={remat}'] = {
+    same_policy_off = rates.get((policy, False)) if isinstance(key, tuple) else None
+    out['settings'][f'{key[0]} remat={key[1]}' if isinstance(key, tuple) else key] = {
         'steps_per_sec': median, 'rounds': values,
         'x_first': statistics.median(a / b for a, b in zip(values, base)),
         'step_time_x_remat_off': (statistics.median(b / a for a, b in zip(values, same_policy_off))
@@ -379,11 +383,17 @@ def timing(settings: list[tuple[str, bool]]) -> dict:
   return out
 
 
-def breakdown(setting: str) -> dict:
-  """One --setting's row: the child's numbers and the components derived from them, MiB."""
+def _parse_setting(setting: str) -> tuple[str, str, bool, list[str]]:
+  """'label:policy,dotted=value,...' -> (label, policy, remat, overrides)."""
   label, _, rest = setting.partition(':')
   policy, *items = [p for p in rest.split(',') if p]
   remat = any(i.lower() in ('train.remat=true', 'train.remat=1') for i in items)
+  return label, policy, remat, items
+
+
+def breakdown(setting: str) -> dict:
+  """One --setting's row: the child's numbers and the components derived from them, MiB."""
+  label, policy, remat, items = _parse_setting(setting)
   m = measure(policy, remat, _BATCH.value, extra=items, breakdown=True)
   row = {'label': label, 'policy': policy, 'overrides': items, **m}
   row['bytes_per_param'] = (m['weights_mib'] + m['state_mib']) * 2**20 / m['params']
@@ -438,7 +448,7 @@ def main(argv):
   elif _ACCOUNT.value:
     results['account'] = {f'{p} remat={r}': account(p, r) for p, r in settings}
   elif _TIME_ROUNDS.value:
-    results['time'] = timing(settings)
+    results['time'] = timing([_parse_setting(s) for s in _SETTINGS.value] or settings)
   elif _BUDGET.value:
     results['budget_mib'] = _BUDGET.value
     results['largest_batch'] = {f'{p} remat={r}': largest_batch(p, r, _BUDGET.value,
