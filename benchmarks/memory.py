@@ -204,7 +204,10 @@ def measure(policy: str, remat: bool, batch_size: int | None, kill_mib: float = 
   spec = dict(model=_MODEL.value, config=_CONFIG.value, set=_SET.value, policy=policy,
               remat=remat, batch_size=batch_size, steps=_STEPS.value, extra=list(extra),
               breakdown=breakdown)
-  argv = [sys.executable, os.path.abspath(__file__), f'--child={json.dumps(spec)}']
+  argv = [sys.executable, os.path.abspath(__file__), f'--child={json.dumps(spec)}',
+          f'--data_root={run._DATA_ROOT.value}',  # pylint: disable=protected-access
+          *([f'--data_dir={",".join(run._DATA_DIR.value)}']  # pylint: disable=protected-access
+            if run._DATA_DIR.value else [])]  # pylint: disable=protected-access
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
   if breakdown and _ALLOCATOR.value:
     env['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
