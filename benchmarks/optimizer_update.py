@@ -5,7 +5,9 @@
 Times `--updates` compiled `apply_gradients` calls (one tf.function looping over them) on
 variables of the given shapes (default: the MNIST MLP's), the contenders interleaved in rounds
 in one process; prints the median time per update and each contender's speed relative to
-Keras's Adam. `tf_kernel` is the one-kernel update trainer/step/fused_optimizers.py used before
+Keras's Adam. bfloat16_sr, bfloat16_kahan (bfloat16 variables) and state_bits_8 are
+trainer/step/low_precision.py's Adam updates (`--low_precision`, default on). `tf_kernel` is
+the one-kernel update trainer/step/fused_optimizers.py used before
 it was made bit-identical to Keras (its `1 - beta` rounds differently); it is here as the speed
 bound.
 """
@@ -26,6 +28,8 @@ _SHAPES = flags.DEFINE_string('shapes', '784x128,128,128x10,10',
                               'Variable shapes, comma-separated.')
 _ROUNDS = flags.DEFINE_integer('rounds', 7, 'Interleaved rounds.')
 _UPDATES = flags.DEFINE_integer('updates', 200, 'Updates per contender per round.')
+_LOW = flags.DEFINE_bool('low_precision', True, 'Also time the 16-bit-master and 8-bit-state '
+                         'updates.')
 
 
 def contenders():
@@ -45,8 +49,17 @@ def contenders():
           beta2_power=tf.pow(self.beta_2, step), lr=tf.cast(learning_rate, tf.float32),
           beta1=self.beta_1, beta2=self.beta_2, epsilon=self.epsilon, grad=gradient)
 
-  return {'keras': keras.optimizers.Adam, 'tf_kernel': TfKernelAdam,
-          'ours': fused_optimizers.FusedAdam}
+  out = {'keras': keras.optimizers.Adam, 'tf_kernel': TfKernelAdam,
+         'ours': fused_optimizers.FusedAdam}
+  if _LOW.value:
+    import functools
+
+    from trainer.step import low_precision
+    for name, kwargs in (('bfloat16_sr', dict(master_weights='bfloat16_sr')),
+                         ('bfloat16_kahan', dict(master_weights='bfloat16_kahan')),
+                         ('state_bits_8', dict(state_bits=8))):
+      out[name] = functools.partial(low_precision.LowPrecisionAdam, **kwargs)
+  return out
 
 
 def main(argv):
@@ -58,7 +71,9 @@ def main(argv):
   grads = [tf.constant(rng.normal(size=s).astype(np.float32) * 1e-2) for s in shapes]
   runs = {}
   for name, cls in contenders().items():
-    variables = [tf.Variable(rng.normal(size=s).astype(np.float32)) for s in shapes]
+    dtype = tf.bfloat16 if name.startswith('bfloat16') else tf.float32
+    variables = [tf.Variable(tf.cast(rng.normal(size=s).astype(np.float32), dtype))
+                 for s in shapes]
     optimizer = cls(learning_rate=1e-3)
     optimizer.build(variables)
 
