@@ -30,7 +30,8 @@ bytes are summed by dtype and by the layer that made them. This is exact for the
 nothing about the allocator.
 Breakdown (--breakdown, a subprocess per --setting, TF's BFC allocator on the CPU unless
 --noallocator): weights and optimizer state (bytes of the variables), kept for backward (as
---account), the allocator's peak (the most bytes of live tensors), transient = allocator peak -
+--account), the allocator's peak (the most bytes of live tensors during the steps: its count is
+reset after the build), transient = allocator peak -
 weights - state - kept (the gradients and the largest working set of one op or block), beyond
 the allocator = peak RSS - allocator peak (Python, TF's code and caches, oneDNN's, the input
 pipeline, freed pages malloc keeps), RSS peak and step MiB, and seconds per step (the median of
@@ -171,6 +172,8 @@ def child(spec: dict) -> None:
   with tempfile.TemporaryDirectory() as workdir:
     trainer = trainer_class(config, workdir)
     built = peak_rss_mib()
+    if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # the allocator's peak: the steps' only
+      tf.config.experimental.reset_memory_stats('CPU:0')
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
     if spec.get('breakdown'):
       from trainer.step import low_precision
