@@ -224,7 +224,7 @@ class _LowPrecisionAdam(_LowPrecision):
     for v in variables:
       if self.state_bits == 8:
         size = int(np.prod(v.shape))
-        name = v.path.replace('/', '_')
+        name = getattr(v, 'path', v.name).replace('/', '_').replace(':', '_')
         for codes, scales, kind in ((momentums, m_scales, 'momentum'),
                                     (velocities, v_scales, 'velocity')):
           codes.append(self.add_variable((blocks(size) * BLOCK,), 'zeros', 'uint8',
