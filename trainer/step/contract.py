@@ -322,10 +322,12 @@ def check_gradient(batch, compute_loss, model) -> None:
   # On the batch's first example only: whether a gradient reaches the variables does not depend
   # on the batch, and an eager tape over the whole batch keeps every activation of the model (at
   # context 512 it set the process's peak RSS, above the compiled step's: docs/guides/memory.md).
-  batch = tf.nest.map_structure(lambda t: t[:1], batch)
+  first = tf.nest.map_structure(lambda t: t[:1], batch)
   with forward_state_kept(model), tf.GradientTape() as tape:
-    loss = compute_loss(batch, training=True)[0]
+    loss = compute_loss(first, training=True)[0]
   if all(g is None for g in tape.gradient(tf.convert_to_tensor(loss), variables)):
+    with forward_state_kept(model):  # the whole batch's loss, for the message
+      loss = compute_loss(batch, training=True)[0]
     raise UserError(f'compute_loss returned a loss ({_describe(loss)}) that does not depend on '
                     'any trainable variable of the model: no gradient reaches them; compute it '
                     'from self.model(inputs, training=training) with TensorFlow ops (not NumPy '
