@@ -131,28 +131,73 @@ def sublayers(layer, include_self=False) -> list:
           if not isinstance(l, keras.layers.InputLayer)]
 
 
+def call_methods(layer) -> tuple[str, ...]:
+  """The method a layer's `__call__` computes through: `call`, or for a quantized layer (float8,
+  int8: `layer.quantization_mode` set) `quantized_call`, which Keras's `Layer.__call__` calls
+  instead of `call` (a hook on `call` alone never sees a float8 layer)."""
+  return ('quantized_call',) if getattr(layer, 'quantization_mode', None) else ('call',)
+
+
+def trainable(layer) -> list:
+  """A layer's trainable variables without Keras float8 scale and amax-history variables (their
+  "gradients" are new values, not gradients)."""
+  return [v for v in layer.trainable_variables
+          if not getattr(v, 'overwrite_with_gradient', False)]
+
+
+@contextlib.contextmanager
+def _hooked(layer, method: str, function):
+  """`layer.<method>` is `function(original)` (an instance attribute) while active; the previous
+  instance attribute, if any, is put back on exit."""
+  had = method in layer.__dict__
+  previous = layer.__dict__.get(method)
+  object.__setattr__(layer, method, function(getattr(layer, method)))
+  try:
+    yield
+  finally:
+    if had:
+      object.__setattr__(layer, method, previous)
+    else:
+      layer.__dict__.pop(method, None)
+
+
+@contextlib.contextmanager
+def quantized_calls_compiled(model):
+  """Keras's float8 layers compute their gradients with a `tf.custom_gradient` that fails eagerly
+  under a GradientTape (Keras 3.15: 'too many values to unpack', their grad returns the new scale
+  and amax history as a third and fourth value); in a tf.function it works, as in the train step.
+  While active, each quantized layer's `quantized_call` runs as a tf.function."""
+  with contextlib.ExitStack() as stack:
+    for layer in sublayers(model, include_self=True):
+      if getattr(layer, 'quantization_mode', None):
+        stack.enter_context(_hooked(layer, 'quantized_call', tf.function))
+    yield
+
+
 @contextlib.contextmanager
 def recording(model, tape):
-  """Wraps every layer's `call` (an instance attribute, removed on exit) to record its inputs
-  and outputs in call-completion order, watching the inputs on `tape`."""
+  """Wraps every layer's `call` (`quantized_call` for a quantized layer; an instance attribute,
+  removed on exit) to record its inputs and outputs in call-completion order, watching the
+  inputs on `tape`. Quantized layers' calls run compiled (`quantized_calls_compiled`)."""
   calls = []
-  layers = sublayers(model)
-  for layer in layers:
-    original = layer.call
 
-    def hooked(*args, __original=original, __layer=layer, **kwargs):
-      for t in _float_leaves((args, kwargs)):
-        tape.watch(t)
-      outputs = __original(*args, **kwargs)
-      calls.append(_Call(__layer, args, kwargs, outputs))
-      return outputs
+  def hook(layer):
+    def wrap(original):
+      def hooked(*args, **kwargs):
+        for t in _float_leaves((args, kwargs)):
+          tape.watch(t)
+        outputs = original(*args, **kwargs)
+        calls.append(_Call(layer, args, kwargs, outputs))
+        return outputs
+      return hooked
+    return wrap
 
-    object.__setattr__(layer, 'call', hooked)
-  try:
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(quantized_calls_compiled(model))
+    for layer in sublayers(model):
+      for method in call_methods(layer):
+        stack.enter_context(_hooked(layer, method, hook(layer)))
     yield calls
-  finally:
-    for layer in layers:
-      layer.__dict__.pop('call', None)
 
 
 @contextlib.contextmanager
@@ -221,7 +266,7 @@ def _layer_vjp(call: _Call, upstream, float32: bool):
   if float32:
     args, kwargs, upstream = _to_float32(args), _to_float32(kwargs), _to_float32(upstream)
   inputs = _float_leaves((args, kwargs))
-  weights = call.layer.trainable_variables
+  weights = trainable(call.layer)
   with tf.GradientTape() as tape:
     for t in inputs:
       tape.watch(t)
@@ -260,7 +305,7 @@ def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) 
   gradients are the step's (1/global batch x scale in both); only the weight gradients sum more
   examples (all replicas' and micro-batches') than any one replica's in the step."""
   from trainer.train_step import forward_state_kept
-  with forward_state_kept(model):
+  with forward_state_kept(model), quantized_calls_compiled(model):
     return _replay(model, compute_loss, batch, float(loss_scale))
 
 
@@ -269,7 +314,9 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
   if _nonfinite(batch):
     return Report(FORWARD, tensor='input', detail='the batch itself has non-finite values',
                   loss_scale=scale)
-  with tf.GradientTape(persistent=True) as tape:
+  # Not persistent: one gradient call below; and a persistent tape cannot differentiate the
+  # compiled float8 calls (quantized_calls_compiled).
+  with tf.GradientTape() as tape:
     with recording(model, tape) as calls:
       per_example, _ = compute_loss(batch, training=True)
     per_example = tf.cast(per_example, tf.float32)
@@ -292,7 +339,7 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
   # Backward: one gradient call for every recorded output, input and weight.
   outputs = [_float_leaves(c.outputs) for c in calls]
   inputs = [_float_leaves((c.args, c.kwargs)) for c in calls]
-  weights = [list(c.layer.trainable_variables) for c in calls]
+  weights = [trainable(c.layer) for c in calls]
   flat = [t for group in (outputs, inputs, weights) for ts in group for t in ts]
   grads = iter(tape.gradient(scaled, flat, unconnected_gradients=tf.UnconnectedGradients.NONE))
   del tape
