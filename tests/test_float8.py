@@ -34,9 +34,9 @@ def history(trainer, layer, name):
 
 def run(trainer, n):
   if not hasattr(trainer, '_it'):
-    trainer.restore()
+    trainer.runner.restore()
     trainer._it = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  return trainer.run_steps(trainer._it, n)
+  return trainer.runner.run_steps(trainer._it, n)
 
 
 def test_float8_state_under_dynamic_loss_scaling(tmp_path):
@@ -116,7 +116,7 @@ def test_float8_probe_leaves_out_scales_and_histories_and_sees_quantized_layers(
   calls through `quantized_call`, get their output statistics."""
   import tensorflow as tf
   from models.mnist_mlp import MnistMlpTrainer
-  from trainer.numerics import Probe
+  from trainer.insight.numerics import Probe
   trainer = MnistMlpTrainer(mlp_config(), str(tmp_path / 'w'))
   probe = Probe(trainer)
   assert not [v for v in probe.variables if getattr(v, 'overwrite_with_gradient', False)]
@@ -148,7 +148,7 @@ def test_float8_replay_names_the_overflowing_quantized_layer(tmp_path):
   the first call's scale is 1, so inputs are clipped to float8 e4m3's largest value, 448)."""
   import keras
   from tiny import TinyTrainer, tiny_config
-  from trainer import forensics
+  from trainer.insight import forensics
 
   class Loud(TinyTrainer):
     def build_model(self):

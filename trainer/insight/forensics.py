@@ -38,6 +38,8 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.errors import UserError
+from trainer.insight.hooks import (Call, float32, float_leaves, is_float, quantized_calls_compiled,
+                                   recording, sublayers, to_float32, trainable)
 
 FORWARD, BACKWARD = 'forward', 'backward'
 
@@ -97,10 +99,6 @@ def _dtype_max(dtype: str) -> float | None:
     return None
 
 
-def is_float(t) -> bool:
-  return isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.is_floating
-
-
 def _nonfinite(tensors) -> bool:
   return any(is_float(t) and not bool(tf.reduce_all(tf.math.is_finite(t)))
              for t in tf.nest.flatten(tensors) if t is not None)
@@ -110,114 +108,6 @@ def max_abs(tensors) -> float:
   values = [float(tf.reduce_max(tf.abs(tf.cast(t, tf.float32))))
             for t in tf.nest.flatten(tensors) if is_float(t) and tf.size(t) > 0]
   return max(values, default=0.0)
-
-
-def _float_leaves(structure):
-  return [t for t in tf.nest.flatten(structure) if is_float(t)]
-
-
-@dataclasses.dataclass
-class _Call:
-  layer: keras.layers.Layer
-  args: tuple
-  kwargs: dict
-  outputs: object
-
-
-def sublayers(layer, include_self=False) -> list:
-  """Every layer inside `layer` (nested ones too, depth first), without InputLayers."""
-  # pylint: disable-next=protected-access
-  return [l for l in layer._flatten_layers(include_self=include_self)
-          if not isinstance(l, keras.layers.InputLayer)]
-
-
-def call_methods(layer) -> tuple[str, ...]:
-  """The method a layer's `__call__` computes through: `call`, or for a quantized layer (float8,
-  int8: `layer.quantization_mode` set) `quantized_call`, which Keras's `Layer.__call__` calls
-  instead of `call` (a hook on `call` alone never sees a float8 layer)."""
-  return ('quantized_call',) if getattr(layer, 'quantization_mode', None) else ('call',)
-
-
-def trainable(layer) -> list:
-  """A layer's trainable variables without Keras float8 scale and amax-history variables (their
-  "gradients" are new values, not gradients)."""
-  return [v for v in layer.trainable_variables
-          if not getattr(v, 'overwrite_with_gradient', False)]
-
-
-@contextlib.contextmanager
-def _hooked(layer, method: str, function):
-  """`layer.<method>` is `function(original)` (an instance attribute) while active; the previous
-  instance attribute, if any, is put back on exit."""
-  had = method in layer.__dict__
-  previous = layer.__dict__.get(method)
-  object.__setattr__(layer, method, function(getattr(layer, method)))
-  try:
-    yield
-  finally:
-    if had:
-      object.__setattr__(layer, method, previous)
-    else:
-      layer.__dict__.pop(method, None)
-
-
-@contextlib.contextmanager
-def quantized_calls_compiled(model):
-  """Keras's float8 layers compute their gradients with a `tf.custom_gradient` that fails eagerly
-  under a GradientTape (Keras 3.15: 'too many values to unpack', their grad returns the new scale
-  and amax history as a third and fourth value); in a tf.function it works, as in the train step.
-  While active, each quantized layer's `quantized_call` runs as a tf.function."""
-  with contextlib.ExitStack() as stack:
-    for layer in sublayers(model, include_self=True):
-      if getattr(layer, 'quantization_mode', None):
-        stack.enter_context(_hooked(layer, 'quantized_call', tf.function))
-    yield
-
-
-@contextlib.contextmanager
-def recording(model, tape):
-  """Wraps every layer's `call` (`quantized_call` for a quantized layer; an instance attribute,
-  removed on exit) to record its inputs and outputs in call-completion order, watching the
-  inputs on `tape`. Quantized layers' calls run compiled (`quantized_calls_compiled`)."""
-  calls = []
-
-  def hook(layer):
-    def wrap(original):
-      def hooked(*args, **kwargs):
-        for t in _float_leaves((args, kwargs)):
-          tape.watch(t)
-        outputs = original(*args, **kwargs)
-        calls.append(_Call(layer, args, kwargs, outputs))
-        return outputs
-      return hooked
-    return wrap
-
-  with contextlib.ExitStack() as stack:
-    stack.enter_context(quantized_calls_compiled(model))
-    for layer in sublayers(model):
-      for method in call_methods(layer):
-        stack.enter_context(_hooked(layer, method, hook(layer)))
-    yield calls
-
-
-@contextlib.contextmanager
-def _float32(layer):
-  """The layer and every layer inside it compute in float32 (their variables are float32 under
-  any mixed policy already)."""
-  layers = sublayers(layer, include_self=True)
-  saved = [l._dtype_policy for l in layers]  # pylint: disable=protected-access
-  for l in layers:
-    l._dtype_policy = keras.DTypePolicy('float32')  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    for l, policy in zip(layers, saved):
-      l._dtype_policy = policy  # pylint: disable=protected-access
-
-
-def _to_float32(structure):
-  return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if is_float(t) else t,
-                               structure)
 
 
 _OP = re.compile(r'op "?([A-Za-z0-9_]+)"?')
@@ -246,39 +136,39 @@ def _failing_op(run) -> str:
   return ''
 
 
-def _call_layer(call: _Call, args, kwargs):
+def _call_layer(call: Call, args, kwargs):
   return call.layer(*args, **kwargs)
 
 
-def _forward_report(call: _Call, scale, loss=None) -> Report:
+def _forward_report(call: Call, scale, loss=None) -> Report:
   layer = call.layer
   dtype = layer.compute_dtype
   op = _failing_op(lambda: _call_layer(call, call.args, call.kwargs))
-  with _float32(layer):
-    outputs32 = _call_layer(call, _to_float32(call.args), _to_float32(call.kwargs))
+  with float32(layer):
+    outputs32 = _call_layer(call, to_float32(call.args), to_float32(call.kwargs))
   return Report(FORWARD, layer.name, type(layer).__name__, 'output', op, dtype,
                 max_abs(outputs32), loss, scale)
 
 
-def _layer_vjp(call: _Call, upstream, float32: bool):
+def _layer_vjp(call: Call, upstream, float32: bool):
   """(input gradients, weight gradients) of one layer call for the output gradient `upstream`."""
   args, kwargs = call.args, call.kwargs
   if float32:
-    args, kwargs, upstream = _to_float32(args), _to_float32(kwargs), _to_float32(upstream)
-  inputs = _float_leaves((args, kwargs))
+    args, kwargs, upstream = to_float32(args), to_float32(kwargs), to_float32(upstream)
+  inputs = float_leaves((args, kwargs))
   weights = trainable(call.layer)
   with tf.GradientTape() as tape:
     for t in inputs:
       tape.watch(t)
     outputs = _call_layer(call, args, kwargs)
-  outs = _float_leaves(outputs)
+  outs = float_leaves(outputs)
   ups = [tf.cast(u, o.dtype) if u is not None else tf.zeros_like(o)
          for o, u in zip(outs, tf.nest.flatten(upstream))]
   grads = tape.gradient(outs, inputs + list(weights), output_gradients=ups)
   return grads[:len(inputs)], grads[len(inputs):]
 
 
-def _backward_report(call: _Call, upstream, tensor: str, detail: str, scale, loss) -> Report:
+def _backward_report(call: Call, upstream, tensor: str, detail: str, scale, loss) -> Report:
   layer = call.layer
 
   def run():
@@ -287,7 +177,7 @@ def _backward_report(call: _Call, upstream, tensor: str, detail: str, scale, los
   op = _failing_op(run)
   largest = None
   if upstream is not None and not _nonfinite(upstream):
-    with _float32(layer):
+    with float32(layer):
       dx32, dw32 = _layer_vjp(call, upstream, float32=True)
     largest = max_abs(dx32 if tensor == 'input gradient' else dw32)
   return Report(BACKWARD, layer.name, type(layer).__name__, tensor, op, layer.compute_dtype,
@@ -304,7 +194,7 @@ def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) 
   The whole global batch is replayed, so an example of any replica is in it: each example's
   gradients are the step's (1/global batch x scale in both); only the weight gradients sum more
   examples (all replicas' and micro-batches') than any one replica's in the step."""
-  from trainer.train_step import forward_state_kept
+  from trainer.step.forward_state import forward_state_kept
   with forward_state_kept(model), quantized_calls_compiled(model):
     return _replay(model, compute_loss, batch, float(loss_scale))
 
@@ -337,8 +227,8 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
                   loss=loss_value, loss_scale=scale)
 
   # Backward: one gradient call for every recorded output, input and weight.
-  outputs = [_float_leaves(c.outputs) for c in calls]
-  inputs = [_float_leaves((c.args, c.kwargs)) for c in calls]
+  outputs = [float_leaves(c.outputs) for c in calls]
+  inputs = [float_leaves((c.args, c.kwargs)) for c in calls]
   weights = [trainable(c.layer) for c in calls]
   flat = [t for group in (outputs, inputs, weights) for ts in group for t in ts]
   grads = iter(tape.gradient(scaled, flat, unconnected_gradients=tf.UnconnectedGradients.NONE))

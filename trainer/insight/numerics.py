@@ -39,15 +39,14 @@ from __future__ import annotations
 import contextlib
 import math
 
-import keras
 import ml_dtypes
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from trainer.forensics import call_methods
-from trainer.loss_scale import overwritten
-from trainer.train_step import forward_state_kept
+from trainer.insight import hooks
+from trainer.step.forward_state import forward_state_kept
+from trainer.step.loss_scale import overwritten
 
 
 def smallest_normal(dtype) -> float:
@@ -78,38 +77,21 @@ def layer_name(layer) -> str:
 def recording_outputs(layers, record):
   """While active, each layer's `call` (or `quantized_call`) also calls `record(layer, output)`.
   Used while a tf.function traces, so the recorded tensors are the graph's."""
-  hooked = []
-  for layer in layers:
-    for method in call_methods(layer):
-      original = getattr(layer, method)
 
-      def call(*args, __original=original, __layer=layer, **kwargs):
-        output = __original(*args, **kwargs)
-        record(__layer, output)
+  def hook(layer):
+    def wrap(original):
+      def call(*args, **kwargs):
+        output = original(*args, **kwargs)
+        record(layer, output)
         return output
+      return call
+    return wrap
 
-      object.__setattr__(layer, method, call)  # an instance attribute, removed on exit
-      hooked.append((layer, method))
-  try:
+  with contextlib.ExitStack() as stack:
+    for layer in layers:
+      for method in hooks.call_methods(layer):
+        stack.enter_context(hooks.hooked(layer, method, hook(layer)))
     yield
-  finally:
-    for layer, method in hooked:
-      layer.__dict__.pop(method, None)
-
-
-@contextlib.contextmanager
-def computing_in_float32(model):
-  """Every layer of `model` (the model too) computes in float32, unquantized; their variables are
-  float32 under every mixed policy already. Used while a tf.function traces the reference pass."""
-  layers = list(model._flatten_layers(include_self=True))  # pylint: disable=protected-access
-  saved = [layer._dtype_policy for layer in layers]  # pylint: disable=protected-access
-  for layer in layers:
-    layer._dtype_policy = keras.DTypePolicy('float32')  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    for layer, policy in zip(layers, saved):
-      layer._dtype_policy = policy  # pylint: disable=protected-access
 
 
 # Per variable, the statistics the compiled probe returns (one row each).
@@ -190,7 +172,7 @@ class Probe:
     with forward_state_kept(t.model):  # the reference pass starts from the same state
       grads = self._gradients(share, scaled=True, record=record)
     if self.low_precision:
-      with forward_state_kept(t.model), computing_in_float32(t.model):
+      with forward_state_kept(t.model), hooks.float32(t.model):
         reference = self._gradients(share, scaled=False)
     else:
       reference = grads
@@ -280,8 +262,9 @@ def _pct(fraction: float) -> str:
 class Recorder:
   """The trainer's side: when to measure, and where the numbers go."""
 
-  def __init__(self, trainer, every: int):
+  def __init__(self, trainer, every: int, write_scalars=None):
     self.trainer, self.every = trainer, int(every)
+    self.write_scalars = write_scalars  # (prefix, {name: value}, step); None: no TensorBoard
     self.probe = None
     self.last = None
 
@@ -319,5 +302,17 @@ class Recorder:
     scalars = {f'{layer}/{k}': v for layer, values in stats.items() for k, v in values.items()
                if math.isfinite(v)}
     scalars.update({'gradient_' + k[len('grad_'):]: v for k, v in overall.items()})
-    self.trainer._write_scalars('numerics', scalars, step)  # pylint: disable=protected-access
+    if self.write_scalars is not None:
+      self.write_scalars('numerics', scalars, step)
     return {'stats': stats, 'overall': overall, 'line': line}
+
+
+class NumericsLine:
+  """The built-in action that logs the numerics line at the log steps `Recorder.due` picks."""
+
+  def __init__(self, recorder: Recorder):
+    self.recorder = recorder
+
+  def __call__(self, event) -> None:
+    if event.kind == 'log' and self.recorder.due(event.step):
+      logging.info(self.recorder.record(event.step)['line'])
