@@ -151,7 +151,7 @@ def _diagnose(folder: str | None):
                       'initial weights', trainer.runner.workdir.checkpoint_dir)
       step = 0
     batch = next(iter(trainer.datasets.train.skip(step)))
-    report = forensics.record(trainer, batch, step)
+    report = forensics.record(trainer, batch, step, skipped=False)  # no step skipped it
     print(f'step {step}, loss scale {float(trainer.loss_scaler.scale.numpy()):g}: '
           f'{report.line()}\nforensics: {forensics.folder_for(trainer.workdir, step)}')
     return

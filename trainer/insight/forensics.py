@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
-import os
 import re
 
 import keras
@@ -37,7 +35,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from trainer.errors import UserError
+from trainer.insight.forensic_folder import (Forensics, folder_for, load,  # noqa: F401
+                                            save, write_report)
 from trainer.insight.hooks import (Call, float32, float_leaves, is_float, quantized_calls_compiled,
                                    recording, sublayers, to_float32, trainable)
 
@@ -59,12 +58,16 @@ class Report:
   loss: float | None = None
   loss_scale: float = 1.0
   detail: str = ''  # e.g. the variable, or why no range is given
+  skipped: bool = False  # the compiled step skipped this step (else: a replay on request)
 
   def line(self) -> str:
     if not self.phase:
-      return (f'replay finite: no non-finite value in the forward or backward pass at loss scale '
-              f'{self.loss_scale:g} (the compiled step differed: another replica, a different '
-              'random draw, or XLA)')
+      text = ('replay finite: no non-finite value in the forward or backward pass at loss scale '
+              f'{self.loss_scale:g}')
+      if self.skipped:  # the same batch and weights: what differs is how the step computed
+        text += (' (the compiled step differed: its replicas\' or micro-batches\' gradient sums, '
+                 'a different random draw, XLA, or a debug.inject_nonfinite_* injection)')
+      return text
     where = f"'{self.layer}' ({self.layer_class})" if self.layer else 'compute_loss'
     text = f'first non-finite: {self.phase} {self.tensor} of {where}'
     if self.detail:
@@ -264,92 +267,6 @@ def _expand(structure, float_grads):
   return [next(grads) if is_float(t) else None for t in tf.nest.flatten(structure)]
 
 
-# ---- the forensic folder ---------------------------------------------------------------------
-
-def _encode(structure, arrays):
-  if isinstance(structure, dict):
-    return {'dict': {k: _encode(v, arrays) for k, v in structure.items()}}
-  if isinstance(structure, (list, tuple)):
-    return {'tuple' if isinstance(structure, tuple) else 'list':
-            [_encode(v, arrays) for v in structure]}
-  arrays[f'leaf_{len(arrays)}'] = np.asarray(structure)
-  return {'leaf': f'leaf_{len(arrays) - 1}'}
-
-
-def _decode(spec, arrays):
-  if 'dict' in spec:
-    return {k: _decode(v, arrays) for k, v in spec['dict'].items()}
-  if 'tuple' in spec:
-    return tuple(_decode(v, arrays) for v in spec['tuple'])
-  if 'list' in spec:
-    return [_decode(v, arrays) for v in spec['list']]
-  return arrays[spec['leaf']]
-
-
-def folder_for(workdir: str, step: int) -> str:
-  return os.path.join(workdir, 'forensics', f'step-{step}')
-
-
-def save(folder: str, *, model: keras.Model, batch, loss_scale: float, step: int,
-         config=None, policy: str = '', report: Report | None = None) -> str:
-  """Writes a forensic folder: batch.npz, weights/ (tf.train.Checkpoint of `model`, the
-  pre-step weights), meta.json and, given a report, report.txt and report.json."""
-  os.makedirs(folder, exist_ok=True)
-  arrays = {}
-  spec = _encode(tf.nest.map_structure(lambda t: np.asarray(t), batch), arrays)
-  np.savez(os.path.join(folder, 'batch.npz'), **arrays)
-  tf.train.Checkpoint(model=model).write(os.path.join(folder, 'weights', 'ckpt'))
-  meta = {'step': int(step), 'loss_scale': float(loss_scale), 'policy': policy,
-          'batch_structure': spec,
-          'config': config.to_dict() if hasattr(config, 'to_dict') else config}
-  with open(os.path.join(folder, 'meta.json'), 'w') as f:
-    json.dump(meta, f, indent=2, sort_keys=True, default=str)
-  if report is not None:
-    write_report(folder, report)
-  return folder
-
-
-def write_report(folder: str, report: Report) -> None:
-  with open(os.path.join(folder, 'report.txt'), 'w') as f:
-    f.write(report.line() + '\n')
-  with open(os.path.join(folder, 'report.json'), 'w') as f:
-    json.dump(report.to_json(), f, indent=2, sort_keys=True)
-
-
-@dataclasses.dataclass
-class Forensics:
-  folder: str
-  step: int
-  loss_scale: float
-  policy: str
-  config: dict | None
-  batch: object
-
-  def restore_weights(self, model: keras.Model) -> None:
-    """Loads the saved pre-step weights into `model` (built the same way)."""
-    try:
-      tf.train.Checkpoint(model=model).read(
-          os.path.join(self.folder, 'weights', 'ckpt')).assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as e:
-      first = (str(e).strip().splitlines() or [''])[0]
-      raise UserError(f'--forensics={self.folder}: its weights do not fit the model built from '
-                      f'the config ({type(e).__name__}: {first[:200]}); pass the --config of '
-                      'the run that wrote the folder') from None
-
-
-def load(folder: str) -> Forensics:
-  meta_path = os.path.join(folder, 'meta.json')
-  if not os.path.isfile(meta_path):
-    raise UserError(f'--forensics={folder}: no meta.json there; pass a folder written by a '
-                    'skipped step, such as <workdir>/forensics/step-N')
-  with open(meta_path) as f:
-    meta = json.load(f)
-  with np.load(os.path.join(folder, 'batch.npz')) as arrays:
-    batch = _decode(meta['batch_structure'], {k: arrays[k] for k in arrays.files})
-  return Forensics(folder, meta['step'], meta['loss_scale'], meta.get('policy', ''),
-                   meta.get('config'), batch)
-
-
 def replay_folder(trainer, folder: str) -> Report:
   """Restores a folder's weights into `trainer.model`, replays its batch with its loss scale,
   writes report.txt / report.json next to it and returns the report."""
@@ -357,16 +274,20 @@ def replay_folder(trainer, folder: str) -> Report:
   forensics.restore_weights(trainer.model)
   report = replay(trainer.model, trainer.compute_loss, forensics.batch,
                   loss_scale=forensics.loss_scale)
+  report.skipped = forensics.skipped
   write_report(folder, report)
   return report
 
 
-def record(trainer, batch, step: int, *, loss_scale: float | None = None) -> Report:
+def record(trainer, batch, step: int, *, loss_scale: float | None = None,
+           skipped: bool = True) -> Report:
   """For the outer loop, after a skipped step: replays `batch` from the trainer's current
   (pre-step: the skipped step changed nothing) weights, logs the report's line and writes
-  <workdir>/forensics/step-N/. Call it before any later step changes the weights."""
+  <workdir>/forensics/step-N/. Call it before any later step changes the weights. `skipped`
+  False: a replay on request (--mode=diagnose), of a step no compiled step skipped."""
   scale = float(trainer.loss_scaler.scale.numpy()) if loss_scale is None else loss_scale
   report = replay(trainer.model, trainer.compute_loss, batch, loss_scale=scale)
+  report.skipped = skipped
   folder = save(folder_for(trainer.workdir, step), model=trainer.model, batch=batch,
                 loss_scale=scale, step=step, config=trainer.config, policy=trainer.policy,
                 report=report)

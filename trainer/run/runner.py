@@ -226,7 +226,14 @@ class Runner:
     if not self.is_chief:
       return
     tr = self.trainer
-    batch = next(iter(tr.datasets.train.skip(step)))  # the global batch of that step
+    # The step's own batch, kept on the device by the compiled loop when it stopped after the
+    # skip (trainer/step/kept_batch.py: re-reading element N of the pipeline gives another
+    # batch when it reshuffles, augments at random or is non-deterministic).
+    batch = tr.train_step.kept_batch.read() if tr.train_step.kept_batch is not None else None
+    if batch is None:
+      logging.warning('step %d: the skipped step\'s batch was not kept; replaying element %d of '
+                      'datasets.train, which differs when the pipeline reshuffles', step, step)
+      batch = next(iter(tr.datasets.train.skip(step)))
     self.workdir.open_for_writing(step)
     try:
       forensics.record(tr, batch, step,
