@@ -28,7 +28,9 @@ def test_statistics_name_layers_and_are_written(tmp_path, caplog):
   with caplog.at_level('INFO'):
     trainer.train()
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('numerics at')]
-  assert [l.split(':')[0] for l in lines] == ['numerics at step 10', 'numerics at step 20']
+  # The first log step, then the first log step past each multiple of numerics.every.
+  assert [l.split(':')[0] for l in lines] == ['numerics at step 5', 'numerics at step 10',
+                                              'numerics at step 20']
   assert 'least headroom wide/loud' in lines[0]
   stats, overall = trainer.runner.numerics.probe.measure()
   loud = stats['wide/loud']
@@ -37,7 +39,7 @@ def test_statistics_name_layers_and_are_written(tmp_path, caplog):
   assert loud['headroom_bits'] < stats[first]['headroom_bits']
   assert all(0.0 <= overall[k] <= 1.0 for k in ('grad_flushed', 'grad_subnormal', 'grad_zero'))
   scalars = events.read_scalars(str(tmp_path / 'w'))
-  assert [s for s, _ in scalars['numerics/wide/loud/headroom_bits']] == [10, 20]
+  assert [s for s, _ in scalars['numerics/wide/loud/headroom_bits']] == [5, 10, 20]
   assert {'numerics/gradient_flushed', 'numerics/gradient_subnormal',
           'numerics/gradient_zero'} <= set(scalars)
   assert 'numerics/wide/loud/grad_flushed' in scalars
@@ -194,3 +196,12 @@ def test_exact_zeros_are_not_underflow(tmp_path):
   assert zero >= 8 * 9 / (8 * 16 + 16)  # the dead units' kernel columns and biases
   assert stats[first.path]['grad_zero'] == pytest.approx(zero, abs=1e-6)
   assert stats[first.path]['grad_flushed'] == 0.0
+
+
+def test_a_run_shorter_than_numerics_every_shows_the_line_once(tmp_path, caplog):
+  trainer = TinyTrainer(tiny_config(**{'train.steps': 15}), str(tmp_path / 'w'))
+  assert trainer.config.numerics.every == 1000  # the default
+  with caplog.at_level('INFO'):
+    trainer.train()
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('numerics at')]
+  assert len(lines) == 1 and lines[0].startswith('numerics at step 5:'), lines

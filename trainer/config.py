@@ -150,6 +150,11 @@ SCHEMA: dict[str, Key] = {
                                     'ones', _non_negative),
     'numerics.forensics_every': Key(int, 100, '... then every this-many-th skip; 0 = no more',
                                     _non_negative),
+    'numerics.divergence_factor': Key(float, 10.0, 'a warning line when the logged train loss '
+                                      'passes this many times its running minimum (and the '
+                                      'first loss); 0 = off', _non_negative),
+    'numerics.divergence_stop': Key(bool, False, 'divergence also ends the run (exit non-zero; '
+                                    'the newest checkpoint, written before, is kept)'),
     'early_stopping.metric': Key(str, '', "eval metric that stops training when it stops "
                                  "improving (needs train.eval_every > 0); '' = off"),
     'early_stopping.mode': Key(str, 'auto', "'min', 'max', or 'auto' (min for losses and "

@@ -269,16 +269,15 @@ class Recorder:
     self.last = None
 
   def start(self, step: int) -> None:
-    """The run (or resumed run) starts at `step`."""
-    self.last = step
+    """The run (or resumed run) starts at `step`: the first log step measures."""
+    self.last = None
 
   def due(self, step: int) -> bool:
-    """At a log step: whether a multiple of `every` was passed since the last measurement."""
+    """At a log step: the first one of the run, then whether a multiple of `every` was passed
+    since the last measurement (so any run with a log step shows the line at least once)."""
     if self.every <= 0:
       return False
-    if self.last is None:
-      self.last = 0
-    if step // self.every > self.last // self.every:
+    if self.last is None or step // self.every > self.last // self.every:
       self.last = step
       return True
     return False

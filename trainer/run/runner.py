@@ -24,8 +24,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from trainer.errors import NonFiniteError
+from trainer.errors import DivergenceError, NonFiniteError
 from trainer.insight import audit, forensics, numerics
+from trainer.insight.divergence import DivergenceMonitor
 from trainer.run import actions, epochs, lifecycle, preemption, profiling, progress
 from trainer.run.workdir import Workdir
 from trainer.step import contract
@@ -52,6 +53,7 @@ class Runner:
     self.items = {**t.checkpoint_items(), 'actions': self.actions_state}
     self.checkpoint = tf.train.Checkpoint(**self.items)
     self.forensics = forensics.RateLimiter(c.numerics.forensics_first, c.numerics.forensics_every)
+    self.divergence = DivergenceMonitor(c.numerics.divergence_factor)
     self.stop_reason: str | None = None
     self.workdir = Workdir(t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items)
     self.is_chief = self.workdir.is_chief  # writes the run folder (multi_worker)
@@ -146,6 +148,8 @@ class Runner:
     self._train_iterator = iterator  # kept past train(): tearing it down waits for tf.data
     ticker = progress.Progress(total=total, log_every=t.log_every, first_step=step)
     self.numerics.start(step)
+    if self.divergence.factor > 0 and step < total:
+      self.divergence.start(self.first_loss())
     elapsed, steps_timed = 0.0, 0
     last_eval = None
     profiler = profiling.StepProfiler(t.profile_steps, os.path.join(tr.workdir, 'tensorboard'))
@@ -163,7 +167,9 @@ class Runner:
           profiler.after(step)
           steps_timed += n
           if ticker.due(step):  # the first call, log_every, the last step, or 30 s passed
-            self.act('log', step, self.log_progress(step, steps_timed / elapsed))
+            logged = self.log_progress(step, steps_timed / elapsed)
+            self.check_divergence(step, logged)  # before this step's save: none of it is kept
+            self.act('log', step, logged)
             elapsed, steps_timed = 0.0, 0
           # The final eval too, before the last save: what its actions record (best eval,
           # evals without improvement) is in the checkpoint a longer run resumes from.
@@ -260,6 +266,29 @@ class Runner:
                                  'skipped_steps': skipped, 'nonfinite_loss_steps': nonfinite,
                                  'steps_per_sec': steps_per_sec}, step)
     return outputs
+
+  def first_loss(self) -> float:
+    """The mean loss of the first eval batch at the current weights (one forward pass): where
+    the divergence monitor's running minimum starts."""
+    tr = self.trainer
+    per_example, _ = tr.compute_loss(contract.first_eval_batch(tr.datasets), training=False)
+    return float(tf.reduce_mean(tf.cast(per_example, tf.float32)))
+
+  def check_divergence(self, step: int, logged: dict[str, float]) -> None:
+    """At a log step: the divergence line (trainer/insight/divergence.py) when the logged loss
+    diverged; with config.numerics.divergence_stop, DivergenceError (the newest checkpoint on
+    disk, written before, stays the newest)."""
+    if 'loss' not in logged:
+      return
+    line = self.divergence.update(step, logged['loss'], float(self.trainer.learning_rate(step)))
+    if line is None:
+      return
+    logging.warning(line)
+    if self.config.numerics.divergence_stop:
+      newest = self.workdir.latest_checkpoint
+      raise DivergenceError(line + '. Stopped (config.numerics.divergence_stop=True); ' + (
+          f'the newest checkpoint, {newest}, was written before it' if newest else
+          'no checkpoint was written yet'))
 
   def log_eval(self, step: int) -> dict[str, float]:
     """One eval, its line, its scalars and an 'eval' event; the metrics with '_step'."""
