@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from trainer.errors import UserError  # noqa: F401  (forensics.UserError, as before the split)
 from trainer.insight.forensic_folder import (Forensics, folder_for, load,  # noqa: F401
                                             save, write_report)
 from trainer.insight.hooks import (Call, float32, float_leaves, is_float, quantized_calls_compiled,
