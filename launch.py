@@ -65,11 +65,11 @@ def _fail(message: str) -> None:
 
 def parse_flags(argv):
   """absl's parser, with config mistakes turned into one line naming the flag or key."""
-  if not _tf_logs_requested(argv) and not any(a.startswith(('--help', '-?')) for a in argv[1:]):
-    quiet_tensorflow()  # before the config file loads: it may import TensorFlow
   path = _config_path(argv)
-  if path and not os.path.isfile(path.split(':', 1)[0]):
+  if path and not os.path.isfile(path.split(':', 1)[0]):  # before anything slow is imported
     _fail(f'--config={path}: no such file; pass a config file such as configs/mnist.py')
+  if not _tf_logs_requested(argv) and not any(a.startswith(('--help', '-?')) for a in argv[1:]):
+    quiet_tensorflow()  # before the config file loads: a config file may import TensorFlow
   try:
     rest = flags.FLAGS(argv)
     config = _CONFIG.value  # config_flags defers a file's load error to the first access

@@ -39,6 +39,25 @@ from trainer.step.train_step import TrainStep
 class Trainer:
   """Subclass it, fill in the hooks, then `MyTrainer(config, workdir).train()`."""
 
+  # The parts trainer/run/build.py sets, in this order: what the hooks read.
+  config: ml_collections.ConfigDict  # validated: every key of the schema
+  workdir: str  # the run folder's path
+  strategy: tf.distribute.Strategy
+  policy: str  # the resolved precision policy ('mixed_bfloat16', ...)
+  datasets: Datasets  # as build_datasets returned them, a finite train set repeated
+  total_steps: int
+  jit_compile: bool
+  model: keras.Model
+  train_metrics: dict[str, Any]  # build_metrics(), the train loop's instances
+  eval_metrics: dict[str, Any]  # build_metrics(), the eval loop's instances
+  global_step: tf.Variable  # int64; advances on every step, skipped or not
+  metric_names: tuple[str, ...]  # compute_loss's metric names
+  loss_scaler: Any  # a trainer.LossScaler (trainer/step/loss_scale.py)
+  learning_rate: Any  # step -> rate: the schedule of config.optimizer
+  optimizer: keras.optimizers.Optimizer
+  train_step: TrainStep
+  runner: Runner
+
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
     build.check_names(cls.__name__, vars(cls))  # a framework name redefined: one line, now

@@ -11,6 +11,7 @@ run folder; the Runner (trainer/run/runner.py) does.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -94,6 +95,6 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     trainer.train_step = trainer.build_train_step()
 
 
-def _base(trainer) -> type:
+def _base(trainer) -> Any:
   """The framework's Trainer class (the last class in the MRO that defines build_model)."""
   return next(k for k in reversed(type(trainer).__mro__) if 'build_model' in vars(k))

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
+from absl import flags, logging
 
 from trainer.errors import DivergenceError, NonFiniteError
 from trainer.insight import audit, forensics, numerics
@@ -38,6 +38,8 @@ class Runner:
   """Runs `trainer` (built: trainer/run/build.py). `workdir` is its run folder (a Workdir)."""
 
   def __init__(self, trainer):
+    if not flags.FLAGS.is_parsed():  # used from Python, not launch.py: show the progress lines
+      logging.set_verbosity(logging.INFO)
     self.trainer = t = trainer
     c = t.config
     self.config = c
