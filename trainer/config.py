@@ -142,9 +142,10 @@ SCHEMA: dict[str, Key] = {
                               "'GPU:0,GPU:1'; '' = all local GPUs"),
     'distribute.tpu': Key(str, '', "tpu only: TPU name or 'grpc://host:port'; '' = the TPU "
                           'of this host'),
-    'numerics.every': Key(int, 1000, 'per-layer gradient underflow and activation headroom '
-                          '(TensorBoard numerics/, one log line) at the first log step past '
-                          'every multiple of this many steps; 0 = off', _non_negative),
+    'numerics.every': Key(int, 1000, 'per-layer gradients flushed to zero, subnormal and zero, '
+                          'and activation headroom (TensorBoard numerics/, one log line) at the '
+                          'first log step, then the first log step past every multiple of this '
+                          'many steps; 0 = off', _non_negative),
     'numerics.forensics_first': Key(int, 3, 'skipped steps replayed layer by layer to name the '
                                     'first non-finite layer (<workdir>/forensics/), the first '
                                     'ones', _non_negative),

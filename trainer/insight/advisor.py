@@ -14,7 +14,8 @@ layer (every layer, nested ones included) it records:
     the L2 norm of the float32 output, averaged over the steps);
   * gradient underflow, as the numerics probe defines it: the fraction of the layer's
     weight-gradient elements flushed to zero (zero in the target at the loss scale the run
-    starts with, non-zero in float32), subnormal in the target, and zero in float32 (ReLU zeros:
+    starts with, non-zero in float32 but below the target dtype's smallest normal), subnormal
+    in the target, and zero in float32 (ReLU zeros:
     context, not underflow); and the fraction non-finite. These are the gradients of the whole
     batch's mean loss: with several replicas or gradient accumulation a step's own weight
     gradients sum fewer examples and underflow more (the numerics statistics,
@@ -125,7 +126,8 @@ class Advice:
                  f'the compute dtype\'s largest finite value (negative: out of range); a layer '
                  f'within {HEADROOM_BITS} is suggested for float32. Gradients are the weight '
                  'gradients at the loss scale above: flushed = zero in the compute dtype, '
-                 'non-zero in float32 (lost to range); zero (f32) = zero in float32 too.')
+                 'non-zero but below its smallest normal in float32 (lost to range); zero (f32) '
+                 '= zero in float32 too.')
     lines.append('')
     if self.suggested:
       lines.append(f'Suggested: `precision.float32_layers = \'{self.suggested_value}\'` '
@@ -219,9 +221,10 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
         if gt is None or gr is None:
           continue
         gt = tf.abs(tf.cast(gt, tf.float32))
+        gr = tf.abs(tf.cast(gr, tf.float32))  # float32, at the same scale
         zero32 = tf.equal(gr, 0.0)
-        s.grad_flushed += int(tf.math.count_nonzero(tf.logical_and(tf.equal(gt, 0.0),
-                                                                   tf.logical_not(zero32))))
+        lost = tf.logical_and(tf.logical_not(zero32), gr < tiny)  # zero there: range
+        s.grad_flushed += int(tf.math.count_nonzero(tf.logical_and(tf.equal(gt, 0.0), lost)))
         s.grad_subnormal += int(tf.math.count_nonzero(tf.logical_and(gt > 0, gt < tiny)))
         s.grad_nonfinite += int(tf.size(gt)) - int(tf.math.count_nonzero(tf.math.is_finite(gt)))
         s.grad_zero32 += int(tf.math.count_nonzero(zero32))

@@ -14,8 +14,10 @@ layers' compute dtypes at the current loss scale (what the step computes), and w
 computing in float32 (the reference; same weights, same batch, same forward state). Per weight-
 gradient element it then counts:
 
-  flushed    zero in the compute dtype, non-zero in float32: lost to the dtype's range (directly,
-             or because a gradient upstream of it flushed) at this loss scale;
+  flushed    zero in the compute dtype, non-zero in float32 and, at this loss scale, below the
+             compute dtype's smallest normal number: lost to the dtype's range (directly, or
+             because a gradient upstream of it flushed). A zero of another cause (a ReLU whose
+             input rounded across 0, a sum that cancelled) is not range and not counted;
   subnormal  non-zero but below the compute dtype's smallest normal number (float16: 6.1e-5),
              at this scale: kept with fewer significant bits;
   zero       zero in float32 too (dead ReLU units, border pixels): context, not underflow;
@@ -104,18 +106,20 @@ def gradient_counts(target, reference, tiny: float, scale) -> tf.Tensor:
   """[6] float32 for one gradient: the largest finite |target| / scale, then the counts of
   flushed, subnormal, zero and non-finite elements and the element count (module docstring).
   `target`: the gradient as computed in the compute dtype at loss scale `scale` (still scaled);
-  `reference`: the same gradient computed in float32 (any scale: only its zeros are read)."""
+  `reference`: the same gradient computed in float32, unscaled."""
   magnitude = tf.abs(tf.cast(target, tf.float32))
   finite = tf.math.is_finite(magnitude)
-  zero32 = tf.equal(tf.cast(reference, tf.float32), 0.0)
+  reference = tf.abs(tf.cast(reference, tf.float32))
+  zero32 = tf.equal(reference, 0.0)
   zero = tf.equal(magnitude, 0.0)
+  in_range = reference * scale >= tiny  # a zero there is rounding, not range
 
   def count(mask):
     return tf.reduce_sum(tf.cast(mask, tf.float32))
 
   return tf.stack([
       tf.reduce_max(tf.where(finite, magnitude, 0.0)) / scale,
-      count(tf.logical_and(zero, tf.logical_not(zero32))),
+      count(tf.logical_and(zero, tf.logical_not(tf.logical_or(zero32, in_range)))),
       count(tf.logical_and(tf.logical_and(finite, magnitude < tiny), tf.logical_not(zero))),
       count(zero32),
       count(tf.logical_not(finite)),
