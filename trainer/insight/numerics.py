@@ -142,10 +142,12 @@ class Probe:
       for v in layer.trainable_weights:
         owner.setdefault(id(getattr(v, 'value', v)), layer)
     self.owners = [owner.get(id(getattr(v, 'value', v))) for v in self.variables]
-    # A reference pass is needed only when some layer computes in a dtype other than float32.
+    # The compute dtypes other than float32; a reference pass is needed only with one of them
+    # or a quantized (float8) layer.
     self.low_precision = sorted({layer.compute_dtype for layer in self.layers
-                                 if layer.compute_dtype != 'float32' or
-                                 getattr(layer, 'quantization_mode', None)})
+                                 if layer.compute_dtype != 'float32'})
+    self.needs_reference = bool(self.low_precision) or any(
+        getattr(layer, 'quantization_mode', None) for layer in self.layers)
     self._fn = tf.function(self._stats)
     self._iterator = None
 
@@ -175,7 +177,7 @@ class Probe:
     share = t.train_step.replica_share(batch)
     with forward_state_kept(t.model):  # the reference pass starts from the same state
       grads = self._gradients(share, scaled=True, record=record)
-    if self.low_precision:
+    if self.needs_reference:
       with forward_state_kept(t.model), hooks.float32(t.model):
         reference = self._gradients(share, scaled=False)
     else:
