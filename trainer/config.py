@@ -154,7 +154,7 @@ SCHEMA: dict[str, Key] = {
     'numerics.divergence_factor': Key(float, 10.0, 'a warning line when the logged train loss '
                                       'passes this many times its running minimum (and the '
                                       'first loss); 0 = off', _non_negative),
-    'numerics.divergence_stop': Key(bool, False, 'divergence also ends the run (exit non-zero; '
+    'numerics.divergence_stop': Key(bool, False, 'divergence also ends the run (exit status 2; '
                                     'the newest checkpoint, written before, is kept)'),
     'early_stopping.metric': Key(str, '', "eval metric that stops training when it stops "
                                  "improving (needs train.eval_every > 0); '' = off"),
