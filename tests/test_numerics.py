@@ -205,3 +205,40 @@ def test_a_run_shorter_than_numerics_every_shows_the_line_once(tmp_path, caplog)
     trainer.train()
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('numerics at')]
   assert len(lines) == 1 and lines[0].startswith('numerics at step 5:'), lines
+
+
+def test_activation_flushed_and_subnormal_match_a_numpy_reference(tmp_path):
+  """A Dense layer whose output columns are scaled from 1e-12 to 1e-2: in float16 some outputs
+  flush to zero and some are subnormal. NumPy: float16 inputs and kernel, products summed in
+  float64 and rounded once, against float64."""
+  from trainer.insight.numerics import Probe
+  scales = np.logspace(-12, -2, UNITS)
+
+  class Quiet(TinyTrainer):
+    def build_model(self):
+      kernel = np.ones((8, UNITS)) * scales
+      return keras.Sequential([keras.Input((8,)), keras.layers.Dense(
+          UNITS, name='quiet', kernel_initializer=keras.initializers.Constant(kernel),
+          use_bias=False)], name='quiet_model')
+
+    def compute_loss(self, batch, *, training):
+      x, _ = batch
+      out = tf.cast(self.model(x, training=training), tf.float32)
+      return tf.reduce_sum(out, axis=-1), {}
+
+  trainer = Quiet(tiny_config(**{'precision.policy': 'mixed_float16'}), str(tmp_path / 'w'))
+  batch = next(iter(trainer.datasets.train))
+  stats, _ = Probe(trainer).measure(batch)
+  x = batch[0].numpy()[:32].astype(np.float64)
+  kernel = trainer.model.layers[0].kernel.numpy()
+  out16 = (x.astype(np.float16).astype(np.float64) @
+           kernel.astype(np.float16).astype(np.float64)).astype(np.float16).astype(np.float64)
+  out32 = x @ kernel.astype(np.float64)
+  tiny = float(np.finfo(np.float16).tiny)
+  flushed = np.mean((out16 == 0) & (out32 != 0) & (np.abs(out32) < tiny))
+  subnormal = np.mean((out16 != 0) & (np.abs(out16) < tiny))
+  entry = stats['quiet_model/quiet']
+  print('probe', entry, 'numpy', flushed, subnormal)
+  assert flushed > 0.1 and subnormal > 0.1  # not vacuous
+  assert entry['output_flushed'] == pytest.approx(flushed, rel=0.1)
+  assert entry['output_subnormal'] == pytest.approx(subnormal, rel=0.1)

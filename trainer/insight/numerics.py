@@ -28,6 +28,7 @@ amax-history variables are left out: their "gradients" are new values, not gradi
   grad_max       the largest |gradient| after unscaling;
 and over its forward output (a float8-quantized layer's too: its `quantized_call` is hooked):
   output_max     the largest |output|;
+  output_flushed, output_subnormal   as for the gradients, against the float32 pass's outputs;
   headroom_bits  log2(largest finite value of the compute dtype / output_max): how many
                  doublings the activations can take before they overflow.
 
@@ -126,6 +127,29 @@ def gradient_counts(target, reference, tiny: float, scale) -> tf.Tensor:
       tf.cast(tf.size(magnitude), tf.float32)])
 
 
+def output_counts(layer, values, reference) -> tf.Tensor:
+  """[4] float32 for one layer's forward outputs `values` (compute dtype): the largest |output|,
+  the counts of flushed and subnormal elements (as for gradients, against the float32 pass's
+  outputs `reference`, None without one) and the element count. Outputs of another shape than
+  the reference's (a layer whose float32 call differs) get no flushed count."""
+  tiny = smallest_normal(layer.compute_dtype)
+  largest_out, flushed, subnormal, count = [], [], [], []
+  reference = reference if reference is not None else [None] * len(values)
+  for o, r in zip(values, reference):
+    o = tf.abs(tf.cast(o, tf.float32))
+    largest_out.append(tf.reduce_max(o))
+    subnormal.append(tf.reduce_sum(tf.cast(tf.logical_and(o > 0, o < tiny), tf.float32)))
+    count.append(tf.cast(tf.size(o), tf.float32))
+    if r is None or not o.shape.is_compatible_with(r.shape):
+      flushed.append(tf.constant(0.0))
+      continue
+    r = tf.abs(tf.cast(r, tf.float32))
+    lost = tf.logical_and(tf.equal(o, 0.0), tf.logical_and(r > 0, r < tiny))
+    flushed.append(tf.reduce_sum(tf.cast(lost, tf.float32)))
+  return tf.stack([tf.reduce_max(tf.stack(largest_out)), tf.add_n(flushed), tf.add_n(subnormal),
+                   tf.add_n(count)])
+
+
 class Probe:
   """The compiled statistics pass for one trainer (built on first use)."""
 
@@ -165,21 +189,23 @@ class Probe:
 
   def _stats(self, batch):
     t = self.trainer
-    outputs = {}
+    outputs, outputs32 = {}, {}
 
-    def record(layer, output):
-      values = [o for o in tf.nest.flatten(output) if hasattr(o, 'dtype') and o.dtype.is_floating]
-      if values:
-        outputs[layer_name(layer)] = tf.reduce_max(
-            tf.stack([tf.reduce_max(tf.abs(tf.cast(o, tf.float32))) for o in values]))
+    def recorder(into):
+      def record(layer, output):
+        values = [o for o in tf.nest.flatten(output)
+                  if hasattr(o, 'dtype') and o.dtype.is_floating]
+        if values:
+          into[layer_name(layer)] = (layer, values)  # a layer called twice: its last call
+      return record
 
     # One replica's (micro-)batch with the step's own loss: the gradients the step computes.
     share = t.train_step.replica_share(batch)
     with forward_state_kept(t.model):  # the reference pass starts from the same state
-      grads = self._gradients(share, scaled=True, record=record)
+      grads = self._gradients(share, scaled=True, record=recorder(outputs))
     if self.needs_reference:
       with forward_state_kept(t.model), hooks.float32(t.model):
-        reference = self._gradients(share, scaled=False)
+        reference = self._gradients(share, scaled=False, record=recorder(outputs32))
     else:
       reference = grads
     scale = tf.cast(t.loss_scaler.scale, tf.float32) if t.loss_scaler.mode != 'none' else 1.0
@@ -192,6 +218,8 @@ class Probe:
       r = tf.zeros_like(g) if r is None else tf.convert_to_tensor(r)
       tiny = smallest_normal(layer.compute_dtype if layer is not None else tf.float32)
       rows.append(gradient_counts(g, r, tiny, scale))
+    return tf.stack(rows), {name: output_counts(layer, values, outputs32.get(name, (None, None))[1])
+                            for name, (layer, values) in outputs.items()}
     return tf.stack(rows), outputs
 
   def next_batch(self):
@@ -220,10 +248,12 @@ class Probe:
     overall = {k: float(total[i] / total[COUNT]) if total[COUNT] else 0.0
                for k, i in FRACTIONS.items()}
     dtypes = {layer_name(layer): layer.compute_dtype for layer in self.layers}
-    for name, value in output_max.items():
-      value = float(value)
+    for name, row in output_max.items():
+      value, flushed, subnormal, count = (float(x) for x in row.numpy())
       entry = stats.setdefault(name, {})
       entry['output_max'] = value
+      if count:
+        entry['output_flushed'], entry['output_subnormal'] = flushed / count, subnormal / count
       entry['headroom_bits'] = (math.log2(largest(dtypes[name]) / value) if 0 < value < math.inf
                                 else (math.inf if value == 0 else -math.inf))
     return stats, overall
