@@ -29,6 +29,9 @@ def test_monitor_rule():
   assert monitor.update(2, 23.5).startswith('divergence at step 2: loss 23.5 is 10.2x its '
                                             'running minimum 2.3;')
   assert DivergenceMonitor(0.0).update(1, math.inf) is None  # off
+  negative = DivergenceMonitor(10.0)
+  negative.start(-3.0)  # a log-density: no ratio to speak of
+  assert negative.update(1, -1.0) is None and negative.update(2, 5.0) is None
   assert 'loss nan' in DivergenceMonitor(10.0).update(3, math.nan)
 
 

@@ -13,7 +13,8 @@ the run's first weights) and `floor` = `start` loss / factor, so a loss that has
 (0.001 on an easy task) does not make an ordinary 0.01 look like divergence: with the default
 factor of 10 and a classifier starting near ln(10) = 2.3, the loss must pass 2.3 (chance) and
 10x its best. No shipped config comes near (their logged losses only fall after the first
-log). `factor` 0 turns it off. Pure Python: no TensorFlow, reusable by any loop.
+log). A loss that can be zero or negative (a log-density) is never called divergent by this
+ratio; `factor` 0 turns it off. Pure Python: no TensorFlow, reusable by any loop.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class DivergenceMonitor:
     """The loss at the run's first weights (before any step of this run): the first minimum."""
     if math.isfinite(loss):
       self.minimum = min(self.minimum, loss)
-      self.floor = abs(loss) / self.factor if self.factor > 0 else 0.0
+      self.floor = max(loss, 0.0) / self.factor if self.factor > 0 else 0.0
 
   def reference(self) -> float:
     return max(self.minimum, self.floor)
@@ -51,7 +52,7 @@ class DivergenceMonitor:
       return None
     reference, minimum = self.reference(), self.minimum
     self.minimum = min(self.minimum, loss)
-    if loss <= self.factor * reference:
+    if minimum <= 0 or loss <= self.factor * reference:  # a ratio means nothing at or below 0
       return None
     what = (f'its running minimum {reference:.4g}' if reference == minimum else
             f'{reference:.4g} (1/{self.factor:g} of its first loss; running minimum '
