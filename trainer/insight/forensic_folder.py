@@ -43,7 +43,7 @@ def save(folder: str, *, model: keras.Model, batch, loss_scale: float, step: int
   """Writes a forensic folder: batch.npz, weights/ (tf.train.Checkpoint of `model`, the
   pre-step weights), meta.json and, given a report, report.txt and report.json."""
   os.makedirs(folder, exist_ok=True)
-  arrays = {}
+  arrays: dict = {}
   spec = _encode(tf.nest.map_structure(lambda t: np.asarray(t), batch), arrays)
   np.savez(os.path.join(folder, 'batch.npz'), **arrays)
   tf.train.Checkpoint(model=model).write(os.path.join(folder, 'weights', 'ckpt'))

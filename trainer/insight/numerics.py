@@ -301,8 +301,8 @@ class Recorder:
   def __init__(self, trainer, every: int, write_scalars=None):
     self.trainer, self.every = trainer, int(every)
     self.write_scalars = write_scalars  # (prefix, {name: value}, step); None: no TensorBoard
-    self.probe = None
-    self.last = None
+    self.probe: Probe | None = None
+    self.last: int | None = None
 
   def start(self, step: int) -> None:
     """The run (or resumed run) starts at `step`: the first log step measures."""
