@@ -29,16 +29,15 @@ from typing import NamedTuple
 
 import keras
 import ml_collections
-import numpy as np
 import tensorflow as tf
 from absl import flags, logging
 
 from trainer import config as config_lib
-from trainer import (actions, audit, contract, distribute, epochs, forensics,
+from trainer import (actions, audit, checkpoints, contract, distribute, epochs, forensics,
                      lifecycle, numerics, optimizers, precision, preemption, profiling, progress)
 from trainer import workdir as workdir_lib
 from trainer.errors import NonFiniteError
-from trainer.loss_scale import LossScaler, all_finite, state_variable
+from trainer.loss_scale import LossScaler, state_variable
 from trainer.train_step import EvalLoop, TrainStep
 
 
@@ -180,32 +179,22 @@ class Trainer:
     return self.run_dir.save(step)
 
   def check_finite_state(self) -> None:
-    """Raises NonFiniteError when a model or optimizer variable holds inf or NaN (one reduction
-    on the device; the names are looked up only then)."""
-    variables = [v for v in self.checkpoint_variables() if v.dtype.is_floating]
-    if bool(_all_finite(variables)):
+    """Raises NonFiniteError when a variable of checkpoint_items() (model, optimizer, loss
+    scaler, counters, actions' state, a custom step's own) holds inf or NaN (one reduction on
+    the device; the names are looked up only then)."""
+    bad = checkpoints.nonfinite(self.checkpoint_variables())
+    if not bad:
       return
-    bad = [getattr(v, 'path', None) or v.name for v in variables
-           if not np.isfinite(v.numpy()).all()]
     newest = self.run_dir.latest_checkpoint
     raise NonFiniteError(
-        f'step {int(self.global_step.numpy())}: the training state is not finite (inf or NaN in '
-        f'{len(bad)} variables, first: {", ".join(bad[:3])}); not saved. '
+        f'step {int(self.global_step.numpy())}: the training state is not finite '
+        f'({checkpoints.describe_nonfinite(bad)}); not saved. '
         + (f'The newest checkpoint, {newest}, is finite; ' if newest else '')
         + 'lower config.optimizer.learning_rate, use a loss scale, or check the input data.')
 
   def checkpoint_variables(self) -> list:
-    """The model's and optimizers' variables (what check_finite_state checks)."""
-    seen, found = set(), []
-    for item in self.checkpoint_items().values():
-      variables = [item] if isinstance(item, tf.Variable) else getattr(item, 'variables', [])
-      for v in variables:
-        v = getattr(v, 'value', v)  # the tf.Variable behind a Keras variable
-        # (a Keras optimizer lists a callable learning rate among its variables)
-        if isinstance(v, tf.Variable) and id(v) not in seen:
-          seen.add(id(v))
-          found.append(v)
-    return found
+    """Every variable a checkpoint saves (what check_finite_state checks)."""
+    return checkpoints.variables(self.checkpoint_items())
 
   # ---- loops -------------------------------------------------------------------------------
   def evaluate(self) -> dict[str, float]:
@@ -356,7 +345,3 @@ class Trainer:
     self._act('eval', step, metrics)
     return {**metrics, '_step': step}
 
-
-@tf.function
-def _all_finite(variables) -> tf.Tensor:
-  return all_finite([v.read_value() for v in variables])

@@ -163,7 +163,7 @@ class Workdir:
   def restore_read_only(self) -> str | None:
     """Restores the newest readable checkpoint (eval, export, sampling); writes nothing. Returns
     its path, or None when there is none."""
-    return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir)
+    return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir, read_only=True)
 
   # ---- training --------------------------------------------------------------------------------
   def restore_for_training(self, init: Callable[[], object] | None = None) -> str | None:
@@ -237,6 +237,10 @@ class Workdir:
       if os.path.lexists(sub) and not os.path.isdir(sub):
         raise UserError(f'{sub} is a file, not a folder; move it out of the workdir or use a '
                         'new --workdir.')
+    state = os.path.join(self.checkpoint_dir, checkpoints.STATE_FILE)
+    if os.path.isdir(state):  # the manager rewrites it by a rename, which a folder refuses
+      raise UserError(f'{state} is a folder, not the checkpoint state file; move it out of the '
+                      'workdir (the ckpt-N files next to it are kept and resumed from).')
     saved = read_config(self.path)
     if saved is None or not checkpoints.find(self.checkpoint_dir):
       return  # nothing to resume: the current config starts (or restarts) the run
@@ -287,6 +291,9 @@ class Workdir:
     except OSError as e:
       raise ConfigError(f'workdir {self.path}: cannot write the config record ({e.strerror}); '
                         'free some space or pass another --workdir.') from None
+    # A copied or moved run's state file may name checkpoints by absolute path: rotation must
+    # delete this run's files only (checkpoints.own_state).
+    checkpoints.own_state(self.checkpoint_dir)
     self._manager = tf.train.CheckpointManager(self.checkpoint, self.checkpoint_dir,
                                                max_to_keep=self.config.train.max_to_keep)
     self._writer = tf.summary.create_file_writer(os.path.join(self.path, TENSORBOARD))
