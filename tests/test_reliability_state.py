@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
 
-from trainer import actions, checkpoints, lifecycle
+from trainer.run import actions, checkpoints, lifecycle
 from trainer.errors import ConfigError, NonFiniteError, UserError
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -62,13 +62,13 @@ def trained(workdir, steps=15):
   """A run with checkpoints every 5 steps (max_to_keep 3); returns {step: weights there}."""
   trainer = TinyTrainer(config(**{'train.steps': steps}), str(workdir))
   snapshots = {}
-  original = trainer.save
+  original = trainer.runner.save
 
   def save():
     snapshots[int(trainer.global_step.numpy())] = weights(trainer)
     return original()
 
-  trainer.save = save
+  trainer.runner.save = save
   trainer.train()
   return snapshots
 
@@ -77,7 +77,7 @@ def trained(workdir, steps=15):
 def test_repair_writes_relative_names(tmp_path):
   trained(tmp_path, steps=15)
   os.remove(tmp_path / 'checkpoints' / 'checkpoint')
-  TinyTrainer(config(**{'train.steps': 15}), str(tmp_path)).restore()
+  TinyTrainer(config(**{'train.steps': 15}), str(tmp_path)).runner.restore()
   names = state_names(tmp_path)
   assert names and all(n == os.path.basename(n) for n in names), names
 
@@ -89,8 +89,8 @@ def test_copied_run_with_absolute_state_resumes_from_its_own_files(tmp_path):
   shutil.copytree(original, copy)  # cp -r a b
   before = files(original)
   trainer = TinyTrainer(config(**{'train.steps': 25, 'train.max_to_keep': 2}), str(copy))
-  assert trainer.restore() == 10
-  assert trainer.run_dir.latest_checkpoint == str(copy / 'checkpoints' / 'ckpt-10')
+  assert trainer.runner.restore() == 10
+  assert trainer.runner.workdir.latest_checkpoint == str(copy / 'checkpoints' / 'ckpt-10')
   trainer.train()  # saves 15, 20, 25; max_to_keep=2 rotates out 5, 10, 15: b's own
   assert files(original) == before  # a untouched: ckpt-5 and ckpt-10 still there, bytes equal
   assert sorted(os.path.basename(p) for p in glob.glob(str(copy / 'checkpoints' / '*.index'))) \
@@ -114,7 +114,7 @@ def test_moved_run_is_evaluated_and_resumed(tmp_path):
   for a, b in zip(weights(reader), snapshots[15], strict=True):
     np.testing.assert_array_equal(a, b)
   trainer = TinyTrainer(config(**{'train.steps': 20}), str(moved))
-  assert trainer.restore() == 15
+  assert trainer.runner.restore() == 15
   trainer.train()
   assert os.path.exists(moved / 'checkpoints' / 'ckpt-20.index')
 
@@ -131,7 +131,7 @@ def test_state_naming_another_runs_checkpoint_is_not_followed(tmp_path, caplog):
   before = files(other)
   trainer = TinyTrainer(config(**{'train.steps': 30}), str(ours))
   with caplog.at_level(py_logging.WARNING):
-    assert trainer.restore() == 10
+    assert trainer.runner.restore() == 10
   for a, b in zip(weights(trainer), snapshots[10], strict=True):
     np.testing.assert_array_equal(a, b)
   warned = ' '.join(r.getMessage() for r in caplog.records if r.levelno >= py_logging.WARNING)
@@ -156,10 +156,10 @@ def test_state_file_that_is_a_folder_is_one_line(tmp_path):
 # ---- 2. every variable checked before a save ---------------------------------------------------
 def test_nan_loss_scale_is_not_saved(tmp_path):
   trainer = TinyTrainer(config(**{'precision.policy': 'mixed_float16'}), str(tmp_path))
-  trainer.restore()
+  trainer.runner.restore()
   trainer.loss_scaler.scale.assign(float('nan'))
   with pytest.raises(NonFiniteError) as info:
-    trainer.save()
+    trainer.runner.save()
   assert trainer.loss_scaler.scale.name.split(':')[0] in str(info.value)
   assert not glob.glob(str(tmp_path / 'checkpoints' / 'ckpt-*'))
 
@@ -175,30 +175,31 @@ class ExtraTrainer(TinyTrainer):
 
 def test_plain_variable_and_actions_state_are_checked(tmp_path):
   trainer = ExtraTrainer(config(), str(tmp_path))
-  trainer.restore()
-  names = {v.name for v in trainer.checkpoint_variables()}
+  trainer.runner.restore()
+  names = {v.name for v in trainer.runner.checkpoint_variables()}
   assert {'ema_decay:0', 'global_step:0', 'scale:0'} <= names
   trainer.ema_decay.assign(float('inf'))
   with pytest.raises(NonFiniteError, match='ema_decay'):
-    trainer.save()
+    trainer.runner.save()
   trainer.ema_decay.assign(0.99)
   best = TinyTrainer(config(**{'best_checkpoint.metric': 'loss', 'train.eval_every': 5}),
                      str(tmp_path / 'best'))
-  best.restore()
-  best.actions[0]._best.assign(float('nan'))  # pylint: disable=protected-access
+  best.runner.restore()
+  best.runner.actions[1]._best.assign(float('nan'))  # pylint: disable=protected-access
   with pytest.raises(NonFiniteError, match='best'):
-    best.save()
+    best.runner.save()
 
 
 def test_best_checkpoint_refuses_a_non_finite_model(tmp_path, caplog):
   trainer = TinyTrainer(config(**{'best_checkpoint.metric': 'loss', 'train.eval_every': 5}),
                         str(tmp_path))
-  trainer.restore()
-  action = trainer.actions[0]
+  trainer.runner.restore()
+  action = trainer.runner.actions[1]
   bias = trainer.model.layers[0].bias
   bias.assign(np.full(bias.shape, np.nan, np.float32))
+  # an eval that looked fine
   with caplog.at_level(py_logging.WARNING):
-    action(actions.Event('eval', 5, {'loss': 0.5}, trainer))  # an eval that looked fine
+    action(actions.Event('eval', 5, {'loss': 0.5}, trainer, None, trainer.runner))
   assert not os.path.exists(tmp_path / 'best')
   assert action.best == float('inf')  # no best recorded either
   assert any('not saved: the model is not finite' in r.getMessage() for r in caplog.records)
@@ -208,13 +209,13 @@ def test_best_checkpoint_refuses_a_non_finite_model(tmp_path, caplog):
 def plant_nan(workdir, step):
   """Rewrites ckpt-<step> with a NaN in the first kernel (bypassing the save's check)."""
   trainer = TinyTrainer(config(**{'train.steps': step}), str(workdir))
-  trainer.restore()
+  trainer.runner.restore()
   kernel = trainer.model.layers[0].kernel
   value = kernel.numpy()
   value[0, 0] = np.nan
   kernel.assign(value)
-  trainer.run_dir.save(step)
-  trainer.run_dir.close()
+  trainer.runner.workdir.save(step)
+  trainer.runner.workdir.close()
   return kernel.path
 
 
@@ -223,7 +224,7 @@ def test_nan_checkpoint_falls_back_on_resume(tmp_path, caplog):
   name = plant_nan(tmp_path, 15)
   trainer = TinyTrainer(config(**{'train.steps': 15}), str(tmp_path))
   with caplog.at_level(py_logging.WARNING):
-    assert trainer.restore() == 10
+    assert trainer.runner.restore() == 10
   for a, b in zip(weights(trainer), snapshots[10], strict=True):
     np.testing.assert_array_equal(a, b)
   warned = ' '.join(r.getMessage() for r in caplog.records if r.levelno >= py_logging.WARNING)
@@ -281,7 +282,7 @@ def test_eval_retries_when_checkpoints_rotate_away(tmp_path, monkeypatch):
 
   monkeypatch.setattr(checkpoints, 'restore', restore)
   reader = TinyTrainer(config(**{'train.steps': 20}), str(tmp_path))
-  assert reader.run_dir.restore_read_only() == os.path.join(folder, 'ckpt-30')
+  assert reader.runner.workdir.restore_read_only() == os.path.join(folder, 'ckpt-30')
   assert rotated == [os.path.join(folder, 'ckpt-20')]
   assert int(reader.global_step.numpy()) == 20
 

@@ -49,7 +49,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.python.checkpoint import checkpoint_management
 
 from trainer.errors import UserError
-from trainer.loss_scale import all_finite
+from trainer.step.loss_scale import all_finite
 
 # Checkpoint items added after checkpoints were first written: a checkpoint without them still
 # restores (they keep their initial values). Any other missing item is a mismatch.
