@@ -35,7 +35,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from trainer.insight import forensics
+from trainer.insight import files, forensics
 
 HEADROOM_BITS = 2  # keep values at least 2**HEADROOM_BITS below the dtype's maximum
 LOW = ('float16', 'bfloat16')
@@ -216,7 +216,6 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
 def report(trainer_class, config, workdir: str, *, steps: int = 10) -> str:
   """`advise` as markdown, also written to <workdir>/advice.md."""
   text = advise(trainer_class, config, workdir, steps=steps).markdown()
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'advice.md'), 'w') as f:
-    f.write(text)
+  files.folder(os.path.dirname(os.path.abspath(workdir)), workdir, '--advise')
+  files.write(os.path.join(workdir, 'advice.md'), text, '--advise')  # never through a link
   return text

@@ -23,7 +23,7 @@ import time
 import tensorflow as tf
 from absl import flags, logging
 
-from trainer.errors import NonFiniteError
+from trainer.errors import NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
 from trainer.run import (actions, checkpoints, epochs, lifecycle, preemption, profiling,
                          progress)
@@ -222,6 +222,8 @@ class Runner:
     try:
       forensics.record(tr, batch, step,
                        loss_scale=float(tr.train_step.guard.last_scale.numpy()))
+    except UserError as e:  # a planted symlink, a full disk: refused, said in one line
+      logging.warning('step %d: %s; training goes on', step, e)
     except Exception as e:  # pylint: disable=broad-except  (diagnostics never end a run)
       logging.warning('step %d: the forensic replay failed (%s: %s); training goes on', step,
                       type(e).__name__, (str(e).strip().splitlines() or [''])[-1][:200])
