@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 from trainer.insight import advisor, files, forensics
 from trainer.run import lock as workdir_lock
 
@@ -169,3 +169,54 @@ def test_a_young_lock_whose_record_arrives_is_respected(tmp_path, monkeypatch):
     workdir_lock.acquire(str(tmp_path))
   assert 'host another-host' in one_line(info.value)
   assert json.loads(path.read_text()) == record
+
+
+# ---- raw tracebacks that are one line now ------------------------------------------------------
+def test_warm_up_longer_than_the_run(tmp_path):
+  with pytest.raises(ConfigError) as info:
+    TinyTrainer(tiny_config(**{'optimizer.warmup_steps': 21}), str(tmp_path / 'run'))
+  assert 'config.optimizer.warmup_steps=21 is longer than the run (20 steps)' in \
+      one_line(info.value)
+  assert not (tmp_path / 'run').exists()
+  TinyTrainer(tiny_config(**{'optimizer.warmup_steps': 20}), str(tmp_path / 'run'))  # fits
+
+
+def test_fault_injection_aimed_at_a_replica_that_does_not_exist(tmp_path):
+  with pytest.raises(ConfigError) as info:
+    TinyTrainer(tiny_config(**{'debug.inject_nonfinite_steps': '3',
+                               'debug.inject_nonfinite_replica': 1}), str(tmp_path / 'run'))
+  assert 'config.debug.inject_nonfinite_replica=1: the run has 1 replica(s)' in \
+      one_line(info.value)
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('address', ['nothost', '127.0.0.1:notaport', 123, '10.0.0.1:70000',
+                                     ':2222'])
+def test_tf_config_address_that_is_not_one(tmp_path, monkeypatch, address):
+  monkeypatch.setenv('TF_CONFIG', json.dumps({'cluster': {'worker': [address]},
+                                              'task': {'type': 'worker', 'index': 0}}))
+  with pytest.raises(UserError) as info:
+    TinyTrainer(tiny_config(**{'distribute.strategy': 'multi_worker'}), str(tmp_path / 'run'))
+  assert f'TF_CONFIG: {address!r} in cluster.worker is not an address' in one_line(info.value)
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('name', ['../x', '.mnist_mlp', 'models/mnist_mlp.py'])
+def test_model_name_that_is_not_a_module_name(name):
+  import models
+  with pytest.raises(ConfigError) as info:
+    models.get_trainer_class(name)
+  assert f'config.model={name!r} is not a module name' in one_line(info.value)
+
+
+@pytest.mark.parametrize('args, expected', [
+    (['--config=configs/mnist.py', '--config.model=../x'], "config.model='../x' is not a module"),
+    (['--config=configs/mnist.py', '--config.model=.mnist_mlp'], "'.mnist_mlp' is not a module"),
+    (['--config={none}', '--config.train.steps=3'], 'get_config() returned None'),
+])
+def test_through_launch(tmp_path, args, expected):
+  from test_reliability_bad_config import launch
+  none = tmp_path / 'none_config.py'
+  none.write_text('def get_config():\n  config = None\n')
+  line = launch(tmp_path, *[a.format(none=none) for a in args])
+  assert expected in line
