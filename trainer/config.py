@@ -99,6 +99,13 @@ SCHEMA: dict[str, Key] = {
     'train.accept_config_change': Key(bool, False, 'resume a workdir whose recorded config '
                                       'differs in keys other than run length and bookkeeping '
                                       '(see trainer/run/workdir.py); the change is recorded'),
+    'train.recover_tries': Key(int, 0, 'on a collapse (max_consecutive_skips) or a diverged '
+                               'loss: restore the last healthy checkpoint and go on past the '
+                               'failed data, at most this many times; 0 = stop',
+                               _non_negative),
+    'train.recover_lr_factor': Key(float, 1.0, 'each recovery multiplies the learning rate by '
+                                   'this (kept in the checkpoints)',
+                                   lambda v: None if 0 < v <= 1 else 'must be in (0, 1]'),
     'optimizer.name': Key(str, 'adam', 'a registered optimizer: adam, adamw, sgd or your own '
                           '(trainer.register_optimizer)', registry.check_name),
     'optimizer.learning_rate': Key(float, 1e-3, 'peak learning rate', _positive),

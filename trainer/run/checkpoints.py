@@ -53,7 +53,7 @@ from trainer.step.loss_scale import all_finite
 
 # Checkpoint items added after checkpoints were first written: a checkpoint without them still
 # restores (they keep their initial values). Any other missing item is a mismatch.
-LATER_ITEMS = ('consecutive_skips', 'actions')
+LATER_ITEMS = ('consecutive_skips', 'actions', 'lr_factor')
 
 
 class Mismatch(AssertionError):
@@ -353,6 +353,13 @@ def save(manager: tf.train.CheckpointManager, step: int, *, resumed_from: bool =
                                        if resumed_from else '')) if newest else ''
     raise UserError(f'could not write checkpoint {prefix} at step {step} ({_reason(e)}); free '
                     f'disk space or raise the quota{kept}') from None
+
+
+def remove(prefix: str) -> None:
+  """Deletes the files of checkpoint `prefix` (ckpt-N.index, ckpt-N.data-*), nothing else."""
+  pattern = glob.escape(prefix)
+  for path in glob.glob(pattern + '.index') + glob.glob(pattern + '.data-*'):
+    _remove(path)
 
 
 def _remove(path: str) -> None:

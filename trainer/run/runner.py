@@ -23,19 +23,20 @@ import time
 import tensorflow as tf
 from absl import flags, logging
 
-from trainer.errors import NonFiniteError, UserError
+from trainer.errors import CollapseError, NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
-from trainer.run import (actions, checkpoints, epochs, lifecycle, preemption, profiling,
-                         progress)
+from trainer.run import (actions, checkpoints, epochs, goodput, health, lifecycle, preemption,
+                         profiling, progress)
 from trainer.run.workdir import Workdir
 from trainer.step import contract
 from trainer.step.eval_step import EvalLoop
+from trainer.step.loss_scale import state_variable
 
 
 class Runner:
   """Runs `trainer` (built: trainer/run/build.py). `workdir` is its run folder (a Workdir)."""
 
-  def __init__(self, trainer):
+  def __init__(self, trainer, started: float | None = None):
     if not flags.FLAGS.is_parsed():  # used from Python, not launch.py: show the progress lines
       logging.set_verbosity(logging.INFO)
     self.trainer = t = trainer
@@ -51,6 +52,20 @@ class Runner:
     self.actions = [numerics.NumericsLine(self.numerics), *config_actions, *user_actions]
     self.actions_state = actions.state(config_actions + user_actions)  # checkpointed
     self.items = {**t.checkpoint_items(), 'actions': self.actions_state}
+    # Recovery (train.recover_tries): the learning rate's factor, lowered by each recovery and
+    # checkpointed; the optimizer reads the schedule through it (traced at the first step).
+    self.lr_factor = None
+    if c.train.recover_lr_factor != 1.0:
+      with t.strategy.scope():
+        self.lr_factor = state_variable(1.0, tf.float64, 'lr_factor')
+      schedule, factor = t.learning_rate, self.lr_factor
+      # In float64: factors such as 1e-40 (taming a learning rate of 1e38) are no float32.
+      t.learning_rate = lambda step: tf.cast(tf.cast(schedule(step), tf.float64) * factor,
+                                             tf.float32)
+      self.items['lr_factor'] = self.lr_factor
+    self.recoveries = 0
+    self.health = health.Health()
+    self.clock = goodput.Clock(started)
     self.checkpoint = tf.train.Checkpoint(**self.items)
     self.forensics = forensics.RateLimiter(c.numerics.forensics_first, c.numerics.forensics_every)
     self.stop_reason: str | None = None
@@ -78,7 +93,9 @@ class Runner:
     variables), so every checkpoint on disk, and the newest one rotation keeps, is finite."""
     step = int(self.trainer.global_step.numpy())
     self.check_finite_state()  # before anything is written for this save
-    return self.workdir.save(step)
+    healthy = self.health.healthy(int(self.trainer.train_step.guard.consecutive.numpy()))
+    with self.clock.timing('checkpoint'):
+      return self.workdir.save(step, healthy=healthy, loss=self.health.loss)
 
   def check_finite_state(self) -> None:
     """Raises NonFiniteError when a variable of the checkpoint items (model, optimizer, loss
@@ -149,17 +166,28 @@ class Runner:
           n = min(t.steps_per_loop - step % t.steps_per_loop, total - step)
           profiler.before(step, step + n)
           start = time.perf_counter()
-          step = watcher.call(self.run_steps, iterator, n)  # Ctrl-C twice: at once
+          try:
+            step = watcher.call(self.run_steps, iterator, n)  # Ctrl-C twice: at once
+          except CollapseError as e:
+            step = self.recover(str(e), error=e)  # or raises e: no recovery left
+            continue
           elapsed += time.perf_counter() - start
+          self.clock.steps(time.perf_counter() - start, n, start)
           profiler.after(step)
           steps_timed += n
           if ticker.due(step):  # the first call, log_every, the last step, or 30 s passed
-            self.act('log', step, self.log_progress(step, steps_timed / elapsed))
+            logged = self.log_progress(step, steps_timed / elapsed)
+            self.act('log', step, logged)
             elapsed, steps_timed = 0.0, 0
+            if self.health.observe(logged.get('loss')) and t.recover_tries:
+              step = self.recover(f'the training loss {logged["loss"]:.4g} at step {step} '
+                                  f'diverged (lowest so far {self.health.lowest:.4g})')
+              continue
           # The final eval too, before the last save: what its actions record (best eval,
           # evals without improvement) is in the checkpoint a longer run resumes from.
           if step == total or (t.eval_every and step % t.eval_every == 0):
-            last_eval = watcher.call(self.log_eval, step)
+            with self.clock.timing('eval'):
+              last_eval = watcher.call(self.log_eval, step)
           saved = (step % t.checkpoint_every == 0 or step == total or
                    self.stop_reason is not None)
           if saved:
@@ -170,6 +198,7 @@ class Runner:
           ticker.draw(step)  # the live bar, on a terminal
       finally:
         profiler.stop()
+        self.log_goodput(step)
     if self.stop_reason is not None:
       logging.info('%s; stopped at step %d/%d', self.stop_reason, step, total)
       if last_eval is not None and last_eval['_step'] == step:
@@ -201,7 +230,8 @@ class Runner:
       ts.run(iterator, num_steps)
       step = int(tr.global_step.numpy())
       ts.guard.check(step=step, scale=tr.loss_scaler.scale,
-                     checkpoint=self.workdir.latest_checkpoint)
+                     checkpoint=self.workdir.latest_checkpoint,
+                     healthy=health.describe(self.workdir.healthy_record()))
       if step >= target:
         break
       # Stopped early, right after a skipped step: replay it, then run the rest of the call.
@@ -246,6 +276,51 @@ class Runner:
                                  'skipped_steps': skipped, 'nonfinite_loss_steps': nonfinite,
                                  'steps_per_sec': steps_per_sec}, step)
     return outputs
+
+  def recover(self, reason: str, error: Exception | None = None) -> int:
+    """After a collapse (`error`) or a diverged loss: restores the last healthy checkpoint and
+    returns its step, the data iterator going on past the batches that failed (trainer/run/
+    health.py); at most train.recover_tries times. Then a collapse raises as without recovery
+    and a divergence is left to the collapse guard."""
+    tr, t = self.trainer, self.config.train
+    record = self.workdir.healthy_record()
+    failed = int(tr.global_step.numpy())
+    if self.recoveries >= t.recover_tries or record is None:
+      if error is None:
+        logging.warning('%s; no recovery left (%d of config.train.recover_tries=%d done, %s)',
+                        reason, self.recoveries, t.recover_tries, health.describe(record))
+        return failed
+      if self.recoveries:
+        raise CollapseError(f'{error} ({self.recoveries} recoveries of '
+                            f'config.train.recover_tries={t.recover_tries} done)') from None
+      raise error
+    factor = float(self.lr_factor.numpy()) if self.lr_factor is not None else 1.0
+    checkpoints.restore(self.items, self.workdir.healthy_path())
+    self.recoveries += 1
+    if self.lr_factor is not None:
+      factor *= t.recover_lr_factor
+      self.lr_factor.assign(factor)
+    step = int(tr.global_step.numpy())
+    self.health.bad = False
+    self.clock.redone(failed - step)
+    logging.warning('recovery %d of %d: %s; restored the checkpoint (%s) and go on from step %d '
+                    'with the data after step %d%s', self.recoveries, t.recover_tries,
+                    reason.split('. ')[0], health.describe(record), step, failed,
+                    f', learning rate x{factor:g}' if self.lr_factor is not None else '')
+    self.write_scalars('recovery', {'recoveries': self.recoveries, 'redone_steps': failed - step,
+                                    'lr_factor': factor}, failed)
+    return step
+
+  def log_goodput(self, step: int) -> None:
+    """The goodput line and its scalars (trainer/run/goodput.py); never raises (it runs while
+    a run ends, maybe with an error that must not be masked)."""
+    try:
+      shares = self.clock.shares()
+      logging.info(self.clock.line(shares))
+      if self.workdir.latest_checkpoint is not None:  # the run folder is open for writing
+        self.write_scalars('goodput', shares, step)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning('goodput not reported (%s: %s)', type(e).__name__, e)
 
   def log_eval(self, step: int) -> dict[str, float]:
     """One eval, its line, its scalars and an 'eval' event; the metrics with '_step'."""

@@ -52,6 +52,7 @@ from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
 
 CONFIG = 'config.json'
+HEALTHY = 'healthy.json'  # in checkpoints/: the last healthy checkpoint (trainer/run/health.py)
 CHECKPOINTS = 'checkpoints'
 TENSORBOARD = 'tensorboard'
 ACCEPT_KEY = 'train.accept_config_change'
@@ -61,7 +62,8 @@ ACCEPT_KEY = 'train.accept_config_change'
 # are run, not what a step computes.
 RESUMABLE = frozenset({
     'train.steps', 'train.epochs', 'train.steps_per_loop', 'train.log_every', 'train.eval_every',
-    'train.checkpoint_every', 'train.max_to_keep', 'train.profile_steps', 'train.jit_compile',
+    'train.checkpoint_every', 'train.max_to_keep', 'train.recover_tries', 'train.profile_steps',
+    'train.jit_compile',
     'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
 
 
@@ -186,17 +188,47 @@ class Workdir:
       raise
     return restored
 
-  def save(self, step: int) -> str:
+  def save(self, step: int, *, healthy: bool = False, loss: float | None = None) -> str:
     """Saves the checkpoint as ckpt-<step>; returns its path (a non-chief: a removed scratch
-    path). Callers run their pre-save checks (Trainer.save) before this: nothing is written
-    before this call."""
+    path). Callers run their pre-save checks (Runner.save) before this: nothing is written
+    before this call. `healthy` (trainer/run/health.py, with the training `loss`): it becomes
+    the last healthy checkpoint, which rotation never removes until a newer one is healthy."""
     self.open_for_writing(step)
-    path = checkpoints.save(self._manager, step)  # a failed write: one line, partial files gone
+    keep = None if self.scratch else self.healthy_path()
+    manager = self._manager
+    # pylint: disable=protected-access  (CheckpointManager offers no way to keep one checkpoint)
+    pending = list(manager._maybe_delete)  # oldest first; the save removes the oldest ones
+    if keep in pending[:max(0, len(pending) + 1 - manager._max_to_keep)]:
+      manager._maybe_delete.pop(keep)  # out of rotation (and of the state file; `find` lists it)
+    path = checkpoints.save(manager, step)  # a failed write: one line, partial files gone
     if self.scratch:
       distribute.remove_scratch(self.scratch)
       return path
     logging.info('saved checkpoint %s', path)
+    if healthy:
+      write_json(os.path.join(self.checkpoint_dir, HEALTHY),
+                 {'checkpoint': os.path.basename(path), 'step': step, 'loss': loss})
+      if keep and keep != path and keep not in manager.checkpoints:
+        checkpoints.remove(keep)  # the previous healthy one, kept out of rotation until now
     return path
+
+  def healthy_record(self) -> dict | None:
+    """{'checkpoint': 'ckpt-N', 'step', 'loss'} of the last healthy checkpoint, None when there
+    is none (or its files are gone). Reads only."""
+    try:
+      with open(os.path.join(self.checkpoint_dir, HEALTHY)) as f:
+        record = json.load(f)
+      name = str(record['checkpoint'])
+    except (OSError, ValueError, KeyError, TypeError):
+      return None
+    if not re.fullmatch(r'ckpt-\d+', name) or not os.path.isfile(
+        os.path.join(self.checkpoint_dir, name + '.index')):
+      return None
+    return record
+
+  def healthy_path(self) -> str | None:
+    record = self.healthy_record()
+    return os.path.join(self.checkpoint_dir, record['checkpoint']) if record else None
 
   def write_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
     self.open_for_writing(step)
