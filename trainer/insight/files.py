@@ -28,8 +28,8 @@ def folder(run: str, path: str, what: str) -> str:
   try:
     os.makedirs(run, exist_ok=True)  # where the run is may be a link: the user's choice
   except OSError as e:
-    raise UserError(f'{what}: cannot write {run} ({e.strerror}); pass --workdir=<a folder you '
-                    'can write>') from None
+    raise UserError(f'{what}: cannot write {path} ({e.strerror} at {run}); pass --workdir=<a '
+                    'folder you can write>') from None
   current = run
   for part in [p for p in relative.split(os.sep) if p not in ('', os.curdir)]:
     current = os.path.join(current, part)
