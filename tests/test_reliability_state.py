@@ -10,6 +10,7 @@ a run whose checkpoints rotate away while it reads goes back to the state file f
 ones."""
 import glob
 import hashlib
+import json
 import logging as py_logging
 import os
 import shutil
@@ -296,3 +297,27 @@ def test_read_only_failure_never_advises_deleting(tmp_path):
   with pytest.raises(UserError) as info:
     lifecycle.evaluate_checkpoint(reader)
   assert 'delete' not in str(info.value) and 'can be restored' in str(info.value)
+
+
+# ---- 5. asynchronous saves ---------------------------------------------------------------------
+def test_async_checkpoints_hold_the_state_at_their_step_and_resume_identically(tmp_path):
+  """Each background write holds the weights of its step although training went on while it
+  was written; a resumed async run ends bit-identical to a synchronous uninterrupted one."""
+  snapshots = trained(tmp_path / 'async', steps=15)  # the synchronous reference snapshots
+  trainer = TinyTrainer(config(**{'train.steps': 15, 'train.async_checkpoint': True}),
+                        str(tmp_path / 'a2'))
+  trainer.train()
+  for step in (5, 10, 15):
+    fresh = TinyTrainer(config(**{'train.steps': 15}), str(tmp_path / 'reader'))
+    checkpoints.restore(fresh.runner.items, str(tmp_path / 'a2' / 'checkpoints' / f'ckpt-{step}'))
+    for a, b in zip(weights(fresh), snapshots[step], strict=True):
+      np.testing.assert_array_equal(a, b)
+  assert json.loads((tmp_path / 'a2' / 'checkpoints' / 'healthy.json').read_text())['step'] == 15
+  longer = TinyTrainer(config(**{'train.steps': 25, 'train.async_checkpoint': True}),
+                       str(tmp_path / 'a2'))
+  assert longer.runner.restore() == 15
+  longer.train()
+  reference = TinyTrainer(config(**{'train.steps': 25}), str(tmp_path / 'sync25'))
+  reference.train()
+  for a, b in zip(weights(longer), weights(reference), strict=True):
+    np.testing.assert_array_equal(a, b)

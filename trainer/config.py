@@ -99,6 +99,9 @@ SCHEMA: dict[str, Key] = {
     'train.accept_config_change': Key(bool, False, 'resume a workdir whose recorded config '
                                       'differs in keys other than run length and bookkeeping '
                                       '(see trainer/run/workdir.py); the change is recorded'),
+    'train.async_checkpoint': Key(bool, False, "write checkpoints in TensorFlow's background "
+                                  'thread: the step loop waits only for the copy of the '
+                                  'variables (trainer/run/workdir.py)'),
     'train.recover_tries': Key(int, 0, 'on a collapse (max_consecutive_skips) or a diverged '
                                'loss: restore the last healthy checkpoint and go on past the '
                                'failed data, at most this many times; 0 = stop',

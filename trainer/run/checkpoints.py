@@ -328,31 +328,47 @@ def step_of(path: str) -> int:
   return int(match.group(1)) if match else 0
 
 
-def save(manager: tf.train.CheckpointManager, step: int, *, resumed_from: bool = True) -> str:
+def save(manager: tf.train.CheckpointManager, step: int, *, resumed_from: bool = True,
+         options: tf.train.CheckpointOptions | None = None) -> str:
   """`manager.save(checkpoint_number=step)`; a failed write raises UserError (one line: the
   checkpoint, the reason, the previous checkpoint that is still the newest, and, when
   `resumed_from`, that the same command resumes from it)."""
   try:
-    return manager.save(checkpoint_number=step)
+    return manager.save(checkpoint_number=step, options=options)
   except (tf.errors.OpError, OSError) as e:
-    directory = manager.directory
-    try:
-      state = tf.train.get_checkpoint_state(directory)
-    except Exception:  # pylint: disable=broad-except  (a garbled state file: name no checkpoint)
-      state = None
-    newest = state.model_checkpoint_path if state else None
-    prefix = os.path.join(directory, f'ckpt-{step}')
-    if newest != prefix:  # never listed: remove what the failed write left behind
-      pattern = glob.escape(prefix)
-      for path in glob.glob(pattern + '_temp*') + glob.glob(pattern + '.*'):
-        if os.path.isdir(path):
-          shutil.rmtree(path, ignore_errors=True)
-        else:
-          _remove(path)
-    kept = (f'; {newest} is intact' + (' and is where the same command resumes'
-                                       if resumed_from else '')) if newest else ''
-    raise UserError(f'could not write checkpoint {prefix} at step {step} ({_reason(e)}); free '
-                    f'disk space or raise the quota{kept}') from None
+    _failed(manager, step, e, resumed_from)
+    raise  # (not reached: _failed raises)
+
+
+def sync(checkpoint: tf.train.Checkpoint, manager: tf.train.CheckpointManager, step: int) -> None:
+  """Waits for `checkpoint`'s background write of ckpt-<step> (async_checkpoint); a failed
+  write is the one-line UserError of `save`."""
+  try:
+    checkpoint.sync()
+  except (tf.errors.OpError, OSError) as e:
+    _failed(manager, step, e, True)
+
+
+def _failed(manager, step: int, e: Exception, resumed_from: bool) -> None:
+  """Removes what the failed write of ckpt-<step> left and raises its UserError."""
+  directory = manager.directory
+  try:
+    state = tf.train.get_checkpoint_state(directory)
+  except Exception:  # pylint: disable=broad-except  (a garbled state file: name no checkpoint)
+    state = None
+  newest = state.model_checkpoint_path if state else None
+  prefix = os.path.join(directory, f'ckpt-{step}')
+  if newest != prefix:  # never listed: remove what the failed write left behind
+    pattern = glob.escape(prefix)
+    for path in glob.glob(pattern + '_temp*') + glob.glob(pattern + '.*'):
+      if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        _remove(path)
+  kept = (f'; {newest} is intact' + (' and is where the same command resumes'
+                                     if resumed_from else '')) if newest else ''
+  raise UserError(f'could not write checkpoint {prefix} at step {step} ({_reason(e)}); free '
+                  f'disk space or raise the quota{kept}') from None
 
 
 def remove(prefix: str) -> None:

@@ -193,11 +193,17 @@ class Runner:
           if saved:
             self.act('save', step, checkpoint=self.save())
           if watcher.should_stop(tr.strategy):  # a collective under multi_worker
-            path = self.workdir.latest_checkpoint if saved else self.save()
-            raise preemption.Preempted(watcher.reason, step, total, path)
+            path = self.save() if not saved else None
+            with self.clock.timing('checkpoint'):
+              self.workdir.sync()  # a background write completes before the process ends
+            raise preemption.Preempted(watcher.reason, step, total,
+                                       path or self.workdir.latest_checkpoint)
           ticker.draw(step)  # the live bar, on a terminal
+        with self.clock.timing('checkpoint'):
+          self.workdir.sync()  # the last background write, complete and recorded
       finally:
         profiler.stop()
+        self._sync_quietly()  # after an error too: never leave a background write running
         self.log_goodput(step)
     if self.stop_reason is not None:
       logging.info('%s; stopped at step %d/%d', self.stop_reason, step, total)
@@ -310,6 +316,12 @@ class Runner:
     self.write_scalars('recovery', {'recoveries': self.recoveries, 'redone_steps': failed - step,
                                     'lr_factor': factor}, failed)
     return step
+
+  def _sync_quietly(self) -> None:
+    try:
+      self.workdir.sync()
+    except Exception as e:  # pylint: disable=broad-except  (an error is already on its way)
+      logging.warning('the last checkpoint write failed too (%s)', e)
 
   def log_goodput(self, step: int) -> None:
     """The goodput line and its scalars (trainer/run/goodput.py); never raises (it runs while

@@ -63,6 +63,7 @@ ACCEPT_KEY = 'train.accept_config_change'
 RESUMABLE = frozenset({
     'train.steps', 'train.epochs', 'train.steps_per_loop', 'train.log_every', 'train.eval_every',
     'train.checkpoint_every', 'train.max_to_keep', 'train.recover_tries', 'train.profile_steps',
+    'train.async_checkpoint',
     'train.jit_compile',
     'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
 
@@ -162,6 +163,7 @@ class Workdir:
     self._manager = None
     self._writer = None
     self._lock = None
+    self._pending = None  # a save not yet recorded: its background write may be running (sync)
 
   # ---- reading ---------------------------------------------------------------------------------
   def restore_read_only(self) -> str | None:
@@ -192,25 +194,59 @@ class Workdir:
     """Saves the checkpoint as ckpt-<step>; returns its path (a non-chief: a removed scratch
     path). Callers run their pre-save checks (Runner.save) before this: nothing is written
     before this call. `healthy` (trainer/run/health.py, with the training `loss`): it becomes
-    the last healthy checkpoint, which rotation never removes until a newer one is healthy."""
+    the last healthy checkpoint, which rotation never removes until a newer one is healthy.
+
+    With config.train.async_checkpoint (TensorFlow's CheckpointOptions(
+    experimental_enable_async_checkpoint=True)), the variables are copied now and written by
+    TensorFlow's background thread: temporary files renamed into place, then the state file and
+    the rotation, as a synchronous save does, so a kill -9 mid-write leaves the previous
+    checkpoint named. This returns once the copy is made. The previous background write is
+    waited for first (`sync`), and a save's healthy record and log line come only once its files
+    are complete. The copy runs with tf.functions executed eagerly: TensorFlow makes it a
+    tf.function, in which Keras 3 variables cannot create their CPU copies."""
     self.open_for_writing(step)
+    self.sync()  # the previous background write: done, recorded, or its error raised here
     keep = None if self.scratch else self.healthy_path()
     manager = self._manager
     # pylint: disable=protected-access  (CheckpointManager offers no way to keep one checkpoint)
     pending = list(manager._maybe_delete)  # oldest first; the save removes the oldest ones
     if keep in pending[:max(0, len(pending) + 1 - manager._max_to_keep)]:
       manager._maybe_delete.pop(keep)  # out of rotation (and of the state file; `find` lists it)
-    path = checkpoints.save(manager, step)  # a failed write: one line, partial files gone
+    asynchronous = bool(self.config.train.async_checkpoint) and not self.scratch
+    if asynchronous:
+      options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+      eager = tf.config.functions_run_eagerly()
+      tf.config.run_functions_eagerly(True)
+      try:
+        path = checkpoints.save(manager, step, options=options)  # returns after the copy
+      finally:
+        tf.config.run_functions_eagerly(eager)
+    else:
+      path = checkpoints.save(manager, step)  # a failed write: one line, partial files gone
     if self.scratch:
       distribute.remove_scratch(self.scratch)
       return path
+    self._pending = (path, step, healthy, loss, keep, asynchronous)
+    if not asynchronous:
+      self.sync()
+    return path
+
+  def sync(self) -> None:
+    """Waits for a background checkpoint write (async_checkpoint) and records the save: the log
+    line, the healthy record. A failed background write is the same one-line UserError as a
+    failed synchronous one. A no-op when no save is pending."""
+    pending, self._pending = self._pending, None
+    if pending is None:
+      return
+    path, step, healthy, loss, keep, asynchronous = pending
+    if asynchronous:
+      checkpoints.sync(self.checkpoint, self._manager, step)
     logging.info('saved checkpoint %s', path)
     if healthy:
       write_json(os.path.join(self.checkpoint_dir, HEALTHY),
                  {'checkpoint': os.path.basename(path), 'step': step, 'loss': loss})
-      if keep and keep != path and keep not in manager.checkpoints:
+      if keep and keep != path and keep not in self._manager.checkpoints:
         checkpoints.remove(keep)  # the previous healthy one, kept out of rotation until now
-    return path
 
   def healthy_record(self) -> dict | None:
     """{'checkpoint': 'ckpt-N', 'step', 'loss'} of the last healthy checkpoint, None when there
@@ -243,7 +279,10 @@ class Workdir:
     return self._manager.latest_checkpoint if self._manager is not None else None
 
   def close(self) -> None:
-    """Flushes the summaries and releases the lock (also done at exit)."""
+    """Waits for a background checkpoint write, flushes the summaries and releases the lock
+    (the lock is also released at exit)."""
+    if self._manager is not None:
+      self.sync()
     if self._writer is not None:
       self._writer.close()
       self._writer = None
