@@ -108,7 +108,7 @@ def test_divergence_rule():
   assert not health.diverged(3.9, 1.0) and health.diverged(4.1, 1.0)
   assert not health.diverged(-5.0, -1.0)  # a negative loss has no multiplicative rule
   h = health.Health()
-  assert not h.healthy(0)  # no loss logged yet
+  assert h.healthy(0) and not h.healthy(1)  # no loss logged (a custom step): its skips alone
   h.observe(2.0)
   h.observe(1.0)
   assert h.healthy(0) and not h.healthy(1)  # a skipped step at the save
