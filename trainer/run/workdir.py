@@ -45,7 +45,7 @@ from collections.abc import Callable
 import tensorflow as tf
 from absl import logging
 
-from trainer.run import checkpoints
+from trainer.run import async_copy, checkpoints
 from trainer.step import distribute
 from trainer.run import lock as workdir_lock
 from trainer import config as config_lib
@@ -146,26 +146,6 @@ def write_json(path: str, value: dict) -> None:
     raise
 
 
-def _keras_variables_copy_once() -> None:
-  """TensorFlow's asynchronous checkpoint copies every variable to the CPU in a tf.function, once
-  per save, through `_copy_trackable_to_cpu(object_map)`. Keras 3's TensorFlow variable makes a
-  new tf.Variable there on every call, which a tf.function refuses after its first trace
-  ("tf.function only supports singleton tf.Variables created on the first call"; TF 2.21, Keras
-  3.15). Its CPU copy is the copy of the tf.Variable behind it, which TensorFlow creates once
-  and assigns on later saves: the Keras variable is mapped to that copy instead (saved under the
-  same VARIABLE_VALUE key)."""
-  from keras.src.backend.tensorflow import core  # pylint: disable=import-outside-toplevel
-  if getattr(core.Variable, '_copy_once', False):
-    return
-
-  def copy_to_cpu(self, object_map):
-    self.value._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
-    object_map[self] = object_map[self.value]
-
-  core.Variable._copy_trackable_to_cpu = copy_to_cpu  # pylint: disable=protected-access
-  core.Variable._copy_once = True  # pylint: disable=protected-access
-
-
 class Workdir:
   """A run folder: `checkpoint` (a tf.train.Checkpoint) is what it saves; `items` (default: the
   checkpoint) is what restores read, passed to `checkpoints.restore_newest_readable`."""
@@ -222,7 +202,7 @@ class Workdir:
     the rotation, as a synchronous save does, so a kill -9 mid-write leaves the previous
     checkpoint named. This returns once the copy is made. The previous background write is
     waited for first (`sync`), and a save's healthy record and log line come only once its files
-    are complete. (`_keras_variables_copy_once`: what makes TensorFlow's copy work with Keras 3
+    are complete. (trainer/run/async_copy.py: what makes TensorFlow's copy work with Keras 3
     variables.)"""
     self.open_for_writing(step)
     self.sync()  # the previous background write: done, recorded, or its error raised here
@@ -234,7 +214,7 @@ class Workdir:
       manager._maybe_delete.pop(keep)  # out of rotation (and of the state file; `find` lists it)
     asynchronous = bool(self.config.train.async_checkpoint) and not self.scratch
     if asynchronous:
-      _keras_variables_copy_once()
+      async_copy.keras_variables_copy_once()
       options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
       path = checkpoints.save(manager, step, options=options)  # returns after the copy
     else:
