@@ -44,6 +44,7 @@ def get_config():
   config.optimizer.clip_norm = 0.0  # global-norm clipping of the unscaled gradients; 0 = off
   config.optimizer.momentum = 0.9  # sgd only
   config.optimizer.fused = True  # fused TF kernels in the update; False = Keras's own ops
+  config.optimizer.state_bits = 32  # 8: Adam/AdamW moments block-wise quantized to one byte
 
   config.precision = ml_collections.ConfigDict()
   config.precision.policy = 'auto'  # float32, mixed_float16, mixed_bfloat16 or auto
@@ -57,6 +58,7 @@ def get_config():
   config.precision.hysteresis = 1  # non-finite steps in a row before backing off
   config.precision.float8 = False  # float8 Dense layers (model.quantize('float8'))
   config.precision.float32_layers = ''  # e.g. 'dense,conv2d': layers kept float32 (--advise)
+  config.precision.master_weights = 'float32'  # or bfloat16_sr / bfloat16_kahan (mixed_bfloat16)
   config.precision.max_consecutive_skips = 50  # skipped steps in a row that stop the run; 0 = off
   config.precision.allow_low_precision_variables = False  # float16/bfloat16 weights allowed
 

@@ -54,6 +54,9 @@ POLICIES = ('auto', *PRECISION_POLICIES)
 LOSS_SCALE_MODES = ('none', 'static', 'dynamic')
 LOSS_SCALES = ('auto', *(m for m in LOSS_SCALE_MODES if m != 'static'))  # static: a number
 STRATEGIES = ('default', 'mirrored', 'multi_worker', 'tpu')
+MASTER_WEIGHTS = ('float32', 'bfloat16_sr', 'bfloat16_kahan')  # trainer/step/low_precision.py
+STATE_BITS = (32, 8)
+LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/step/low_precision.py has
 
 
 def _loss_scale(v):
@@ -121,6 +124,9 @@ SCHEMA: dict[str, Key] = {
     'optimizer.momentum': Key(float, 0.9, 'momentum (sgd only)', _momentum),
     'optimizer.fused': Key(bool, True, "fused TF kernels in the update (Keras's results); "
                            "False = Keras's own element-wise update"),
+    'optimizer.state_bits': Key(int, 32, 'bits per Adam/AdamW moment element: 32, or 8 (block-'
+                                'wise quantized, trainer/step/low_precision.py)', lambda v: None
+                                if v in STATE_BITS else 'must be 32 or 8'),
     'precision.policy': Key(str, 'auto', 'dtype policy', _one_of(*POLICIES)),
     'precision.loss_scale': Key(str, 'auto', "'auto', 'none', 'dynamic' or a static number",
                                 _loss_scale),
@@ -140,6 +146,11 @@ SCHEMA: dict[str, Key] = {
     'precision.float32_layers': Key(str, '', 'comma-separated layer names computed in float32 '
                                     "under a mixed policy (and the layers inside them); '' = "
                                     'none (launch.py --advise suggests a value)'),
+    'precision.master_weights': Key(str, 'float32', "the weights the optimizer updates: "
+                                    "'float32', or bfloat16 (mixed_bfloat16 only) rounded "
+                                    "stochastically ('bfloat16_sr') or Kahan-compensated "
+                                    "('bfloat16_kahan'); trainer/step/low_precision.py",
+                                    _one_of(*MASTER_WEIGHTS)),
     'precision.max_consecutive_skips': Key(int, 50, 'skipped steps in a row that stop training '
                                            'with an error; 0 = never stop', _non_negative),
     'precision.allow_low_precision_variables': Key(
@@ -323,9 +334,25 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.early_stopping.metric and not t.eval_every:
     raise ConfigError(f'config.early_stopping.metric={config.early_stopping.metric!r} needs '
                       'evals during training: set config.train.eval_every > 0.')
+  _check_low_precision(config)
   parse_steps(config.debug.inject_nonfinite_steps)
   parse_profile_steps(config.train.profile_steps)
   return config
+
+
+def _check_low_precision(config) -> None:
+  """precision.master_weights and optimizer.state_bits: what they need (one-line errors)."""
+  p, o = config.precision, config.optimizer
+  if p.master_weights != 'float32' and p.policy != 'mixed_bfloat16':
+    raise ConfigError(f'config.precision.master_weights={p.master_weights!r} needs '
+                      f"config.precision.policy='mixed_bfloat16' (got {p.policy!r}); or set "
+                      "master_weights='float32'.")
+  if p.master_weights != 'float32' and o.name not in LOW_PRECISION_OPTIMIZERS:
+    raise ConfigError(f'config.precision.master_weights={p.master_weights!r} works with '
+                      f'config.optimizer.name adam, adamw or sgd, not {o.name!r}.')
+  if o.state_bits == 8 and o.name not in ('adam', 'adamw'):
+    raise ConfigError(f'config.optimizer.state_bits=8 quantizes Adam/AdamW moments; '
+                      f'config.optimizer.name={o.name!r} is not adam or adamw: set state_bits=32.')
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:

@@ -140,7 +140,8 @@ class Runner:
     metrics. Ends early, with a checkpoint, when an action calls `request_stop`."""
     tr, t = self.trainer, self.config.train
     audit.check_at_start(tr.model, tr.policy,  # precision hazards: one warning line each
-                         self.config.precision.allow_low_precision_variables)
+                         self.config.precision.allow_low_precision_variables,
+                         bfloat16_masters=self.config.precision.master_weights != 'float32')
     step = self.restore()
     total = tr.total_steps
     logging.info('training %s: %d steps, global batch %d, policy %s, loss scale %s, %d '
