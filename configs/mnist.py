@@ -38,11 +38,15 @@ def get_config():
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.name = 'adam'  # adam, adamw or sgd
   config.optimizer.learning_rate = 1e-3  # peak rate
-  config.optimizer.schedule = 'cosine'  # constant or cosine (decays to 0 at the last step)
+  config.optimizer.schedule = 'cosine'  # constant or cosine (decays to the floor at the last step)
+  config.optimizer.min_learning_rate = 0.0  # cosine's floor, reached at the last step
   config.optimizer.warmup_steps = 0  # linear warm-up from 0 to the peak
   config.optimizer.weight_decay = 0.0  # decoupled weight decay
   config.optimizer.clip_norm = 0.0  # global-norm clipping of the unscaled gradients; 0 = off
   config.optimizer.momentum = 0.9  # sgd only
+  config.optimizer.beta_1 = 0.9  # adam/adamw: first-moment decay
+  config.optimizer.beta_2 = 0.999  # adam/adamw: second-moment decay
+  config.optimizer.epsilon = 1e-7  # adam/adamw: Keras's default (PyTorch's is 1e-8)
   config.optimizer.fused = True  # fused TF kernels in the update; False = Keras's own ops
 
   config.precision = ml_collections.ConfigDict()
