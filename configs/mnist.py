@@ -28,6 +28,8 @@ def get_config():
   config.train.checkpoint_every = 500  # in steps; also at the end
   config.train.max_to_keep = 3  # checkpoints kept
   config.train.jit_compile = 'auto'  # XLA for the per-replica step: auto = on for GPU/TPU
+  config.train.intra_op_threads = 0  # TF's pool splitting one op; 0 = TF's choice
+  config.train.inter_op_threads = 0  # TF's pool running independent ops; 0 = TF's choice
   config.train.deterministic = False  # op determinism (slower); resumed runs bit-identical
   config.train.grad_accum_steps = 1  # micro-batches per step (batch_size must be a multiple)
   config.train.init_from = ''  # another run's workdir: start from its model weights

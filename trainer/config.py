@@ -85,6 +85,12 @@ SCHEMA: dict[str, Key] = {
     'train.max_to_keep': Key(int, 3, 'checkpoints kept', _positive),
     'train.jit_compile': Key(str, 'auto', "XLA for the per-replica step: 'auto' is on for "
                              'GPU/TPU, off on CPU', _one_of('auto', 'true', 'false')),
+    'train.intra_op_threads': Key(int, 0, "threads of TensorFlow's pool that splits one op "
+                                  "(a matmul) across cores; 0 = TensorFlow's choice (one per "
+                                  'core)', _non_negative),
+    'train.inter_op_threads': Key(int, 0, "threads of TensorFlow's pool that runs independent "
+                                  "ops at once; 0 = TensorFlow's choice (one per core)",
+                                  _non_negative),
     'train.deterministic': Key(bool, False, 'op determinism: a resumed run is bit-identical'),
     'train.grad_accum_steps': Key(int, 1, 'micro-batches per optimizer step: the global batch '
                                   'is split into this many, gradients summed',

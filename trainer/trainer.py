@@ -65,7 +65,9 @@ class Trainer:
     self.config = config_lib.validate(config)
     self.workdir = workdir_lib.local_path(workdir)
     c = self.config
-    # First: multi_worker and tpu must set up before anything touches TF devices.
+    # First: the thread pools and multi_worker and tpu must be set up before anything touches
+    # TF devices.
+    distribute.set_threads(c)
     self.strategy = strategy or distribute.build(c)
     distribute.check_batch(self.strategy, c.train.batch_size)
     if c.train.deterministic:
