@@ -61,11 +61,11 @@ def _fail(message: str) -> None:
 
 def parse_flags(argv):
   """absl's parser, with config mistakes turned into one line naming the flag or key."""
-  if not _tf_logs_requested(argv) and not any(a.startswith(('--help', '-?')) for a in argv[1:]):
-    quiet_tensorflow()  # before the config file loads: it may import TensorFlow
   path = _config_path(argv)
-  if path and not os.path.isfile(path.split(':', 1)[0]):
+  if path and not os.path.isfile(path.split(':', 1)[0]):  # before anything slow is imported
     _fail(f'--config={path}: no such file; pass a config file such as configs/mnist.py')
+  if not _tf_logs_requested(argv) and not any(a.startswith(('--help', '-?')) for a in argv[1:]):
+    quiet_tensorflow()  # before the config file loads: a config file may import TensorFlow
   try:
     rest = flags.FLAGS(argv)
     config = _CONFIG.value  # config_flags defers a file's load error to the first access
@@ -137,16 +137,18 @@ def _diagnose(folder: str | None):
   folder: restores --workdir's latest checkpoint and records its next batch as a new folder."""
   import ml_collections
   import models
-  from trainer import checkpoints, forensics, lifecycle
+  from trainer.run import checkpoints
+  from trainer.insight import forensics
+  from trainer.run import lifecycle
   if not folder:
     trainer = models.get_trainer_class(_CONFIG.value.model)(_CONFIG.value, _WORKDIR.value)
     # Read-only, as eval and export (no lock, config record or event file); only the forensic
     # folder is written. No checkpoint: the initial weights (a model that overflows at once).
-    if checkpoints.find(trainer.run_dir.checkpoint_dir):
+    if checkpoints.find(trainer.runner.workdir.checkpoint_dir):
       step = lifecycle.restore(trainer, '--mode=diagnose')
     else:
       logging.warning('--mode=diagnose: no checkpoint in %s; replaying the first batch from the '
-                      'initial weights', trainer.run_dir.checkpoint_dir)
+                      'initial weights', trainer.runner.workdir.checkpoint_dir)
       step = 0
     batch = next(iter(trainer.datasets.train.skip(step)))
     report = forensics.record(trainer, batch, step)
@@ -178,7 +180,7 @@ def main(argv):
   # Imported here so that --help and flag errors do not wait for TensorFlow.
   import models
   from trainer.errors import UserError
-  from trainer.preemption import Preempted
+  from trainer.run.preemption import Preempted
   config = _CONFIG.value
   if _MODE.value == 'diagnose':
     if not _FORENSICS.value and not _WORKDIR.value:
@@ -191,17 +193,17 @@ def main(argv):
       _diagnose(_FORENSICS.value)
       return
     if _ADVISE.value:
-      from trainer import advisor
+      from trainer.insight import advisor
       print(advisor.report(models.get_trainer_class(config.model), config,
                            _WORKDIR.value or _default_workdir(), steps=_ADVISE_STEPS.value))
       return
     trainer_class = models.get_trainer_class(config.model)
     trainer = trainer_class(config, _WORKDIR.value or _default_workdir())
     if _AUDIT.value:
-      from trainer import audit
+      from trainer.insight import audit
       print(audit.report(trainer))
       exit_now(0, config)
-    from trainer import lifecycle
+    from trainer.run import lifecycle
     if _MODE.value == 'export':
       for kind, path in lifecycle.export(trainer, _EXPORT_DIR.value).items():
         print(f'{kind}: {path}')
@@ -283,7 +285,7 @@ def exit_now(code: int, config) -> None:
   normally: their runtimes shut down with the cluster at exit."""
   if config.distribute.strategy in ('multi_worker', 'tpu'):
     sys.exit(code)
-  from trainer import workdir_lock
+  from trainer.run import lock as workdir_lock
   workdir_lock.release_all()  # os._exit skips the atexit handler that would
   logging.flush()
   sys.stdout.flush()

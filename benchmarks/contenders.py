@@ -13,7 +13,7 @@ do), so steps per CPU-second is the fairer comparison on a shared machine:
             skipped steps, write the TensorBoard scalars). The iterator lives across rounds.
   KerasFit  `model.fit(dataset, steps_per_epoch=...)` with the same model class, dataset, batch,
             optimizer, policy and `steps_per_execution = steps_per_loop`. The optimizer is the
-            config's, built by trainer/optimizers.py: Keras's own class when the config says
+            config's, built by trainer/step/optimizers.py: Keras's own class when the config says
             `optimizer.fused=False` (what a Keras user has), ours otherwise; with
             `optimizer.clip_norm` > 0 it gets Keras's `global_clipnorm`. Under mixed_float16
             `compile` wraps the optimizer in Keras's LossScaleOptimizer (dynamic scaling).
@@ -29,7 +29,7 @@ import time
 import keras
 import ml_collections
 
-from trainer import optimizers
+from trainer.step import optimizers
 
 
 class Ours:
@@ -38,7 +38,7 @@ class Ours:
   def __init__(self, trainer_class, config: ml_collections.ConfigDict):
     self._workdir = tempfile.TemporaryDirectory(prefix='bench-')
     self.trainer = trainer_class(config, self._workdir.name)
-    self.trainer.restore()  # opens the workdir (TensorBoard writer) as `train()` does
+    self.trainer.runner.restore()  # opens the workdir (TensorBoard writer) as `train()` does
     self.policy = self.trainer.policy
     self.steps_per_loop = self.trainer.config.train.steps_per_loop
     self.log_every = self.trainer.config.train.log_every
@@ -51,13 +51,13 @@ class Ours:
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps // self.steps_per_loop):
       call_start = time.perf_counter()
-      step = t.run_steps(self.iterator, self.steps_per_loop)
+      step = t.runner.run_steps(self.iterator, self.steps_per_loop)
       if step % self.log_every == 0:
-        t.log_progress(step, self.steps_per_loop / (time.perf_counter() - call_start))
+        t.runner.log_progress(step, self.steps_per_loop / (time.perf_counter() - call_start))
     return time.perf_counter() - start, time.process_time() - cpu_start
 
   def close(self):
-    self.trainer.run_dir.close()
+    self.trainer.runner.workdir.close()
     self._workdir.cleanup()
 
 

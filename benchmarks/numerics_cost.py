@@ -3,10 +3,10 @@
   python benchmarks/numerics_cost.py --models=mnist_cnn,mnist_mlp --policy=mixed_float16
 
 For each model, in one process: the trainer's compiled loop (`run_steps`, steps_per_loop steps a
-call) and the statistics probe (`trainer.numerics` at log steps: one forward and backward pass and
-the host reads of its results), timed alternately in rounds after a warm-up. The cost at interval
-`every` is probe time / (every x step time): what the statistics add to the training time when
-on. Off, the train step is not changed, so the cost is zero by construction.
+call) and the statistics probe (`trainer.runner.numerics` at log steps: one forward and backward
+pass and the host reads of its results), timed alternately in rounds after a warm-up. The cost at
+interval `every` is probe time / (every x step time): what the statistics add to the training
+time when on. Off, the train step is not changed, so the cost is zero by construction.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ _SPL = flags.DEFINE_integer('steps_per_loop', 100, 'Steps per compiled call.')
 def measure(name: str, rounds: int) -> dict:
   import models
   from benchmarks.contenders import Ours
-  from trainer.numerics import Probe
+  from trainer.insight.numerics import Probe
   config = bench_run.variant(bench_run.model_config(name), policy=_POLICY.value,
                              steps_per_loop=_SPL.value)
   ours = Ours(models.get_trainer_class(name), config)

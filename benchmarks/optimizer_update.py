@@ -5,8 +5,9 @@
 Times `--updates` compiled `apply_gradients` calls (one tf.function looping over them) on
 variables of the given shapes (default: the MNIST MLP's), the contenders interleaved in rounds
 in one process; prints the median time per update and each contender's speed relative to
-Keras's Adam. `tf_kernel` is the one-kernel update trainer/fused_optimizers.py used before it was
-made bit-identical to Keras (its `1 - beta` rounds differently); it is here as the speed bound.
+Keras's Adam. `tf_kernel` is the one-kernel update trainer/step/fused_optimizers.py used before
+it was made bit-identical to Keras (its `1 - beta` rounds differently); it is here as the speed
+bound.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def contenders():
   import keras
   import tensorflow as tf
 
-  from trainer import fused_optimizers
+  from trainer.step import fused_optimizers
 
   class TfKernelAdam(keras.optimizers.Adam):
     def update_step(self, gradient, variable, learning_rate):

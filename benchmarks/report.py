@@ -73,7 +73,7 @@ def markdown(results: dict) -> str:
     fo, cpu_fo = r['fused_optimizer'], r['cpu_time']['fused_optimizer']
     lines += ['', f'### Where ours / fit comes from ({d})', '',
               "Our trainer uses a fused optimizer update (optimizer.fused=True, "
-              "trainer/fused_optimizers.py); fit above uses Keras's own. Swapping them:", '',
+              "trainer/step/fused_optimizers.py); fit above uses Keras's own. Swapping them:", '',
               '| pair | steps/s | ratio (wall) | ratio (CPU) |', '|---|---|---|---|',
               f'| ours with Keras\'s update / fit | {sps(f"ours {d} optimizer.fused=False")} | '
               f'{_r(fo["ours_unfused_over_fit"], "{:.2f}")} | '

@@ -66,7 +66,7 @@ HOST_OPS = {'PyFunc', 'PyFuncStateless', 'EagerPyFunc', 'PrintV2', 'Print', 'Deb
 
 
 def default_policy() -> str:
-  from trainer import precision
+  from trainer.step import precision
   return precision.resolve('auto')[0]
 
 
@@ -185,7 +185,7 @@ def contender_specs(default_policy: str, s: dict) -> list[dict]:
                           steps_per_loop=spl,
                           loss_scale=STATIC_SCALE if mode == 'static' else mode))
   # Where ours/fit comes from: the loop alone (both with Keras's update) and fit given our
-  # fused update (trainer/fused_optimizers.py).
+  # fused update (trainer/step/fused_optimizers.py).
   specs.append(dict(name=f'ours {default_policy} optimizer.fused=False', kind='ours',
                     policy=default_policy, steps_per_loop=spl, fused=False))
   specs.append(dict(name=f'fit {default_policy} optimizer.fused=True', kind='fit',
@@ -212,7 +212,7 @@ def host_ops(ours) -> tuple[list[str], list[str]]:
   """Host-callback ops in the compiled train loop (graph and its function library): those a
   finite step can run, and those only on the skip branch (the skipped step's report line)."""
   import tensorflow as tf
-  from trainer.train_step import SKIP_SCOPE
+  from trainer.step.train_step import SKIP_SCOPE
   t = ours.trainer
   concrete = t.train_step.train_loop.get_concrete_function(
       ours.iterator, tf.constant(ours.steps_per_loop, tf.int64))
@@ -340,7 +340,7 @@ def mfu(result: dict, peaks: dict, policies) -> dict:
   return out
 
 
-# Models with blocks that config.train.remat recomputes (trainer/remat.py): memory is measured
+# Models with blocks that config.train.remat recomputes (trainer/nn/remat.py): memory is measured
 # with it off and on.
 REMAT_MODELS = {'transformer_lm'}
 

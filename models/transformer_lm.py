@@ -4,7 +4,7 @@ Pre-norm blocks (TransformerBlock): x + CausalSelfAttention(LayerNorm(x)), then
 x + MLP(LayerNorm(x)); a final LayerNorm and a float32 Dense to the vocabulary. With
 config.train.remat each block recomputes its activations in the backward pass.
 What stays float32 under a mixed policy:
-  * every variable (the layers build float32 weights; trainer/layers.py);
+  * every variable (the layers build float32 weights; trainer/nn/layers.py);
   * the attention softmax and its -inf causal mask (CausalSelfAttention);
   * layer normalization (Keras computes its statistics in float32 and casts the result back);
   * the logits (`dtype='float32'` on the last layer) and the cross-entropy.
@@ -25,10 +25,11 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from trainer import Datasets, Trainer, remat
+from trainer import Datasets, Trainer
+from trainer.nn import remat
 from trainer.data import shakespeare
 from trainer.errors import ConfigError, DataError, UserError
-from trainer.layers import CausalSelfAttention, TokenAndPositionEmbedding, gelu_float32
+from trainer.nn.layers import CausalSelfAttention, TokenAndPositionEmbedding, gelu_float32
 
 MODEL_DEFAULTS = dict(context=128, d_model=128, num_heads=4, num_layers=4, mlp_ratio=4,
                       dropout=0.0, val_fraction=0.1)
@@ -48,7 +49,7 @@ def model_config(config) -> ml_collections.ConfigDict:
 class TransformerBlock(keras.layers.Layer):
   """One pre-norm block: x + attention(ln1(x)), then x + mlp_out(gelu(mlp_in(ln2(x)))).
 
-  A layer of its own so that gradient checkpointing (config.train.remat, trainer/remat.py) can
+  A layer of its own so that gradient checkpointing (config.train.remat, trainer/nn/remat.py) can
   recompute it as a unit (`remat=True`): only its input is then kept for the backward pass.
   Its sublayers are named `<block name>_ln1`, `_attention`, `_mlp_in`, ... (`layers` lists them
   for the audit).
@@ -65,7 +66,7 @@ class TransformerBlock(keras.layers.Layer):
     self.attention = CausalSelfAttention(num_heads, dropout=dropout, name=f'{n}_attention',
                                          dtype=p)
     self.ln2 = keras.layers.LayerNormalization(epsilon=1e-5, name=f'{n}_ln2', dtype=p)
-    # GELU in float32: bfloat16 element-wise erf is emulated on a CPU (trainer/layers.py).
+    # GELU in float32: bfloat16 element-wise erf is emulated on a CPU (trainer/nn/layers.py).
     self.mlp_in = keras.layers.Dense(mlp_ratio * d_model, activation=gelu_float32,
                                      name=f'{n}_mlp_in', dtype=p)
     self.mlp_out = keras.layers.Dense(d_model, name=f'{n}_mlp_out', dtype=p)
@@ -107,7 +108,7 @@ class TransformerBlock(keras.layers.Layer):
 
 def build_transformer(vocab_size: int, m, config=None) -> keras.Model:
   """The model; with `config.train.remat` on, every block recomputes its activations in the
-  backward pass (trainer/remat.py)."""
+  backward pass (trainer/nn/remat.py)."""
   config = config or {}
   remat.check_no_dropout(config, m.dropout, 'config.model_config.dropout')
   tokens = keras.Input((None,), dtype='int32', name='tokens')
@@ -197,8 +198,8 @@ class TransformerLmTrainer(Trainer):
 def generate(workdir: str, prompt: str = '\n', length: int = 500, temperature: float = 0.8,
              seed: int = 0) -> str:
   """Restores the latest checkpoint of a Transformer LM workdir and samples text from it."""
-  from trainer import lifecycle
-  from trainer import workdir as workdir_lib
+  from trainer.run import lifecycle
+  from trainer.run import workdir as workdir_lib
   saved = workdir_lib.read_config(workdir)  # the newest record; reading writes nothing
   if saved is None:
     raise UserError(f'{os.path.join(workdir, "config.json")} not found: --workdir must be a '

@@ -32,3 +32,43 @@ def tiny_trainer(tmp_path):
   def make(**overrides):
     return TinyTrainer(tiny_config(**overrides), str(tmp_path / 'work'))
   return make
+
+
+_SPAWNS = ('subprocess.', 'sys.executable', 'multiprocessing')
+
+
+def _spawning_names(module) -> set[str]:
+  """The functions a test module defines or imports from tests/ that start a Python process,
+  directly or through another such function."""
+  import inspect
+  sources = {}
+  for name, value in vars(module).items():
+    defined = getattr(inspect.getmodule(value), '__file__', '') or ''
+    if inspect.isfunction(value) and os.path.dirname(defined) == os.path.dirname(__file__):
+      try:
+        sources[name] = inspect.getsource(value)
+      except OSError:
+        continue
+  found = {n for n, s in sources.items() if any(p in s for p in _SPAWNS)}
+  while True:
+    more = {n for n, s in sources.items() if n not in found and any(f + '(' in s for f in found)}
+    if not more:
+      return found
+    found |= more
+
+
+def pytest_collection_modifyitems(items):
+  """Marks `subprocess` every test that starts its own Python process (`-m subprocess` selects
+  them, `-m 'not subprocess'` leaves them out)."""
+  import inspect
+  cache: dict = {}
+  for item in items:
+    function = getattr(item, 'function', None)
+    if function is None:
+      continue
+    module = item.module
+    if module not in cache:
+      cache[module] = _spawning_names(module)
+    source = inspect.getsource(function)
+    if any(p in source for p in _SPAWNS) or any(n + '(' in source for n in cache[module]):
+      item.add_marker(pytest.mark.subprocess)

@@ -183,10 +183,10 @@ def main(out_dir):
   # 2. eval under mirrored covers the test set once (the last batch of 16 split 8 + 8).
   one, mirrored = trained[0.0]
   dataset = mirrored.strategy.experimental_distribute_dataset(mirrored.datasets.eval)
-  means, count = mirrored.eval_loop.run(dataset)
+  means, count = mirrored.runner.eval_loop.run(dataset)
   results['eval/mirrored_count'] = float(count)
   results['eval/mirrored'] = {k: float(v) for k, v in means.items()}
-  means, count = one.eval_loop.run(one.datasets.eval)
+  means, count = one.runner.eval_loop.run(one.datasets.eval)
   results['eval/one_count'] = float(count)
   results['eval/one'] = {k: float(v) for k, v in means.items()}
 
@@ -210,7 +210,7 @@ def main(out_dir):
     state = list(t.model.weights) + list(t.optimizer.variables)
     before = local(t.strategy, state)
     scale_before = local(t.strategy, [t.loss_scaler.scale])
-    from trainer.loss_scale import all_finite
+    from trainer.step.loss_scale import all_finite
     flags = t.strategy.run(  # at step 1, which replicas would the injection poison?
         lambda: all_finite(t.train_step._maybe_inject([tf.ones([2])])))
     results[f'inject{bad}/finite_per_replica'] = [

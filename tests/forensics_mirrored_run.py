@@ -22,7 +22,7 @@ def main(workdir):
   tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
   import models
   from trainer import config as config_lib
-  from trainer import forensics
+  from trainer.insight import forensics
   config = config_lib.load_file(os.path.join(ROOT, 'configs', 'overflow_demo.py'))
   config.data.dir = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
   config.distribute.strategy = 'mirrored'
@@ -31,7 +31,7 @@ def main(workdir):
   trainer = models.get_trainer_class('overflow_demo')(config, workdir)
   first_batch = next(iter(trainer.datasets.train))
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  trainer.run_steps(iterator, 2)
+  trainer.runner.run_steps(iterator, 2)
   report = forensics.record(trainer, first_batch, 0)
   replayed = forensics.replay_folder(trainer, forensics.folder_for(workdir, 0))
   print(trainer.strategy.num_replicas_in_sync)

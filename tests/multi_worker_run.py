@@ -25,7 +25,7 @@ def main(workdir, out_dir, steps, sigterm_at=None):
   import numpy as np
   from configs import mnist
   from models.mnist_cnn import MnistCnnTrainer
-  from trainer.preemption import Preempted
+  from trainer.run.preemption import Preempted
 
   c = mnist.get_config()
   c.data.dir = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
@@ -42,14 +42,17 @@ def main(workdir, out_dir, steps, sigterm_at=None):
   task = json.loads(os.environ['TF_CONFIG'])['task']
   name = f"{task['type']}{task['index']}"
 
+  def preempt(event):  # a 'log' event after the progress line, as a preemption notice comes
+    if (event.kind == 'log' and sigterm_at is not None and task['index'] == 1
+        and event.step >= int(sigterm_at)):
+      os.kill(os.getpid(), signal.SIGTERM)
+
   class Trainer(MnistCnnTrainer):
-    def log_progress(self, step, steps_per_sec):
-      super().log_progress(step, steps_per_sec)
-      if sigterm_at is not None and task['index'] == 1 and step >= int(sigterm_at):
-        os.kill(os.getpid(), signal.SIGTERM)
+    def build_actions(self):
+      return [preempt]
 
   trainer = Trainer(c, workdir)
-  start = trainer.restore()
+  start = trainer.runner.restore()
   try:
     metrics = trainer.train()
   except Preempted as e:
@@ -58,13 +61,13 @@ def main(workdir, out_dir, steps, sigterm_at=None):
                  'checkpoint': e.checkpoint, 'message': str(e)}, f)
     return
   dataset = trainer.strategy.experimental_distribute_dataset(trainer.datasets.eval)
-  _, eval_count = trainer.eval_loop.run(dataset)
+  _, eval_count = trainer.runner.eval_loop.run(dataset)
   np.savez(os.path.join(out_dir, f'{name}.npz'), *trainer.model.get_weights())
   with open(os.path.join(out_dir, f'{name}.json'), 'w') as f:
     json.dump({'start': start, 'end': int(trainer.global_step.numpy()),
                'replicas': trainer.strategy.num_replicas_in_sync,
-               'chief': trainer.is_chief, 'eval_count': float(eval_count),
-               'scratch': trainer.run_dir.scratch, 'eval': metrics}, f)
+               'chief': trainer.runner.is_chief, 'eval_count': float(eval_count),
+               'scratch': trainer.runner.workdir.scratch, 'eval': metrics}, f)
 
 
 if __name__ == '__main__':

@@ -1,5 +1,6 @@
-"""trainer/advisor.py and precision.float32_layers: the advisor names the layers that overflow
-float16, and with its suggestion the same model trains finite under mixed_float16, as float32."""
+"""trainer/insight/advisor.py and precision.float32_layers: the advisor names the layers that
+overflow float16, and with its suggestion the same model trains finite under mixed_float16, as
+float32."""
 import os
 import subprocess
 import sys
@@ -8,9 +9,9 @@ import keras
 import pytest
 
 import models
-from trainer import advisor
+from trainer.insight import advisor
 from trainer import config as config_lib
-from trainer import precision
+from trainer.step import precision
 from trainer.errors import CollapseError, ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from trainer import audit
+from trainer.insight import audit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

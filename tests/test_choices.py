@@ -1,5 +1,6 @@
-"""One source of truth for choices: the schema reads precision.POLICIES, loss_scale.MODES,
-distribute.STRATEGIES and the optimizer registry (issue 10 item 7)."""
+"""One source of truth for choices: trainer/config.py defines the policies, loss-scale modes and
+strategies that precision, loss_scale and distribute implement; the schema reads the optimizer
+registry (issue 10 item 7)."""
 import keras
 import numpy as np
 import pytest
@@ -7,7 +8,11 @@ import pytest
 import trainer
 from tiny import TinyTrainer, tiny_config
 from trainer import config as config_lib
-from trainer import distribute, loss_scale, optimizers, precision
+from trainer.step import distribute
+from trainer.step import loss_scale
+from trainer import registry
+from trainer.step import optimizers
+from trainer.step import precision
 from trainer.errors import ConfigError
 
 
@@ -44,7 +49,7 @@ def test_unregistered_optimizer_names_the_registered_ones():
 
 
 def test_registered_optimizer_validates_and_trains(tmp_path, monkeypatch):
-  monkeypatch.setattr(optimizers, '_REGISTRY', dict(optimizers._REGISTRY))  # undone after
+  monkeypatch.setattr(registry, '_REGISTRY', dict(registry._REGISTRY))  # undone after
   calls = []
 
   def lion(opt_config, learning_rate):
@@ -52,13 +57,13 @@ def test_registered_optimizer_validates_and_trains(tmp_path, monkeypatch):
     return keras.optimizers.Lion(learning_rate=learning_rate, beta_1=0.9)
 
   trainer.register_optimizer('lion', lion)
-  assert 'lion' in optimizers.names()
+  assert 'lion' in registry.names()
   run = TinyTrainer(tiny_config(**{'optimizer.name': 'lion', 'optimizer.learning_rate': 1e-4,
                                    'train.steps': 10}), str(tmp_path / 'run'))
   assert isinstance(run.optimizer, keras.optimizers.Lion) and calls == ['lion']
   before = [w.copy() for w in run.model.get_weights()]
   metrics = run.train()
-  run.run_dir.close()
+  run.runner.workdir.close()
   assert np.isfinite(metrics['loss'])
   assert any(not np.array_equal(a, b) for a, b in zip(before, run.model.get_weights()))
 

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from configs import mnist
 from trainer import config as config_lib
-from trainer import distribute
+from trainer.step import distribute
 from trainer.errors import ConfigError, UserError
 
 

@@ -1,4 +1,4 @@
-"""Finite train datasets (trainer/epochs.py): repeated by the trainer as Keras fit does; the
+"""Finite train datasets (trainer/run/epochs.py): repeated by the trainer as Keras fit does; the
 end of data that cannot be repeated saves a checkpoint and says so, and the run resumes."""
 import os
 
@@ -7,7 +7,8 @@ import pytest
 import tensorflow as tf
 
 from tiny import TinyTrainer, tiny_config
-from trainer import Datasets, epochs
+from trainer import Datasets
+from trainer.run import epochs
 from trainer.errors import ConfigError, DataError
 
 

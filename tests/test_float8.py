@@ -34,9 +34,9 @@ def history(trainer, layer, name):
 
 def run(trainer, n):
   if not hasattr(trainer, '_it'):
-    trainer.restore()
+    trainer.runner.restore()
     trainer._it = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  return trainer.run_steps(trainer._it, n)
+  return trainer.runner.run_steps(trainer._it, n)
 
 
 def test_float8_state_under_dynamic_loss_scaling(tmp_path):

@@ -1,5 +1,5 @@
-"""trainer/forensics.py: the eager replay names the layer where float16 overflowed, forward or
-backward; forensic folders save and replay; launch.py --mode=diagnose."""
+"""trainer/insight/forensics.py: the eager replay names the layer where float16 overflowed, forward
+or backward; forensic folders save and replay; launch.py --mode=diagnose."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer import forensics
+from trainer.insight import forensics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALE = 32768.0

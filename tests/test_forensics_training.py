@@ -6,7 +6,7 @@ import pytest
 
 from conftest import MNIST_DIR, ROOT
 from trainer import config as config_lib
-from trainer import forensics
+from trainer.insight import forensics
 
 
 def demo_config(overflow, **overrides):

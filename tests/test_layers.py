@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer.layers import CausalSelfAttention
+from trainer.nn.layers import CausalSelfAttention
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_rejects_d_model_not_divisible_by_heads():
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 def test_gelu_float32_keeps_the_dtype_and_is_closer_to_exact(dtype):
   """gelu_float32: same dtype out as in, erf evaluated in float32 (and its gradient too)."""
-  from trainer.layers import gelu_float32
+  from trainer.nn.layers import gelu_float32
   x32 = tf.random.stateless_normal([4096], seed=[3, 4]) * 3.0
   x = tf.cast(x32, dtype)
   exact = tf.nn.gelu(tf.cast(x, tf.float32))  # float32 GELU of the same low-precision inputs
@@ -116,7 +116,7 @@ def _value_and_grad(fn, x, dy):
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'float16'])
 def test_masked_softmax_equals_the_plain_ops_value_and_gradient(dtype):
-  from trainer.layers import causal_mask, masked_softmax
+  from trainer.nn.layers import causal_mask, masked_softmax
   scores = tf.cast(3 * tf.random.stateless_normal([2, 3, 7, 7], seed=[3, 4]), dtype)
   dy = tf.cast(tf.random.stateless_normal([2, 3, 7, 7], seed=[5, 6]), dtype)
   mask = causal_mask(7)
@@ -134,7 +134,7 @@ def test_masked_softmax_equals_the_plain_ops_value_and_gradient(dtype):
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'float16'])
 def test_gelu_float32_gradient_equals_the_plain_ops(dtype):
-  from trainer.layers import gelu_float32
+  from trainer.nn.layers import gelu_float32
   x = tf.cast(3 * tf.random.stateless_normal([64, 33], seed=[7, 8]), dtype)
   dy = tf.cast(tf.random.stateless_normal([64, 33], seed=[9, 10]), dtype)
   plain = lambda t: tf.cast(tf.nn.gelu(tf.cast(t, tf.float32)), t.dtype)
@@ -162,7 +162,7 @@ def _kept(fn, x):
 
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 def test_backward_keeps_the_attention_weights_and_gelu_input_in_the_compute_dtype(dtype):
-  from trainer.layers import causal_mask, gelu_float32, masked_softmax
+  from trainer.nn.layers import causal_mask, gelu_float32, masked_softmax
   scores = tf.zeros([2, 3, 16, 16], dtype)
   big = lambda kept: [t for t in kept if t.shape.num_elements() == scores.shape.num_elements()]
   ours = big(_kept(lambda s: masked_softmax(s, causal_mask(16)), scores))

@@ -11,7 +11,8 @@ import tensorflow as tf
 
 import models
 from configs import mnist_mlp
-from trainer import lifecycle, profiling
+from trainer.run import lifecycle
+from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,10 +92,10 @@ def test_export_outputs_match_the_trained_model_bfloat16(trained, tmp_path):
 def test_init_from_loads_model_weights_but_not_the_step(trained, tmp_path):
   source, metrics = trained
   trainer = _trainer(_config('mixed_bfloat16', init_from=str(source)), tmp_path / 'new')
-  assert trainer.restore() == 0
+  assert trainer.runner.restore() == 0
   assert trainer.evaluate() == pytest.approx(metrics, rel=1e-6)
   with pytest.raises(ConfigError, match='config.train.init_from'):
-    _trainer(_config(init_from=str(tmp_path / 'nothing')), tmp_path / 'other').restore()
+    _trainer(_config(init_from=str(tmp_path / 'nothing')), tmp_path / 'other').runner.restore()
 
 
 def test_profile_steps_write_a_trace(tmp_path):
@@ -106,8 +107,9 @@ def test_profile_steps_write_a_trace(tmp_path):
 @pytest.mark.parametrize('text', ['5', '10,5', 'a,b', '1,2,3'])
 def test_profile_steps_errors_name_the_key(text):
   with pytest.raises(ConfigError, match='config.train.profile_steps'):
-    profiling.parse(text)
-  assert profiling.parse('') is None and profiling.parse('3, 9') == (3, 9)
+    config_lib.parse_profile_steps(text)
+  assert config_lib.parse_profile_steps('') is None
+  assert config_lib.parse_profile_steps('3, 9') == (3, 9)
 
 
 def test_launch_modes(trained):

@@ -1,11 +1,11 @@
-"""The loss-scale rules of trainer/loss_scale.py, to the letter."""
+"""The loss-scale rules of trainer/step/loss_scale.py, to the letter."""
 import math
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer.loss_scale import LossScaler, all_finite
+from trainer.step.loss_scale import LossScaler, all_finite
 
 
 def run(scaler, flags):

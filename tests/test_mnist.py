@@ -5,7 +5,7 @@ import pytest
 from tiny import tiny_config
 from models.mnist_cnn import MnistCnnTrainer
 from trainer.data import mnist
-from trainer.events import read_scalars
+from trainer.insight.events import read_scalars
 
 
 def test_loader_reads_the_real_files(mnist_dir):
@@ -68,6 +68,6 @@ def test_eval_covers_the_test_set_exactly_once(mnist_dir, tmp_path):
   config = tiny_config(**{'data.dir': mnist_dir, 'train.batch_size': 96})  # 10000 % 96 = 16
   trainer = MnistCnnTrainer(config, str(tmp_path))
   dataset = trainer.strategy.experimental_distribute_dataset(trainer.datasets.eval)
-  means, count = trainer.eval_loop.run(dataset)
+  means, count = trainer.runner.eval_loop.run(dataset)
   assert int(count) == 10000
   assert 0.0 <= float(means['accuracy']) <= 1.0

@@ -8,7 +8,8 @@ import tensorflow as tf
 from absl import logging
 
 from tiny import TinyTrainer, tiny_config
-from trainer import Datasets, Trainer, audit
+from trainer import Datasets, Trainer
+from trainer.insight import audit
 from trainer.errors import UserError
 
 

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 
 from tiny import TinyTrainer, tiny_config
-from trainer import events
+from trainer.insight import events
 
 
 class Wide(TinyTrainer):
@@ -26,7 +26,7 @@ def test_statistics_name_layers_and_are_written(tmp_path, caplog):
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('numerics at')]
   assert [l.split(':')[0] for l in lines] == ['numerics at step 10', 'numerics at step 20']
   assert 'least headroom wide/loud' in lines[0]
-  stats, overall = trainer.numerics.probe.measure()
+  stats, overall = trainer.runner.numerics.probe.measure()
   loud = stats['wide/loud']
   assert 0 < loud['headroom_bits'] < 10  # |outputs| ~ 1e3 x inputs: within 2^10 of 65504
   first = trainer.model.layers[0].path
@@ -51,7 +51,7 @@ def test_underflow_fraction_follows_the_scale(tmp_path):
   for scale in ('1', '32768'):
     trainer = Small(tiny_config(**{'precision.policy': 'mixed_float16',
                                    'precision.loss_scale': scale}), str(tmp_path / scale))
-    from trainer.numerics import Probe
+    from trainer.insight.numerics import Probe
     stats, overall = Probe(trainer).measure(next(iter(trainer.datasets.train)))
     fractions[scale] = stats[trainer.model.layers[0].path]['grad_underflow']
   assert fractions['1'] > 0.5 and fractions['32768'] < 0.1, fractions
@@ -61,7 +61,7 @@ def test_probe_leaves_weights_state_and_training_order_alone(tmp_path):
   from test_trainer_contract import BatchNormTrainer
   trainer = BatchNormTrainer(tiny_config(), str(tmp_path / 'w'))
   before = [v.numpy().copy() for v in trainer.model.variables]
-  from trainer.numerics import Probe
+  from trainer.insight.numerics import Probe
   Probe(trainer).measure()
   for a, v in zip(before, trainer.model.variables):
     np.testing.assert_array_equal(a, v.numpy())
@@ -70,14 +70,14 @@ def test_probe_leaves_weights_state_and_training_order_alone(tmp_path):
 def test_off_builds_nothing(tmp_path):
   trainer = TinyTrainer(tiny_config(**{'numerics.every': 0}), str(tmp_path / 'w'))
   trainer.train()
-  assert trainer.numerics.probe is None
+  assert trainer.runner.numerics.probe is None
 
 
 def test_probe_measures_one_micro_batch_as_the_step_computes_it(tmp_path):
   """With grad_accum_steps=4 a step's weight gradients each sum 8 of the 32 examples (loss /
   32): the probe measures those, not the whole batch's (4x larger, underflow under-reported)."""
   import tensorflow as tf
-  from trainer.numerics import Probe
+  from trainer.insight.numerics import Probe
   trainer = TinyTrainer(tiny_config(**{'train.grad_accum_steps': 4}), str(tmp_path / 'w'))
   batch = next(iter(trainer.datasets.train))
   stats, _ = Probe(trainer).measure(batch)

@@ -7,7 +7,7 @@ import pytest
 
 import models
 from configs import mnist_mlp
-from trainer import plot
+from trainer.insight import plot
 from trainer.errors import UserError
 
 matplotlib = pytest.importorskip('matplotlib')

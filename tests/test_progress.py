@@ -1,8 +1,9 @@
-"""Progress cadence (trainer/progress.py) with a fake clock, the live bar, and a resumed run's
+"""Progress cadence (trainer/run/progress.py) with a fake clock, the live bar, and a resumed run's
 first line and TensorBoard point."""
 import io
 
-from trainer import events, progress
+from trainer.insight import events
+from trainer.run import progress
 
 
 class FakeClock:

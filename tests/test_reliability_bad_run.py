@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from trainer import audit
+from trainer.insight import audit
 from trainer.data import mnist
 from trainer.errors import ConfigError, DataError, UserError
 
@@ -47,20 +47,20 @@ def file_size_limit(nbytes):
 # ---- a full disk -------------------------------------------------------------------------------
 def test_disk_full_during_a_checkpoint_save(tmp_path):
   trainer = TinyTrainer(tiny_config(**{'train.steps': 10}), str(tmp_path))
-  trainer.restore()
+  trainer.runner.restore()
   trainer.train_step.run(iter(trainer.datasets.train), 5)
-  first = trainer.save()
+  first = trainer.runner.save()
   saved = weights(trainer)
   trainer.train_step.run(iter(trainer.datasets.train), 5)
   with file_size_limit(1024), pytest.raises(UserError) as info:  # the data file is larger
-    trainer.save()
+    trainer.runner.save()
   message = one_line(info.value)
   prefix = os.path.join(tmp_path, 'checkpoints', 'ckpt-10')
   assert f'could not write checkpoint {prefix} at step 10 (File too large)' in message
   assert f'{first} is intact' in message
   assert not glob.glob(prefix + '*')  # the partial write was removed
   fresh = TinyTrainer(tiny_config(**{'train.steps': 10}), str(tmp_path))
-  assert fresh.restore() == 5  # the previous checkpoint loads
+  assert fresh.runner.restore() == 5  # the previous checkpoint loads
   for a, b in zip(weights(fresh), saved, strict=True):
     np.testing.assert_array_equal(a, b)
 

@@ -59,7 +59,7 @@ def test_unreadable_newest_falls_back_to_previous(tmp_path, how, caplog):
   damage(tmp_path, 15, how)
   fresh = TinyTrainer(tiny_config(**{'train.steps': 15}), str(tmp_path))
   with caplog.at_level('WARNING'):
-    assert fresh.restore() == 10
+    assert fresh.runner.restore() == 10
   assert all(np.array_equal(a, b) for a, b in zip(weights(fresh), snapshots[10]))
   warned = ' '.join(r.getMessage() for r in caplog.records if r.levelname == 'WARNING')
   assert 'ckpt-15' in warned and 'unreadable' in warned
@@ -71,7 +71,7 @@ def test_training_continues_after_fallback(tmp_path):
   fresh = TinyTrainer(tiny_config(**{'train.steps': 15}), str(tmp_path))
   fresh.train()  # redoes steps 10..15 and writes a good ckpt-15 over the damaged one
   again = TinyTrainer(tiny_config(**{'train.steps': 15}), str(tmp_path))
-  assert again.restore() == 15
+  assert again.runner.restore() == 15
   assert all(np.array_equal(a, b) for a, b in zip(weights(again), weights(fresh)))
 
 
@@ -81,7 +81,7 @@ def test_no_readable_checkpoint_is_one_clear_error(tmp_path):
     damage(tmp_path, step, 'garbage index')
   fresh = TinyTrainer(tiny_config(**{'train.steps': 15}), str(tmp_path))
   with pytest.raises(UserError, match='no checkpoint in .* can be restored') as info:
-    fresh.restore()
+    fresh.runner.restore()
   assert '\n' not in str(info.value)
 
 
@@ -92,7 +92,7 @@ def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
   trainer = TinyTrainer(tiny_config(**{'train.steps': 10}), str(tmp_path))
   iterator = iter(trainer.datasets.train)
   trainer.train_step.run(iterator, 5)
-  trainer.save()
+  trainer.runner.save()
   at_5 = weights(trainer)
   trainer.train_step.run(iterator, 5)
 
@@ -104,11 +104,11 @@ def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 
   monkeypatch.setattr(checkpoint_management, 'update_checkpoint_state_internal', crash)
   with pytest.raises(Crash):
-    trainer.save()
+    trainer.runner.save()
   monkeypatch.undo()
   assert glob.glob(str(tmp_path / 'checkpoints' / 'ckpt-10.index'))  # data written, not named
   fresh = TinyTrainer(tiny_config(**{'train.steps': 10}), str(tmp_path))
-  assert fresh.restore() == 5
+  assert fresh.runner.restore() == 5
   assert all(np.array_equal(a, b) for a, b in zip(weights(fresh), at_5))
 
 
@@ -125,5 +125,5 @@ def test_state_file_is_written_by_atomic_rename(tmp_path, monkeypatch):
 
   monkeypatch.setattr(file_io, 'atomic_write_string_to_file', spy)
   trainer = TinyTrainer(tiny_config(**{'train.steps': 5}), str(tmp_path))
-  trainer.save()
+  trainer.runner.save()
   assert 'checkpoint' in written

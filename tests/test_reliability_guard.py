@@ -44,10 +44,10 @@ def test_last_good_checkpoint_is_intact_and_loads(tmp_path):
     trainer.train()
   # Skipped steps never move the weights: those at the collapse are the weights after step 6.
   at_collapse = weights(trainer)
-  manager = tf.train.CheckpointManager(trainer.checkpoint, str(tmp_path / 'checkpoints'), 3)
+  manager = tf.train.CheckpointManager(trainer.runner.checkpoint, str(tmp_path / 'checkpoints'), 3)
   assert manager.latest_checkpoint.endswith('ckpt-10')  # the storm (3 skips) reached step 10
   fresh = TinyTrainer(tiny_config(**overrides), str(tmp_path))
-  assert fresh.restore() == 10
+  assert fresh.runner.restore() == 10
   assert int(fresh.train_step.skipped_steps.numpy()) == 3  # steps 7, 8, 9
   assert all(np.array_equal(a, b) for a, b in zip(weights(fresh), at_collapse))
   assert all(np.isfinite(w).all() for w in weights(fresh))

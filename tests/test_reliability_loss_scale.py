@@ -1,4 +1,4 @@
-"""Hysteresis rules of trainer/loss_scale.py, exactly, and the budget saved in checkpoints; the
+"""Hysteresis rules of trainer/step/loss_scale.py, exactly, and the budget saved in checkpoints; the
 scale's trajectory under fault injection in mixed_float16."""
 import os
 import sys
@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from trainer.loss_scale import LossScaler
+from trainer.step.loss_scale import LossScaler
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import TinyTrainer, tiny_config  # noqa: E402

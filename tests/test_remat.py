@@ -1,4 +1,4 @@
-"""Gradient checkpointing (config.train.remat, trainer/remat.py) in the Transformer LM: the same
+"""Gradient checkpointing (config.train.remat, trainer/nn/remat.py) in the Transformer LM: the same
 gradients as without it, less kept for the backward pass, and it composes with mixed precision,
 loss scaling, skipped steps and MirroredStrategy."""
 import os
@@ -79,7 +79,7 @@ def test_remat_with_dropout_is_a_config_error():
 
 
 def test_keras_remat_scope_fails_inside_tf_function_with_training_argument():
-  """Why trainer/remat.py uses tf.recompute_grad: Keras's scope passes `training=` through
+  """Why trainer/nn/remat.py uses tf.recompute_grad: Keras's scope passes `training=` through
   tf.custom_gradient, which refuses keyword arguments in a tf.function. If this starts passing,
   keras.RematScope could replace trainer/remat.checkpoint."""
   class Block(keras.layers.Layer):

@@ -6,14 +6,15 @@ import sys
 import pytest
 import tensorflow as tf
 
-from trainer import ConfigError, distribute
+from trainer import ConfigError
+from trainer.step import distribute
 from trainer import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_fresh_process_gets_the_configured_pools():
-  script = ('from trainer import config, distribute\n'
+  script = ('from trainer import config\nfrom trainer.step import distribute\n'
             'c = config.defaults(); c.train.intra_op_threads = 1; c.train.inter_op_threads = 3\n'
             'distribute.set_threads(config.validate(c))\n'
             'import tensorflow as tf\n'

@@ -79,13 +79,13 @@ def test_checkpoint_round_trip_restores_scale_counter_and_step(tiny_trainer, tmp
            int(trainer.global_step.numpy()), int(trainer.train_step.skipped_steps.numpy()))
   assert state == (8.0, 1, 7, 1)  # 8 -> 4 at step 1, 4 finite steps -> 8 at step 5, 1 since
   weights, slots = snapshot(trainer)
-  trainer.save()
+  trainer.runner.save()
 
-  # The same config: a resume with a changed one is an error (trainer/workdir.py).
+  # The same config: a resume with a changed one is an error (trainer/run/workdir.py).
   fresh = tiny_trainer(**{'precision.policy': 'mixed_float16', 'precision.growth_interval': 4,
                           'precision.initial_scale': 8.0, 'debug.inject_nonfinite_steps': '1'})
   assert int(fresh.global_step.numpy()) == 0
-  assert fresh.restore() == 7
+  assert fresh.runner.restore() == 7
   assert (float(fresh.loss_scaler.scale.numpy()), int(fresh.loss_scaler.good_steps.numpy()),
           int(fresh.global_step.numpy()), int(fresh.train_step.skipped_steps.numpy())) == state
   for a, b in zip(weights + slots, sum(snapshot(fresh), [])):
@@ -96,7 +96,7 @@ def test_train_resumes_at_saved_step(tiny_trainer):
   first = tiny_trainer(**{'train.steps': 10})
   first.train()
   second = tiny_trainer(**{'train.steps': 20})
-  assert second.restore() == 10
+  assert second.runner.restore() == 10
   second.train()
   assert int(second.global_step.numpy()) == 20
   assert int(second.optimizer.iterations.numpy()) == 20

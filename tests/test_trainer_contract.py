@@ -21,10 +21,10 @@ LEGACY = os.path.join(ROOT, 'tests', 'fixtures', 'legacy_tiny_run')
 def run(trainer, n):
   iterator = getattr(trainer, '_it', None)
   if iterator is None:
-    trainer.restore()
+    trainer.runner.restore()
     iterator = trainer._it = iter(
         trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  return trainer.run_steps(iterator, n)
+  return trainer.runner.run_steps(iterator, n)
 
 
 def test_checkpoint_written_before_checkpoint_items_still_restores(tmp_path):
@@ -34,7 +34,7 @@ def test_checkpoint_written_before_checkpoint_items_still_restores(tmp_path):
   shutil.copytree(LEGACY, workdir)
   saved = json.load(open(workdir / 'config.json'))
   trainer = TinyTrainer(config_lib.validate(ml_collections.ConfigDict(saved)), str(workdir))
-  assert trainer.restore() == 10
+  assert trainer.runner.restore() == 10
   assert int(trainer.train_step.skipped_steps.numpy()) == 1
   assert float(trainer.loss_scaler.scale.numpy()) == 16.0
   assert int(trainer.train_step.guard.consecutive.numpy()) == 0  # absent: its initial value
@@ -49,9 +49,9 @@ def test_collapse_counter_is_checkpointed(tiny_trainer):
   trainer = tiny_trainer(**{'debug.inject_nonfinite_steps': '8,9', 'train.steps': 10})
   assert run(trainer, 10) == 10
   assert int(trainer.train_step.guard.consecutive.numpy()) == 2
-  trainer.save()
+  trainer.runner.save()
   fresh = tiny_trainer(**{'debug.inject_nonfinite_steps': '8,9', 'train.steps': 10})
-  assert fresh.restore() == 10
+  assert fresh.runner.restore() == 10
   assert int(fresh.train_step.guard.consecutive.numpy()) == 2
 
 
@@ -120,11 +120,11 @@ def test_float16_forward_overflow_leaves_statistics_finite_and_eval_sane(tmp_pat
 def test_nonfinite_state_is_never_saved(tiny_trainer, tmp_path):
   trainer = tiny_trainer()
   run(trainer, 5)
-  good = trainer.save()
+  good = trainer.runner.save()
   kernel = trainer.model.trainable_variables[0]
   kernel.assign(tf.fill(kernel.shape, np.nan))
   with pytest.raises(NonFiniteError, match=r'step 5: .*not finite.*' + kernel.path):
-    trainer.save()
+    trainer.runner.save()
   assert tf.train.latest_checkpoint(str(tmp_path / 'work' / 'checkpoints')) == good
 
 
@@ -202,8 +202,8 @@ def test_best_checkpoint_keeps_its_best_across_a_resume(tiny_trainer, tmp_path):
   tiny_trainer(**keys, **{'train.steps': 10}).train()
   record = json.loads((tmp_path / 'work' / 'best' / 'best.json').read_text())
   trainer = tiny_trainer(**keys, **{'train.steps': 20})
-  trainer.restore()
-  (best,) = trainer.actions
+  trainer.runner.restore()
+  (best,) = [a for a in trainer.runner.actions if type(a).__name__ == 'BestCheckpoint']
   assert best.best == record['value']  # not +inf: a worse eval after the restart is not kept
 
 

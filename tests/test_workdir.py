@@ -1,7 +1,7 @@
-"""The run folder (trainer/workdir.py): eval, export, sampling and init_from only read it; the
+"""The run folder (trainer/run/workdir.py): eval, export, sampling and init_from only read it; the
 config record survives resumes; bad workdir contents are one-line errors that write nothing;
 writes never follow a symlink out of it; a missing, empty or garbled checkpoint state file falls
-back to the checkpoints on disk; one training process per workdir (trainer/workdir_lock.py)."""
+back to the checkpoints on disk; one training process per workdir (trainer/run/lock.py)."""
 import hashlib
 import json
 import logging
@@ -16,7 +16,8 @@ import textwrap
 import pytest
 
 from tiny import TinyTrainer, tiny_config
-from trainer import lifecycle, workdir_lock
+from trainer.run import lifecycle
+from trainer.run import lock as workdir_lock
 from trainer.errors import ConfigError, UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +48,7 @@ def set_writable(folder, writable: bool):
 def train(workdir, **overrides):
   trainer = TinyTrainer(tiny_config(**{'train.steps': 10, **overrides}), str(workdir))
   metrics = trainer.train()
-  trainer.run_dir.close()  # flushes the events and releases the lock, as the process exit does
+  trainer.runner.workdir.close()  # flushes the events and releases the lock, as an exit does
   return metrics
 
 
@@ -72,7 +73,7 @@ def test_eval_export_and_init_from_leave_a_read_only_run_byte_identical(run, tmp
     paths = lifecycle.export(TinyTrainer(tiny_config(), str(workdir)), str(tmp_path / 'out'))
     assert os.path.exists(paths['keras'])
     warm = TinyTrainer(tiny_config(**{'train.init_from': str(workdir)}), str(tmp_path / 'warm'))
-    assert warm.restore() == 0
+    assert warm.runner.restore() == 0
     assert warm.evaluate() == pytest.approx(metrics, rel=1e-6)
   finally:
     set_writable(workdir, True)
@@ -246,9 +247,9 @@ def test_damaged_state_file_falls_back_to_the_newest_checkpoint_on_disk(tmp_path
   word = {'missing': 'is missing', 'empty': 'is empty', 'garbled': 'is unreadable'}[how]
   assert any(word in r.getMessage() and 'ckpt-15' in r.getMessage() for r in caplog.records)
   trainer = TinyTrainer(tiny_config(**{'train.steps': 20}), str(workdir))
-  assert trainer.restore() == 15  # not a restart from 0
+  assert trainer.runner.restore() == 15  # not a restart from 0
   trainer.train()
-  trainer.run_dir.close()
+  trainer.runner.workdir.close()
   # The repaired state file named the old checkpoints, so max_to_keep=3 rotated ckpt-5 out.
   names = sorted(p.name for p in (workdir / 'checkpoints').glob('ckpt-*.index'))
   assert names == ['ckpt-10.index', 'ckpt-15.index', 'ckpt-20.index']
@@ -258,13 +259,13 @@ def test_damaged_state_file_falls_back_to_the_newest_checkpoint_on_disk(tmp_path
 def test_a_second_training_process_is_refused_while_eval_reads(run):
   workdir, metrics = run
   holder = TinyTrainer(tiny_config(**{'train.steps': 10}), str(workdir))
-  holder.restore()  # this process holds the lock now
+  holder.runner.restore()  # this process holds the lock now
   record = json.loads((workdir / 'train.lock').read_text())
   assert record['pid'] == os.getpid() and record['host'] == socket.gethostname()
   script = textwrap.dedent(f'''
       import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
       from tiny import TinyTrainer, tiny_config
-      from trainer import lifecycle
+      from trainer.run import lifecycle
       from trainer.errors import UserError
       print('eval', lifecycle.evaluate_checkpoint(
           TinyTrainer(tiny_config(**{{'train.steps': 10}}), {str(workdir)!r}))['loss'])
@@ -280,7 +281,7 @@ def test_a_second_training_process_is_refused_while_eval_reads(run):
   assert float(line.split()[1]) == pytest.approx(metrics['loss'], rel=1e-6)
   (error,) = [l for l in result.stdout.splitlines() if l.startswith('error:')]
   assert f'pid {os.getpid()} on this host' in error and 'in use by another training' in error
-  holder.run_dir.close()
+  holder.runner.workdir.close()
   assert not (workdir / 'train.lock').exists()
 
 
@@ -290,7 +291,7 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
       import sys, time; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
       from tiny import TinyTrainer, tiny_config
       trainer = TinyTrainer(tiny_config(**{{'train.steps': 10}}), {str(workdir)!r})
-      trainer.restore()
+      trainer.runner.restore()
       print('locked', flush=True)
       time.sleep(600)
       ''')
@@ -307,7 +308,7 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
   trainer.train()
   assert any('which is gone; taking it over' in r.getMessage() for r in caplog.records)
   assert json.loads((workdir / 'train.lock').read_text())['pid'] == os.getpid()
-  trainer.run_dir.close()
+  trainer.runner.workdir.close()
   assert not (workdir / 'train.lock').exists()
 
 

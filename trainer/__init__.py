@@ -1,9 +1,36 @@
-"""A mixed-precision training loop for TensorFlow with its own loss scaling."""
-from trainer.errors import ConfigError, DataError, UserError
-from trainer.loss_scale import LossScaler
-from trainer.optimizers import register_optimizer
-from trainer.train_step import TrainStep
-from trainer.trainer import Datasets, Trainer
+"""A mixed-precision training loop for TensorFlow with its own loss scaling.
 
-__all__ = ['ConfigError', 'DataError', 'Datasets', 'LossScaler', 'Trainer', 'TrainStep',
-           'UserError', 'register_optimizer']
+The public names are imported on first use (PEP 562), so `import trainer.config` (the schema) or
+`from trainer import ConfigError` loads no TensorFlow; `from trainer import Trainer` does.
+"""
+from __future__ import annotations
+
+import importlib
+
+from trainer.errors import ConfigError, DataError, UserError
+from trainer.registry import register_optimizer
+
+_LAZY = {
+    'Datasets': 'trainer.data.datasets',
+    'Event': 'trainer.run.actions',
+    'LossScaler': 'trainer.step.loss_scale',
+    'Runner': 'trainer.run.runner',
+    'Trainer': 'trainer.trainer',
+    'TrainStep': 'trainer.step.train_step',
+    'UpdateGroup': 'trainer.step.train_step',
+}
+
+__all__ = ['ConfigError', 'DataError', 'Datasets', 'Event', 'LossScaler', 'Runner', 'Trainer',
+           'TrainStep', 'UpdateGroup', 'UserError', 'register_optimizer']
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # once
+    return value
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__():
+  return sorted(__all__)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from trainer import distribute, loss_scale, optimizers, precision
+from trainer import registry
 from trainer.errors import ConfigError
 
 
@@ -51,9 +51,13 @@ def _one_of(*choices):
   return check
 
 
-# The choices are defined where they are implemented (one source of truth); the schema reads them.
-POLICIES = ('auto', *precision.POLICIES)
-LOSS_SCALES = ('auto', *(m for m in loss_scale.MODES if m != 'static'))  # static: a number
+# The choices, defined here once (this module imports no TensorFlow); the modules that implement
+# them (trainer/step/precision.py, loss_scale.py, distribute.py) read them from here.
+PRECISION_POLICIES = ('float32', 'mixed_float16', 'mixed_bfloat16')
+POLICIES = ('auto', *PRECISION_POLICIES)
+LOSS_SCALE_MODES = ('none', 'static', 'dynamic')
+LOSS_SCALES = ('auto', *(m for m in LOSS_SCALE_MODES if m != 'static'))  # static: a number
+STRATEGIES = ('default', 'mirrored', 'multi_worker', 'tpu')
 
 
 def _loss_scale(v):
@@ -98,15 +102,15 @@ SCHEMA: dict[str, Key] = {
     'train.init_from': Key(str, '', "a workdir (or checkpoint) whose model weights a new run "
                            "starts from; '' = random init"),
     'train.remat': Key(bool, False, 'gradient checkpointing: the blocks a model marks '
-                       '(trainer/remat.py) recompute their activations in the backward pass '
+                       '(trainer/nn/remat.py) recompute their activations in the backward pass '
                        'instead of keeping them'),
     'train.profile_steps': Key(str, '', "'start,end': a TF profiler trace of those global steps "
                                "into the workdir's TensorBoard; '' = off"),
     'train.accept_config_change': Key(bool, False, 'resume a workdir whose recorded config '
                                       'differs in keys other than run length and bookkeeping '
-                                      '(see trainer/workdir.py); the change is recorded'),
+                                      '(see trainer/run/workdir.py); the change is recorded'),
     'optimizer.name': Key(str, 'adam', 'a registered optimizer: adam, adamw, sgd or your own '
-                          '(trainer.register_optimizer)', optimizers.check_name),
+                          '(trainer.register_optimizer)', registry.check_name),
     'optimizer.learning_rate': Key(float, 1e-3, 'peak learning rate', _positive),
     'optimizer.schedule': Key(str, 'constant', 'learning-rate schedule after warm-up',
                               _one_of('constant', 'cosine')),
@@ -151,7 +155,7 @@ SCHEMA: dict[str, Key] = {
         "dtype='float16'); False = such a layer is an error at the start of training"),
     'distribute.strategy': Key(str, 'default', "'default' (one device), 'mirrored' (local "
                                "GPUs), 'multi_worker' (hosts from TF_CONFIG) or 'tpu'",
-                               _one_of(*distribute.STRATEGIES)),
+                               _one_of(*STRATEGIES)),
     'distribute.devices': Key(str, '', "mirrored only: comma-separated devices such as "
                               "'GPU:0,GPU:1'; '' = all local GPUs"),
     'distribute.tpu': Key(str, '', "tpu only: TPU name or 'grpc://host:port'; '' = the TPU "
@@ -333,9 +337,20 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f'config.early_stopping.metric={config.early_stopping.metric!r} needs '
                       'evals during training: set config.train.eval_every > 0.')
   parse_steps(config.debug.inject_nonfinite_steps)
-  from trainer import profiling  # the parser lives with the profiler
-  profiling.parse(config.train.profile_steps)
+  parse_profile_steps(config.train.profile_steps)
   return config
+
+
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+  """'' -> None; '10,20' -> (10, 20); anything else raises ConfigError naming
+  config.train.profile_steps (trainer/run/profiling.py traces those steps)."""
+  if not text.strip():
+    return None
+  parts = [p.strip() for p in text.split(',')]
+  if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
+    raise ConfigError(f'config.train.profile_steps={text!r}: give two global steps '
+                      "'start,end' with start < end, e.g. '100,120', or '' for no trace.")
+  return int(parts[0]), int(parts[1])
 
 
 def parse_steps(text: str) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer.errors import DataError
-from trainer.trainer import Datasets
+from trainer.data.datasets import Datasets
 
 
 def to_float(features, labels):

@@ -6,7 +6,7 @@ gradients are then divided by S before the optimizer sees them. Too large an S o
 inf/NaN, so the scale is adjusted as training runs. bfloat16 has float32's exponent range and needs
 no scaling; float32 needs none either.
 
-Each step (see `trainer/train_step.py`):
+Each step (see `trainer/step/train_step.py`):
   1. loss x S  -> gradients  -> x (1/S) in float32 (`unscale`; exact when S is a power of 2,
      as the default dynamic scales are; otherwise within one rounding of a divide);
   2. every gradient on every replica is checked finite (`all_finite`: a sum per gradient, and
@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-MODES = ('none', 'static', 'dynamic')
+from trainer import config
+
+MODES = config.LOSS_SCALE_MODES
 
 
 def state_variable(value, dtype, name) -> tf.Variable:

@@ -189,14 +189,14 @@ def check_actions(actions) -> None:
     name = getattr(action, '__name__', type(action).__name__)
     if not callable(action):
       raise UserError(f'build_actions returned {type(action).__name__}, not a callable; an '
-                      'action is a function taking one trainer.actions.Event')
+                      'action is a function taking one trainer.Event')
     try:
       inspect.signature(action).bind(None)
     except (TypeError, ValueError) as e:
       if isinstance(e, ValueError):  # no signature to read (a builtin): not checked
         continue
       raise UserError(f'build_actions: action {name} cannot be called with one event ({e}); '
-                      f'define it as `def {name}(event):` (a trainer.actions.Event)') from None
+                      f'define it as `def {name}(event):` (a trainer.Event)') from None
 
 
 def _batch_size(batch) -> int | None:
@@ -300,7 +300,7 @@ def probe(batch, compute_loss, stateful=()) -> dict:
   except Exception as e:  # the user's code: keep the traceback, say which call it was
     shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
     e.add_note(f'(raised by compute_loss(batch, training=False) on the first eval batch, '
-               f'{shapes}, when the trainer checked its hooks: trainer/contract.py)')
+               f'{shapes}, when the trainer checked its hooks: trainer/step/contract.py)')
     raise
   metrics = check_outputs(batch, outputs, stateful)
   _warn_nonfinite_loss(outputs[0])
@@ -318,7 +318,7 @@ def check_gradient(batch, compute_loss, model) -> None:
   variables = model.trainable_variables
   if not variables or tf.distribute.has_strategy():
     return
-  from trainer.train_step import forward_state_kept
+  from trainer.step.forward_state import forward_state_kept
   with forward_state_kept(model), tf.GradientTape() as tape:
     loss = compute_loss(batch, training=True)[0]
   if all(g is None for g in tape.gradient(tf.convert_to_tensor(loss), variables)):

@@ -1,12 +1,14 @@
-"""Outer-loop actions: callables the trainer calls at log, eval and save boundaries (Orbit's
+"""Outer-loop actions: callables the runner calls at log, eval and save boundaries (Orbit's
 train/eval actions).
 
-An action is any callable taking one `Event`. The trainer calls every action of
-`Trainer.build_actions()` after each progress line ('log', with the train metrics), each eval
-('eval', with the eval metrics; also the final one) and each save ('save', with the checkpoint
-path). An action may ask the run to end with `event.trainer.request_stop(reason)`: the trainer
-saves a checkpoint at that step and returns the last eval. Two ship here, each driven by config
-keys: `EarlyStopping` (config.early_stopping.*) and `BestCheckpoint` (config.best_checkpoint.*).
+An action is any callable taking one `Event`. The runner (trainer/run/runner.py) calls its
+built-in actions, then every action of `Trainer.build_actions()`, after each progress line
+('log', with the train metrics), each eval ('eval', with the eval metrics; also the final one)
+and each save ('save', with the checkpoint path). An action may ask the run to end with
+`event.trainer.request_stop(reason)`: the runner saves a checkpoint at that step and returns the
+last eval; it writes TensorBoard scalars with `event.scalar(name, value)`. Two ship here, each
+driven by config keys and added by the runner: `EarlyStopping` (config.early_stopping.*) and
+`BestCheckpoint` (config.best_checkpoint.*).
 
 An action that is a `tf.Module` (both shipped ones are) is saved in every checkpoint under
 `actions` (`state`): a resumed run goes on comparing with the best eval before the restart and
@@ -21,16 +23,25 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 from absl import logging
 
-from trainer import checkpoints, workdir
+from trainer.run import checkpoints
+from trainer.run import workdir
 from trainer.errors import ConfigError
 
 
 class Event(NamedTuple):
+  """What an action is called with."""
   kind: str  # 'log', 'eval' or 'save'
-  step: int
+  step: int  # the global step
   metrics: dict[str, float]  # train metrics ('log'), eval metrics ('eval'), {} ('save')
-  trainer: Any
-  checkpoint: str | None = None  # 'save' only
+  trainer: Any  # the Trainer: its parts (model, optimizer, ...) and request_stop(reason)
+  checkpoint: str | None = None  # 'save' only: the checkpoint's path
+  runner: Any = None  # the Runner (trainer/run/runner.py): the run folder, `is_chief`
+
+  def scalar(self, name: str, value: float) -> None:
+    """Writes `value` as the TensorBoard scalar `actions/<name>` at this event's step (the
+    run's event file; a no-op outside a run)."""
+    if self.runner is not None:
+      self.runner.write_scalars('actions', {name: float(value)}, self.step)
 
 
 def _direction(metric: str, mode: str) -> str:
@@ -114,7 +125,7 @@ class BestCheckpoint(_Tracker):
       return
     value = self.value(event)
     trainer = event.trainer
-    if not self.improved(value) or not trainer.is_chief:
+    if not self.improved(value) or (event.runner is not None and not event.runner.is_chief):
       return
     folder = os.path.join(trainer.workdir, 'best')
     if self._manager is None:

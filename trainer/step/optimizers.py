@@ -1,14 +1,13 @@
 """The optimizer and learning-rate schedule from `config.optimizer`.
 
 `optimizer.fused` (default True) picks the one-kernel-per-variable update of
-trainer/fused_optimizers.py (the same formulas as Keras's Adam, AdamW and SGD, measurably faster
-on small models); False picks Keras's own classes.
+trainer/step/fused_optimizers.py (the same formulas as Keras's Adam, AdamW and SGD, measurably
+faster on small models); False picks Keras's own classes.
 
-Optimizers come from a registry a project can extend: `register_optimizer(name, builder)`, where
-`builder(opt_config, learning_rate)` returns a Keras optimizer (`opt_config` is
-`config.optimizer`; `learning_rate` a float or a no-argument callable). adam, adamw and sgd are
-registered here. `config.optimizer.name` is checked against the registry when the config is
-validated, so register before building the Trainer (e.g. at the top of your model's module).
+Optimizers come from a registry a project can extend (trainer/registry.py:
+`register_optimizer(name, builder)`, where `builder(opt_config, learning_rate)` returns a Keras
+optimizer; `opt_config` is `config.optimizer`, `learning_rate` a float or a no-argument
+callable). The builders of adam, adamw and sgd are the functions below.
 
 The schedule is a function of the trainer's global step, which advances on every step, skipped
 or not; `optimizer.iterations` counts only applied updates, so it is not used for the schedule.
@@ -16,41 +15,12 @@ or not; `optimizer.iterations` counts only applied updates, so it is not used fo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-
 import keras
 import tensorflow as tf
 
-from trainer import fused_optimizers
+from trainer import registry
 from trainer.errors import ConfigError
-
-Builder = Callable[..., keras.optimizers.Optimizer]  # (opt_config, learning_rate) -> optimizer
-_REGISTRY: dict[str, Builder] = {}
-
-
-def register_optimizer(name: str, builder: Builder) -> None:
-  """Makes `config.optimizer.name = name` build its optimizer with
-  `builder(opt_config, learning_rate)`; registering a name again replaces its builder."""
-  if not isinstance(name, str) or not name:
-    raise ValueError(f'register_optimizer: the name must be a non-empty string, got {name!r}')
-  if not callable(builder):
-    raise TypeError(f'register_optimizer({name!r}, ...): the builder must be callable as '
-                    f'builder(opt_config, learning_rate), got {builder!r}')
-  _REGISTRY[name] = builder
-
-
-def names() -> tuple[str, ...]:
-  """The registered optimizer names, sorted."""
-  return tuple(sorted(_REGISTRY))
-
-
-def check_name(name: str) -> str | None:
-  """A complaint for config validation when `name` is not registered, else None."""
-  if name in _REGISTRY:
-    return None
-  return (f'must be a registered optimizer: {", ".join(names())} (a project adds its own with '
-          'trainer.register_optimizer(name, builder))')
-
+from trainer.step import fused_optimizers
 
 def schedule(opt_config, total_steps: int):
   """step (a scalar tensor) -> learning rate (float32): linear warm-up from 0 over
@@ -82,10 +52,11 @@ def schedule(opt_config, total_steps: int):
 def build(opt_config, learning_rate) -> keras.optimizers.Optimizer:
   """The registered builder of `opt_config.name`, called with (opt_config, learning_rate);
   `learning_rate` is a float or a no-argument callable (Keras 3 calls it every update)."""
-  builder = _REGISTRY.get(opt_config.name)
-  if builder is None:
-    raise ConfigError(f'config.optimizer.name={opt_config.name!r}: {check_name(opt_config.name)}')
-  return builder(opt_config, learning_rate)
+  found = registry.builder(opt_config.name)
+  if found is None:
+    raise ConfigError(f'config.optimizer.name={opt_config.name!r}: '
+                      f'{registry.check_name(opt_config.name)}')
+  return found(opt_config, learning_rate)
 
 
 def _classes(opt_config):
@@ -119,7 +90,3 @@ def _sgd(opt_config, learning_rate):
   return _classes(opt_config)[2](learning_rate=learning_rate, momentum=opt_config.momentum,
                                  weight_decay=float(opt_config.weight_decay) or None)
 
-
-register_optimizer('adam', _adam)
-register_optimizer('adamw', _adamw)
-register_optimizer('sgd', _sgd)

@@ -9,18 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 from absl import logging
 
-from trainer.errors import ConfigError
-
-
-def parse(text: str) -> tuple[int, int] | None:
-  """'' -> None; '10,20' -> (10, 20); anything else raises ConfigError naming the key."""
-  if not text.strip():
-    return None
-  parts = [p.strip() for p in text.split(',')]
-  if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
-    raise ConfigError(f'config.train.profile_steps={text!r}: give two global steps '
-                      "'start,end' with start < end, e.g. '100,120', or '' for no trace.")
-  return int(parts[0]), int(parts[1])
+from trainer.config import parse_profile_steps as parse
 
 
 class StepProfiler:

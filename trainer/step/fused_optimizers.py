@@ -33,7 +33,7 @@ gradient. (Keras's own Adam squares each
 repeated row separately before summing them, so on an embedding its second moment differs from
 Adam's; on unique rows the two agree.)
 
-`config.optimizer.fused=False` selects Keras's classes instead (trainer/optimizers.py).
+`config.optimizer.fused=False` selects Keras's classes instead (trainer/step/optimizers.py).
 """
 from __future__ import annotations
 

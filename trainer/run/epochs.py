@@ -23,7 +23,7 @@ import contextlib
 import tensorflow as tf
 from absl import logging
 
-from trainer import contract
+from trainer.step import contract
 from trainer.errors import ConfigError, DataError
 
 
@@ -61,14 +61,15 @@ def check_length(datasets, steps_per_epoch: int, config) -> None:
 
 
 @contextlib.contextmanager
-def end_of_data(trainer):
-  """Around the train loop: the end of the train data saves a checkpoint, then raises
-  DataError naming the step reached."""
+def end_of_data(runner):
+  """Around the train loop (trainer/run/runner.py): the end of the train data saves a
+  checkpoint, then raises DataError naming the step reached."""
   try:
     yield
   except tf.errors.OutOfRangeError:
     # The steps completed before the end are in the variables (global step included).
-    path = trainer.save()
+    path = runner.save()
+    trainer = runner.trainer
     step = int(trainer.global_step.numpy())
     raise DataError(f'build_datasets: Datasets.train ran out of data at step {step} of '
                     f'{trainer.total_steps} (a pass over it yielded no batch); saved {path}. '

@@ -31,7 +31,7 @@ import threading
 
 from absl import logging
 
-from trainer import workdir_lock
+from trainer.run import lock as workdir_lock
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from trainer import events
+from trainer.insight import events
 from trainer.errors import UserError
 
 PANELS = (  # (title, [(tag, style)], log y); '{metric}' is the first metric the runs logged
@@ -33,8 +33,8 @@ NOT_METRICS = ('loss', 'learning_rate', 'loss_scale', 'skipped_steps', 'steps_pe
 
 
 def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-  """{tag: (steps, values)} from <workdir>/tensorboard (trainer/events.py reads the files; the
-  last value wins when a resumed run wrote a step twice)."""
+  """{tag: (steps, values)} from <workdir>/tensorboard (trainer/insight/events.py reads the
+  files; the last value wins when a resumed run wrote a step twice)."""
   folder = os.path.join(workdir, 'tensorboard')
   if not os.path.isdir(folder):
     raise UserError(f'{folder} not found: --workdir must be a folder a training run wrote')
@@ -54,7 +54,7 @@ def policy_of(workdir: str) -> str:
   except (OSError, ValueError, KeyError, TypeError):
     return '?'
   if policy == 'auto':
-    from trainer import precision
+    from trainer.step import precision
     return f'auto = {precision.resolve("auto")[0]} here'
   return policy
 

@@ -15,10 +15,11 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from trainer import contract
+from trainer.step import contract
+from trainer import config
 from trainer.errors import ConfigError
 
-POLICIES = ('float32', 'mixed_float16', 'mixed_bfloat16')
+POLICIES = config.PRECISION_POLICIES
 
 
 @functools.cache

@@ -17,18 +17,18 @@ import os
 import tensorflow as tf
 from absl import logging
 
-from trainer import checkpoints
-from trainer import workdir as workdir_lib
+from trainer.run import checkpoints
+from trainer.run import workdir as workdir_lib
 from trainer.errors import ConfigError, UserError
 
 
 def restore(trainer, what: str = 'restore') -> int:
   """Restores the newest readable checkpoint of `trainer.workdir` without writing anything;
   returns the global step. UserError naming `what` when the run has no checkpoint."""
-  if not checkpoints.find(trainer.run_dir.checkpoint_dir):
-    raise UserError(f'{what}: no checkpoint in {trainer.run_dir.checkpoint_dir}; train first '
-                    '(or check --workdir)')
-  trainer.run_dir.restore_read_only()
+  if not checkpoints.find(trainer.runner.workdir.checkpoint_dir):
+    raise UserError(f'{what}: no checkpoint in {trainer.runner.workdir.checkpoint_dir}; train '
+                    'first (or check --workdir)')
+  trainer.runner.workdir.restore_read_only()
   return int(trainer.global_step.numpy())
 
 

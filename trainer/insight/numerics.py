@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from trainer.train_step import forward_state_kept
+from trainer.step.forward_state import forward_state_kept
 
 
 def smallest_normal(dtype) -> float:
@@ -179,8 +179,9 @@ def summary_line(step: int, stats: dict, scale: float, overall_underflow: float)
 class Recorder:
   """The trainer's side: when to measure, and where the numbers go."""
 
-  def __init__(self, trainer, every: int):
+  def __init__(self, trainer, every: int, write_scalars=None):
     self.trainer, self.every = trainer, int(every)
+    self.write_scalars = write_scalars  # (prefix, {name: value}, step); None: no TensorBoard
     self.probe = None
     self.last = None
 
@@ -217,5 +218,17 @@ class Recorder:
     scalars = {f'{layer}/{k}': v for layer, values in stats.items() for k, v in values.items()
                if math.isfinite(v)}
     scalars['gradient_underflow'] = overall
-    self.trainer._write_scalars('numerics', scalars, step)  # pylint: disable=protected-access
+    if self.write_scalars is not None:
+      self.write_scalars('numerics', scalars, step)
     return {'stats': stats, 'line': line}
+
+
+class NumericsLine:
+  """The built-in action that logs the numerics line at the log steps `Recorder.due` picks."""
+
+  def __init__(self, recorder: Recorder):
+    self.recorder = recorder
+
+  def __call__(self, event) -> None:
+    if event.kind == 'log' and self.recorder.due(event.step):
+      logging.info(self.recorder.record(event.step)['line'])

@@ -2,8 +2,8 @@
 
 `advise(trainer_class, config, workdir, steps=N)` builds the model twice, in the config's policy
 (the target) and in float32, with the same initial weights, and runs N calibration steps on the
-same training batches, eagerly, every layer's call hooked (trainer/forensics.py). At each step
-both models see the same weights: the float32 model's gradients update it and its weights are
+same training batches, eagerly, every layer's call hooked (trainer/insight/forensics.py). At each
+step both models see the same weights: the float32 model's gradients update it and its weights are
 copied into the target (so the comparison measures precision, not two diverging runs). Per
 layer (every layer, nested ones included) it records:
 
@@ -35,7 +35,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from trainer import forensics
+from trainer.insight import forensics
 
 HEADROOM_BITS = 2  # keep values at least 2**HEADROOM_BITS below the dtype's maximum
 LOW = ('float16', 'bfloat16')

@@ -16,67 +16,62 @@ update of `Trainer.compute_loss`. A custom step subclasses `TrainStep` and overr
   apply_gradients(grads)      PER REPLICA, only when every gradient on every replica is finite.
                               Keras optimizers sum the replicas' gradients themselves.
   step(iterator)              CROSS-REPLICA: one whole step; returns a dict of scalar tensors.
+  groups                      the update groups (`UpdateGroup(optimizer, variables,
+                              loss_scaler)`); default: one, (trainer.optimizer, `variables`,
+                              trainer.loss_scaler). A step with several (a GAN's discriminator
+                              and generator, each with its own loss scale) lists them here:
+                              `variables` is then their variables in order, each group is
+                              applied or skipped on its own gradients' finiteness
+                              (`apply_group`), and each loss scaler updates on its groups' flag.
 
 One `step` (cross-replica context, inside the compiled loop):
-  1. `strategy.run(self._replica_step)`: reads the forward-pass state (variables a layer assigns
-     in `call`, such as BatchNormalization's moving statistics), `compute_gradients`, updates
-     the stateful metrics, computes a non-finite count of this replica's gradients.
-  2. `all_replicas_finite`: the counts are reduced over all replicas (SUM): one non-finite
-     gradient anywhere skips the step everywhere; a non-finite learning rate skips it too.
+  1. `strategy.run(self.replica_step)` (public; a custom `step` calls it): reads the forward-pass
+     state (variables a layer assigns in `call`, such as BatchNormalization's moving statistics),
+     `compute_gradients`, the debug injection, the stateful metrics' updates, and this replica's
+     non-finite count of each group's gradients.
+  2. `groups_finite` (one flag per group; `all_replicas_finite` is their AND): the counts are
+     reduced over all replicas (SUM): one non-finite gradient anywhere skips that group's update
+     everywhere; a non-finite learning rate skips it too.
   3. `apply_or_skip`: `tf.cond` in cross-replica context (a cond around `apply_gradients` inside
-     `strategy.run` fails). apply: `strategy.run(apply_gradients)`. skip: the forward-pass state
-     is put back, so weights, optimizer slots and that state are bit-identical to before the
-     step; the collapse guard records which variables had non-finite gradients.
-  4. `end_step`: the collapse guard counts, the loss scaler updates once with the all-replica
+     `strategy.run` fails). apply: `strategy.run(apply_gradients)` (with several groups, one cond
+     and `strategy.run(apply_group)` per group). skip (any group): the forward-pass state is put
+     back, so weights, optimizer slots and that state are bit-identical to before the step; the
+     collapse guard records which variables had non-finite gradients.
+  4. `end_step`: the collapse guard counts, each loss scaler updates once with its all-replica
      flag, the global step advances (skipped or not).
   5. the outputs summed over replicas, plus the counters 'steps' (1), 'skipped' (0/1) and
      'nonfinite_loss' (0/1); every other output is zero on a step whose loss is not finite, so
      the host's means are over the steps whose loss was finite. Stateful metrics
      (`build_metrics`) are updated per replica, only when that replica's loss is finite.
 
-The compiled loop (`train_loop`) runs `steps_per_loop` steps per call and sums the step outputs
-in the loop's carry, added to one variable per output once per call; nothing in a call reads a
-value back to the host. Between calls the host reads `global_step` (and, with the collapse guard
-on, its counter), and at log time `read_outputs()` (sums since the last read, then reset).
+The compiled loop (`train_loop`, `steps_per_loop` steps a call) sums the step outputs into one
+variable per output; nothing in a call reads a value back to the host. Between calls the host
+reads `global_step` (and the collapse guard's counter), at log time `read_outputs()`.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from trainer.config import parse_steps
 from trainer.errors import ConfigError
-from trainer.loss_scale import all_finite, overwritten, state_variable
-from trainer.skip_guard import SkipGuard
+from trainer.step.loss_scale import all_finite, overwritten, state_variable
+from trainer.step import inject
+from trainer.step import outputs as step_outputs
+from trainer.step.forward_state import forward_state, forward_state_kept  # noqa: F401
+from trainer.step.skip_guard import SkipGuard
 
 SUM = tf.distribute.ReduceOp.SUM
+class UpdateGroup(NamedTuple):
+  """One optimizer's share of a step: the variables it updates and the loss scaler their
+  gradients were scaled with (`compute_gradients` scales that loss with it and unscales)."""
+  optimizer: Any
+  variables: list
+  loss_scaler: Any
+
+
 SKIP_SCOPE = 'skipped_step_only'  # name scope of the skip branch (benchmarks/run.py looks for it)
-COUNTERS = ('steps', 'skipped', 'nonfinite_loss')  # outputs read as counts, not means
-
-# compute_loss(batch, training=...) -> (per_example_loss [B], {metric name: per-example [B]})
-LossFn = Callable[..., tuple[tf.Tensor, dict[str, tf.Tensor]]]
-
-
-def forward_state(model) -> list[tf.Variable]:
-  """The variables a forward pass may assign: the model's non-trainable variables (Batch-
-  Normalization's moving statistics, any state a layer updates in `call`), as tf.Variables."""
-  return [getattr(v, 'value', v) for v in model.non_trainable_variables]
-
-
-@contextlib.contextmanager
-def forward_state_kept(model):
-  """Within: a forward pass may assign the model's forward state (`forward_state`); on exit every
-  replica's copy of it is put back. Eager or while a tf.function traces (the reads and the
-  restoring assignments are ordered with the forward pass's own by the shared variables)."""
-  state = [c for v in forward_state(model) for c in getattr(v, 'values', (v,))]
-  saved = [v.read_value() for v in state]
-  try:
-    yield
-  finally:
-    for variable, value in zip(state, saved):
-      variable.assign(value)
 
 
 class TrainStep:
@@ -107,10 +102,8 @@ class TrainStep:
                         f'{self.global_batch_size} over {replicas} replicas).')
 
     self.build_optimizers()
-    # Keras float8 layers' scale and amax-history variables: their "gradients" are new values
-    # (computed from the scaled backward pass, as the float8 casts see it), assigned by the
-    # optimizer: never unscaled, clipped or summed, combined with MAX over micro-batches and
-    # replicas.
+    # Keras float8 layers' scale and amax-history variables: their "gradients" are new values the
+    # optimizer assigns: never unscaled, clipped or summed; MAX over micro-batches and replicas.
     self.overwritten = overwritten(self.variables)
     self.skipped_steps = state_variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
     self.guard = SkipGuard(strategy=self.strategy, variables=self.variables,
@@ -155,12 +148,21 @@ class TrainStep:
   # ---- what a custom step overrides ---------------------------------------------------------
   @property
   def variables(self) -> list:
-    """The variables `compute_gradients` returns gradients for, in that order."""
+    """The variables `compute_gradients` returns gradients for, in that order: the groups'
+    variables when `groups` is overridden, else the model's trainable variables."""
+    if type(self).groups is not TrainStep.groups:
+      return [v for group in self.groups for v in group.variables]
     return self.model.trainable_variables
 
+  @property
+  def groups(self) -> list[UpdateGroup]:
+    """The update groups; default one: (the trainer's optimizer, `variables`, its loss scaler)."""
+    return [UpdateGroup(self.optimizer, self.variables, self.loss_scaler)]
+
   def build_optimizers(self) -> None:
-    """Creates the optimizers' slots for `variables` (before any checkpoint is restored)."""
-    self.optimizer.build(self.variables)
+    """Creates each group's optimizer slots for its variables (before any restore)."""
+    for group in self.groups:
+      group.optimizer.build(group.variables)
 
   def compute_gradients(self, batch):
     """Replica context: (outputs, grads) for one batch; see the module docstring.
@@ -190,15 +192,25 @@ class TrainStep:
             for n, v in outputs.items()}, grads
 
   def apply_gradients(self, grads) -> None:
-    """Replica context, finite steps only. With clipping, the norm is that of the gradient
-    summed over replicas, computed once here and identical on every replica. The new values of
-    `overwritten` variables are combined with MAX over replicas and left out of the norm."""
+    """Replica context, finite steps only (one group): `apply_group` for each group's share of
+    `grads`. With several groups the step calls `apply_group` per group instead, each under its
+    own finiteness flag; override `apply_group` then."""
+    for index, part in enumerate(self._split(grads)):
+      self.apply_group(index, part)
+
+  def apply_group(self, index: int, grads) -> None:
+    """Replica context: group `index`'s optimizer applies `grads` (one per group variable).
+    With clipping, the norm is that of the group's gradient summed over replicas, computed once
+    here and identical on every replica. The new values of `overwritten` variables (float8
+    scales and histories) are combined with MAX over replicas and left out of the norm."""
+    group = self.groups[index]
     grads = list(grads)
+    overwritten = self._split(self.overwritten)[index]
     context = tf.distribute.get_replica_context()
-    stepped = [i for i, g in enumerate(grads) if g is not None and not self.overwritten[i]]
+    stepped = [i for i, g in enumerate(grads) if g is not None and not overwritten[i]]
     if self.strategy.num_replicas_in_sync > 1:
       for i, g in enumerate(grads):
-        if g is not None and self.overwritten[i]:
+        if g is not None and overwritten[i]:
           grads[i] = tf.reduce_max(context.all_gather(g[None], axis=0), axis=0)
     if self.clip_norm > 0:
       summed = context.all_reduce(SUM, [grads[i] for i in stepped])
@@ -208,54 +220,100 @@ class TrainStep:
       factor = tf.where(norm > self.clip_norm, self.clip_norm / norm, 1.0)
       for i in stepped:
         grads[i] = grads[i] * factor
-    self.optimizer.apply_gradients(zip(grads, self.variables))
+    group.optimizer.apply_gradients(zip(grads, group.variables))
+
+  def _split(self, values) -> list[list]:
+    """`values` (one per entry of `variables`) cut into one list per group."""
+    values, parts, start = list(values), [], 0
+    for group in self.groups:
+      parts.append(values[start:start + len(group.variables)])
+      start += len(group.variables)
+    return parts
 
   # ---- the reusable pieces ------------------------------------------------------------------
+  def groups_finite(self, nonfinite_counts) -> list[tf.Tensor]:
+    """Cross-replica: one flag per group, True when no replica counted a non-finite gradient of
+    that group and its optimizer's learning rate for this step is finite (so nothing applied
+    after the check can be non-finite). `nonfinite_counts`: `replica_step`'s counts."""
+    nonfinite = tf.reshape(self.strategy.reduce(SUM, nonfinite_counts, axis=None), [-1])
+    flags = []
+    for index, group in enumerate(self.groups):
+      rate = tf.cast(group.optimizer.learning_rate, tf.float32)  # the rate this update uses
+      flags.append(tf.logical_and(tf.equal(nonfinite[index], 0), tf.math.is_finite(rate)))
+    return flags
+
   def all_replicas_finite(self, nonfinite_counts) -> tf.Tensor:
-    """Cross-replica: True when no replica counted a non-finite gradient and the learning rate
-    of this step is finite (so nothing applied after the check can be non-finite)."""
-    nonfinite = self.strategy.reduce(SUM, nonfinite_counts, axis=None)
-    rate = tf.cast(self.optimizer.learning_rate, tf.float32)  # the rate this update would use
-    return tf.logical_and(tf.equal(nonfinite, 0), tf.math.is_finite(rate))
+    """Cross-replica: True when every group is finite on every replica (`groups_finite`)."""
+    return tf.reduce_all(tf.stack(self.groups_finite(nonfinite_counts)))
 
   def apply_or_skip(self, finite, grads, saved_state=None) -> tf.Tensor:
-    """Cross-replica: applies `grads` (PerReplica) when `finite`; otherwise restores the
-    forward-pass state read before the forward pass and records the skip. Returns 1 when
-    skipped, else 0 (int64)."""
-
-    def apply():
-      self.strategy.run(self.apply_gradients, args=(grads,))
-      return tf.constant(0, tf.int64)
+    """Cross-replica: applies `grads` (PerReplica) when `finite` (a flag, or one per group);
+    otherwise restores the forward-pass state read before the forward pass and records the
+    skip. With one flag per group, each group applies or skips on its own, and the step counts
+    as skipped (the forward state put back) when any group skipped. Returns 1 when skipped,
+    else 0 (int64)."""
 
     def skip():
       with tf.name_scope(SKIP_SCOPE):  # ops here run on skipped steps only
         if saved_state:
           for variable, value in zip(self._forward_state, saved_state):
             self.strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,))
-        self.guard.record(grads, self.global_step, self.loss_scaler.scale)
+        self.guard.record(grads, self.global_step, self.groups[0].loss_scaler.scale)
         return tf.constant(1, tf.int64)
 
-    skipped = tf.cond(finite, apply, skip)
+    if not isinstance(finite, (list, tuple)):
+
+      def apply():
+        self.strategy.run(self.apply_gradients, args=(grads,))
+        return tf.constant(0, tf.int64)
+
+      skipped = tf.cond(finite, apply, skip)
+    else:
+      for index, flag in enumerate(finite):
+
+        def apply_group(index=index):
+          self.strategy.run(lambda g: self.apply_group(index, self._split(g)[index]),
+                            args=(grads,))
+          return tf.constant(0, tf.int64)
+
+        tf.cond(flag, apply_group, lambda: tf.constant(1, tf.int64))
+      skipped = tf.cond(tf.reduce_all(tf.stack(finite)), lambda: tf.constant(0, tf.int64), skip)
     self.skipped_steps.assign_add(skipped)
     return skipped
 
   def end_step(self, finite, loss_finite=True) -> None:
-    """Cross-replica, once per step: collapse-guard count, loss-scale update, global step + 1."""
-    self.guard.count(tf.logical_and(finite, loss_finite))
-    self.loss_scaler.update(finite)
+    """Cross-replica, once per step: collapse-guard count, each loss scaler's update with its
+    groups' flag (`finite`: one flag, or one per group), global step + 1."""
+    flags = list(finite) if isinstance(finite, (list, tuple)) else [finite] * len(self.groups)
+    scalers: dict[int, tuple[Any, tf.Tensor]] = {}  # a scaler shared by groups updates once
+    for group, flag in zip(self.groups, flags):
+      scaler, before = scalers.get(id(group.loss_scaler), (group.loss_scaler, True))
+      scalers[id(group.loss_scaler)] = (scaler, tf.logical_and(before, flag))
+    all_flags = tf.reduce_all(tf.stack(flags))
+    self.guard.count(tf.logical_and(all_flags, loss_finite))
+    for scaler, flag in scalers.values():
+      scaler.update(flag)
     self.global_step.assign_add(1)
 
   # ---- one step -----------------------------------------------------------------------------
   def _replica_core(self, batch):
     """Per replica (the part jit_compile compiles): forward state read first, then the
-    gradients, the debug injection and this replica's non-finite count."""
+    gradients, the debug injection and this replica's non-finite count per group ([groups]
+    int32, 0 or 1 each)."""
     saved = [v.read_value() for v in self._forward_state]
     outputs, grads = self.compute_gradients(batch)
     grads = self._maybe_inject(list(grads))
-    nonfinite = tf.cast(tf.logical_not(all_finite(grads)), tf.int32)  # 0 or 1 on this replica
+    nonfinite = tf.stack([tf.cast(tf.logical_not(all_finite(part)), tf.int32)
+                          for part in self._split(grads)])
     return outputs, grads, nonfinite, saved
 
-  def _replica_step(self, batch):
+  def replica_step(self, batch):
+    """PER REPLICA: the per-replica half of a step, for `strategy.run` (a custom `step` calls
+    it rather than `compute_gradients`, so it keeps what the default step does): reads the
+    forward-pass state, `compute_gradients`, the debug injection (config.debug.inject_*),
+    updates the stateful metrics from their outputs (only when this replica's loss is finite).
+    Returns (outputs without the metrics' entries, grads, non-finite count per group [groups]
+    int32, the forward state read before the pass) for `groups_finite` and `apply_or_skip`."""
     outputs, grads, nonfinite, saved = self._replica_core_fn(batch)
     outputs = dict(outputs)
     updates = [(metric, outputs.pop(name)) for name, metric in self.metrics.items()
@@ -277,8 +335,9 @@ class TrainStep:
   def step(self, iterator) -> dict[str, tf.Tensor]:
     """Cross-replica: one step on the next batch of `iterator`; the outputs the loop sums."""
     batch = next(iterator)
-    outputs, grads, nonfinite, saved = self.strategy.run(self._replica_step, args=(batch,))
-    finite = self.all_replicas_finite(nonfinite)
+    outputs, grads, nonfinite, saved = self.strategy.run(self.replica_step, args=(batch,))
+    finite = self.groups_finite(nonfinite)
+    finite = finite[0] if len(finite) == 1 else finite  # one group: the step as before
     outputs = {k: self.strategy.reduce(SUM, v, axis=None) for k, v in outputs.items()}
     skipped = self.apply_or_skip(finite, grads, saved)
     loss_finite = tf.math.is_finite(outputs['loss']) if 'loss' in outputs else True
@@ -288,29 +347,14 @@ class TrainStep:
   @staticmethod
   def with_counters(outputs, skipped, loss_finite=True) -> dict[str, tf.Tensor]:
     """`outputs` as float32, zeroed when the loss is not finite, plus the three counters."""
-    loss_finite = tf.convert_to_tensor(loss_finite)
-    values = {k: tf.where(loss_finite, tf.cast(v, tf.float32), 0.0) for k, v in outputs.items()}
-    values.update(steps=tf.constant(1.0), skipped=tf.cast(skipped, tf.float32),
-                  nonfinite_loss=1.0 - tf.cast(loss_finite, tf.float32))
-    return values
+    return step_outputs.with_counters(outputs, skipped, loss_finite)
 
   def _maybe_inject(self, grads):
-    """debug.inject_nonfinite_*: makes the gradients of chosen global steps non-finite, on
-    every replica or only on replica `inject_replica`."""
+    """debug.inject_nonfinite_*: the gradients of chosen global steps made non-finite."""
     if not (self.inject_every or self.inject_steps):
       return grads
-    step = self.global_step.read_value()
-    hit = tf.constant(False)
-    if self.inject_every:
-      hit = tf.logical_or(hit, tf.logical_and(step > 0, step % self.inject_every == 0))
-    if self.inject_steps:
-      hit = tf.logical_or(hit, tf.reduce_any(tf.equal(step, self.inject_steps)))
-    if self.inject_replica >= 0:
-      replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-      hit = tf.logical_and(hit, tf.equal(replica, self.inject_replica))
-    poison = tf.where(hit, float('inf'), 1.0)
-    first = next(i for i, g in enumerate(grads) if g is not None)
-    return [g * poison if i == first else g for i, g in enumerate(grads)]
+    return inject.nonfinite(grads, self.global_step.read_value(), every=self.inject_every,
+                            steps=self.inject_steps, replica=self.inject_replica)
 
   def _micro_gradients(self, batch):
     with tf.GradientTape() as tape:
@@ -334,7 +378,7 @@ class TrainStep:
         break
       if self.forensics and tf.logical_and(self.stop_at_skip > 0,
                                            tf.equal(self.skipped_steps, self.stop_at_skip)):
-        break  # the trainer replays the skipped step (trainer/forensics.py), then goes on
+        break  # the trainer replays the skipped step (trainer/insight/forensics.py), then goes on
     for k, v in totals.items():
       self._totals[k].assign_add(v)
 
@@ -353,64 +397,4 @@ class TrainStep:
     the stateful metrics' results (reset too)."""
     if self._totals is None:
       return {}
-    sums = {k: float(v.numpy()) for k, v in self._totals.items()}
-    for v in self._totals.values():
-      v.assign(0.0)
-    counted = sums.get('steps', 0.0) - sums.get('nonfinite_loss', 0.0)
-    means = {k: (v / counted if counted else float('nan')) for k, v in sums.items()
-             if k not in COUNTERS}
-    ordered = {'loss': means.pop('loss')} if 'loss' in means else {}
-    ordered.update(means)
-    ordered.update(read_metrics(self.metrics))
-    ordered.update({k: int(sums[k]) for k in COUNTERS if k in sums})
-    return ordered
-
-
-def read_metrics(metrics) -> dict[str, float]:
-  """Host side: {name: result} of stateful Keras metrics, then reset them."""
-  results = {name: float(metric.result()) for name, metric in metrics.items()}
-  for metric in metrics.values():
-    metric.reset_state()
-  return results
-
-
-class EvalLoop:
-  """One pass over a (distributed) dataset inside a tf.function: sums of per-example loss and
-  metrics over every example, divided by the count, so no example is dropped or counted twice;
-  stateful metrics (`Trainer.build_metrics()`) are updated per replica and read on the host."""
-
-  def __init__(self, *, strategy, compute_loss: LossFn, metric_names, metrics=None):
-    self.strategy = strategy
-    self.compute_loss = compute_loss
-    self.metrics = dict(metrics or {})
-    self.metric_names = ('loss', *(n for n in metric_names if n not in self.metrics))
-    self.run = tf.function(self._run)
-
-  def _replica_sums(self, batch):
-    per_example_loss, metrics = self.compute_loss(batch, training=False)
-    sums = {'loss': tf.reduce_sum(tf.cast(per_example_loss, tf.float32))}
-    for name, value in metrics.items():
-      if name in self.metrics:
-        self.metrics[name].update_state(*value)
-      else:
-        sums[name] = tf.reduce_sum(tf.cast(value, tf.float32))
-    count = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
-    return sums, count
-
-  def _run(self, dataset):
-    totals = {k: tf.constant(0.0) for k in self.metric_names}
-    count = tf.constant(0.0)
-    for batch in dataset:
-      sums, n = self.strategy.run(self._replica_sums, args=(batch,))
-      totals = {k: totals[k] + self.strategy.reduce(SUM, sums[k], axis=None) for k in totals}
-      count += self.strategy.reduce(SUM, n, axis=None)
-    return {k: v / count for k, v in totals.items()}, count
-
-  def evaluate(self, dataset) -> dict[str, float]:
-    """Host side: resets the stateful metrics, one pass, {'loss': ..., <metric>: ...}."""
-    for metric in self.metrics.values():
-      metric.reset_state()
-    means, _ = self.run(dataset)
-    results = {k: float(v) for k, v in means.items()}
-    results.update(read_metrics(self.metrics))
-    return results
+    return step_outputs.read(self._totals, self.metrics)

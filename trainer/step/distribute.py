@@ -34,9 +34,10 @@ import urllib.parse
 import tensorflow as tf
 from absl import logging
 
+from trainer import config
 from trainer.errors import ConfigError, UserError
 
-STRATEGIES = ('default', 'mirrored', 'multi_worker', 'tpu')
+STRATEGIES = config.STRATEGIES
 
 
 def check_precision(config) -> None:

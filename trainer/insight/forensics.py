@@ -259,7 +259,7 @@ def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) 
   The whole global batch is replayed, so an example of any replica is in it: each example's
   gradients are the step's (1/global batch x scale in both); only the weight gradients sum more
   examples (all replicas' and micro-batches') than any one replica's in the step."""
-  from trainer.train_step import forward_state_kept
+  from trainer.step.forward_state import forward_state_kept
   with forward_state_kept(model):
     return _replay(model, compute_loss, batch, float(loss_scale))
 

@@ -102,7 +102,7 @@ def audit(model: keras.Model, policy: str | None = None) -> tuple[list[Row], lis
                             'computes in float32 (weights Keras cannot autocast, e.g. '
                             'add_weight(autocast=False) or a raw tf.Variable, or an explicit '
                             'cast); cast inputs and weights to self.compute_dtype in call (see '
-                            'trainer/layers.py), or give the layer dtype="float32" if intended'))
+                            'trainer/nn/layers.py), or give the layer dtype="float32" if intended'))
   for i, out in enumerate(getattr(model, 'outputs', None) or []):
     dtype = keras.backend.standardize_dtype(out.dtype)
     if dtype in LOW:

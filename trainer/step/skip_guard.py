@@ -21,7 +21,7 @@ import sys
 import tensorflow as tf
 
 from trainer.errors import CollapseError
-from trainer.loss_scale import state_variable
+from trainer.step.loss_scale import state_variable
 
 SUM = tf.distribute.ReduceOp.SUM
 SHOWN = 3  # variables named per line

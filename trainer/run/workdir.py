@@ -4,7 +4,7 @@
   <workdir>/config-step-<N>.json      the whole config of a resume at step N that changed keys
   <workdir>/checkpoints/              tf.train.CheckpointManager's ckpt-N files and state file
   <workdir>/tensorboard/              tf.summary events (train/..., eval/...)
-  <workdir>/train.lock                while a training process runs (trainer/workdir_lock.py)
+  <workdir>/train.lock                while a training process runs (trainer/run/lock.py)
 
 Two ways in:
   * `restore_read_only()` for eval, export, sampling and `init_from`: restores the newest readable
@@ -45,7 +45,9 @@ from collections.abc import Callable
 import tensorflow as tf
 from absl import logging
 
-from trainer import checkpoints, distribute, workdir_lock
+from trainer.run import checkpoints
+from trainer.step import distribute
+from trainer.run import lock as workdir_lock
 from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
 

@@ -1,0 +1,103 @@
+"""Builds what a Trainer's hooks make and read, in the order they need it.
+
+`build(trainer, config, workdir, strategy)` sets on the trainer, in this order: `config`
+(validated), `workdir`, `strategy` (multi_worker and TPU set up before anything touches a
+device), `policy`, `datasets` and `total_steps`, then under the strategy's scope `model`,
+`train_metrics` and `eval_metrics`, `global_step`, `metric_names` (from one eager forward pass on
+the first eval batch that checks the hooks' contract: one-line errors before anything is
+written), `loss_scaler`, `learning_rate`, `optimizer` and `train_step`. Nothing here touches the
+run folder; the Runner (trainer/run/runner.py) does.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from trainer import config as config_lib
+from trainer.errors import UserError
+from trainer.run import epochs
+from trainer.run.workdir import local_path
+from trainer.step import contract, distribute, optimizers, precision
+from trainer.step.loss_scale import LossScaler, state_variable
+
+HOOKS = ('build_model', 'build_datasets', 'compute_loss', 'build_optimizer', 'build_metrics',
+         'build_train_step', 'checkpoint_items', 'build_actions')
+# What the framework sets on a Trainer and the methods it owns. The last line holds names that
+# moved to the Runner: a subclass defining one would read as overriding the framework.
+FRAMEWORK_NAMES = frozenset((
+    'config', 'workdir', 'strategy', 'policy', 'datasets', 'total_steps', 'jit_compile', 'model',
+    'train_metrics', 'eval_metrics', 'metric_names', 'global_step', 'loss_scaler',
+    'learning_rate', 'optimizer', 'train_step', 'runner',
+    'train', 'evaluate', 'request_stop',
+    'save', 'restore', 'numerics', 'actions', 'checkpoint', 'run_dir', 'eval_loop', 'run_steps',
+    'log_progress', 'check_finite_state', 'checkpoint_variables', 'is_chief'))
+
+
+def check_names(cls_name: str, names: Iterable[str]) -> None:
+  """UserError naming the first of `names` (a subclass's or an instance's) the framework owns."""
+  taken = sorted(n for n in names if n in FRAMEWORK_NAMES)
+  if taken:
+    name = taken[0]
+    raise UserError(f'{cls_name}.{name}: {name!r} is a name the framework owns on a Trainer; '
+                    f'rename yours (e.g. my_{name}). A subclass defines the hooks '
+                    f'{", ".join(HOOKS)}, and names of its own')
+
+
+def jit(setting: str) -> bool:
+  """config.train.jit_compile: 'auto' is on where XLA pays (GPU, TPU), off on CPU."""
+  if setting == 'auto':
+    return bool(tf.config.list_physical_devices('GPU') or tf.config.list_logical_devices('TPU'))
+  return setting == 'true'
+
+
+def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None) -> None:
+  """Sets the trainer's parts (the module docstring lists them)."""
+  contract.check_hooks(trainer, _base(trainer))  # before any hook runs
+  trainer.config = c = config_lib.validate(config)
+  trainer.workdir = local_path(workdir)
+  # The thread pools before anything starts TF's runtime; then the strategy (multi_worker and
+  # TPU set up before anything touches a device).
+  distribute.set_threads(c)
+  trainer.strategy = strategy or distribute.build(c)
+  distribute.check_batch(trainer.strategy, c.train.batch_size)
+  if c.train.deterministic:
+    tf.config.experimental.enable_op_determinism()
+  keras.utils.set_random_seed(c.seed)
+  trainer.policy = precision.apply(c.precision.policy)
+
+  # A finite train dataset is repeated; one epoch is its cardinality when known.
+  trainer.datasets, steps_per_epoch = epochs.prepare(trainer.build_datasets(), c.train.batch_size)
+  epochs.check_length(trainer.datasets, steps_per_epoch, c)
+  trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
+
+  trainer.jit_compile = jit(c.train.jit_compile)
+  with trainer.strategy.scope():
+    trainer.model = precision.build_model(trainer.build_model, c.precision.float32_layers)
+    # Two sets of the stateful metrics: one the train loop updates, one the eval loop.
+    trainer.train_metrics = trainer.build_metrics()
+    contract.check_metrics(trainer.train_metrics)
+    trainer.eval_metrics = trainer.build_metrics()
+    trainer.global_step = state_variable(0, tf.int64, 'global_step')  # a loss may read it
+    # One eager forward pass builds the model, checks the hooks' contract and tells the metric
+    # names (the datasets were checked by epochs.prepare).
+    batch = contract.first_eval_batch(trainer.datasets)
+    trainer.metric_names = tuple(contract.probe(batch, trainer.compute_loss,
+                                                stateful=trainer.train_metrics))
+    base = _base(trainer)
+    if type(trainer).build_train_step is base.build_train_step:  # a custom step may differ
+      contract.check_gradient(batch, trainer.compute_loss, trainer.model)
+    if c.precision.float8:  # after the probe: quantize needs a built model
+      precision.quantize_float8(trainer.model)
+    trainer.loss_scaler = LossScaler.from_config(c.precision, trainer.policy)
+    trainer.learning_rate = optimizers.schedule(c.optimizer, trainer.total_steps)
+    step = trainer.global_step
+    trainer.optimizer = trainer.build_optimizer(lambda: trainer.learning_rate(step))
+    trainer.train_step = trainer.build_train_step()
+
+
+def _base(trainer) -> Any:
+  """The framework's Trainer class (the last class in the MRO that defines build_model)."""
+  return next(k for k in reversed(type(trainer).__mro__) if 'build_model' in vars(k))
