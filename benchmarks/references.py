@@ -128,7 +128,17 @@ def run_cell(name: str, policy: str, data_root: str, quick: bool, overrides=()) 
 
 
 def run_subprocess(name: str, policy: str, data_root: str, overrides=()) -> dict:
-  """run_cell in a fresh Python; wall and CPU-seconds are the child's whole life."""
+  """run_cell in a fresh Python, tried twice (an intermittent TypeError from the final eval,
+  `tf___log_eval() missing 1 required positional argument`, ended some runs; a retry is a fresh
+  run, reported as such); wall and CPU-seconds are the successful child's whole life."""
+  try:
+    return _run_subprocess(name, policy, data_root, overrides)
+  except RuntimeError as e:
+    logging.warning('%s; trying once more', e)
+    return {**_run_subprocess(name, policy, data_root, overrides), 'retried': str(e)}
+
+
+def _run_subprocess(name, policy, data_root, overrides):
   before = resource.getrusage(resource.RUSAGE_CHILDREN)
   start = time.perf_counter()
   command = [sys.executable, '-m', 'benchmarks.references', f'--cell={name}:{policy}',
