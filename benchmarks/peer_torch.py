@@ -55,6 +55,11 @@ _DATA = flags.DEFINE_string('data', os.path.join(ROOT, '..', 'shared', 'data', '
                             'Folder holding input.txt.')
 _TORCH_PYTHON = flags.DEFINE_string('torch_python', '/work/torchvenv/bin/python',
                                     'Python of the virtual environment holding PyTorch.')
+_TORCH_THREADS = flags.DEFINE_integer('torch_threads', 0, "PyTorch's intra-op threads "
+                                      "(torch.set_num_threads); 0 = PyTorch's default (one per "
+                                      'core). On a machine shared with other jobs its default '
+                                      'OpenMP threads spin waiting for each other (see '
+                                      'docs/references.md).')
 _OUT = flags.DEFINE_string('out', '', "Folder for peer.md and peer.json; '' = print only.")
 _SET = flags.DEFINE_multi_string('set', [], 'key=value overrides of our side\'s config only '
                                  '(e.g. train.intra_op_threads=2), to try settings.')
@@ -94,7 +99,8 @@ def torch_settings(config, precision: str) -> dict:
           'val_fraction': m.val_fraction, 'learning_rate': o.learning_rate,
           'min_learning_rate': o.min_learning_rate, 'schedule': o.schedule,
           'warmup': o.warmup_steps, 'weight_decay': o.weight_decay, 'clip_norm': o.clip_norm,
-          'beta_1': o.beta_1, 'beta_2': o.beta_2, 'epsilon': o.epsilon}
+          'beta_1': o.beta_1, 'beta_2': o.beta_2, 'epsilon': o.epsilon,
+          'threads': _TORCH_THREADS.value}
 
 
 def tf_child(settings: dict) -> dict:
