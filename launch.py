@@ -3,8 +3,8 @@
   python launch.py --config=configs/mnist.py [--workdir=runs/x] [--config.train.batch_size=256]
 
 Without --workdir a new folder under ./runs/ is made; pass the same --workdir again to resume.
---advise suggests layers to keep in float32; --mode=diagnose replays a non-finite step (see the
-README's "Seeing what precision does").
+--advise suggests layers to keep in float32; --mode=diagnose replays a non-finite step (see
+docs/guides/numerics.md).
 A mistake in the command or config is one line naming the culprit, exit code 2. SIGTERM or
 Ctrl-C saves a checkpoint at the end of the current loop and exits with code 0; the same command
 resumes.

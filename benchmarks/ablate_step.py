@@ -46,7 +46,7 @@ def ablated(trainer_class, keep_checks: bool):
 
   class NoCondStep(TrainStep):
     def step(self, iterator):
-      outputs, grads, nonfinite, _ = self.strategy.run(self._replica_step, args=(next(iterator),))
+      outputs, grads, nonfinite, _ = self.strategy.run(self.replica_step, args=(next(iterator),))
       finite = self.all_replicas_finite(nonfinite)
       outputs = {k: self.strategy.reduce(SUM, v, axis=None) for k, v in outputs.items()}
       self.strategy.run(self.apply_gradients, args=(grads,))  # always: no cond

@@ -29,7 +29,7 @@ def get_config():
   config.model_config.val_fraction = 0.1  # the last 10 % of the characters
 
   config.train.batch_size = 64  # sequences of `context` characters per step
-  config.train.steps = 750  # 6 minutes at 2.3 steps/s on 2 quiet CPU cores (README)
+  config.train.steps = 750  # 6 minutes at 2.3 steps/s on 2 quiet CPU cores (docs/results.md)
   config.train.steps_per_loop = 50
   config.train.log_every = 50
   config.train.eval_every = 250  # a full pass over the validation split (~870 windows)

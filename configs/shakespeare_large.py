@@ -6,7 +6,7 @@ Command:
       --config.data.dir=../shared/data/tinyshakespeare --workdir=runs/shakespeare_large
 
 Sized so that a run fits in 20 minutes on a 2-core AVX512-BF16 CPU in mixed_bfloat16. Expected
-result: validation loss about 2.4 (README, Performance): in that time the wider model does not get
+result: validation loss about 2.4 (docs/guides/memory.md): in that time the wider model does not get
 past learning character frequencies, so this config is for measuring speed and memory where mixed
 precision matters; configs/shakespeare.py gives the better model on a CPU. Starts from
 configs/shakespeare.py and sets what differs. With train.remat=True the blocks recompute their

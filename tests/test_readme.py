@@ -1,15 +1,16 @@
-"""The README's "From Python, without launch.py" example runs as written and learns."""
+"""The "From Python, without launch.py" example (docs/guides/model-and-data.md) runs as written
+and learns."""
 import os
 import re
 import subprocess
 import sys
 
+import docblocks
 from conftest import ROOT
 
 
 def test_readme_example_trains(tmp_path):
-  readme = open(os.path.join(ROOT, 'README.md')).read()
-  block = re.search(r'tests/test_readme.py -->\n```python\n(.*?)```', readme, re.S).group(1)
+  block = docblocks.block('runs this block as sine.py')
   (tmp_path / 'sine.py').write_text(block)
   env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='3')
   result = subprocess.run([sys.executable, 'sine.py'], cwd=tmp_path, env=env,

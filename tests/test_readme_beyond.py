@@ -1,34 +1,29 @@
-"""README "Beyond the three hooks": its code blocks, run as written, keep their promises.
+"""The custom-step and metrics guides (docs/guides/): their code blocks, run as written, keep
+their promises.
 
 The GAN block is written to my_project/gan.py and used through the public step contract only:
 one loss scale for two optimizers, both updates skipped together, a resume bit-identical to an
 uninterrupted run. The metric block's AUC equals the rank statistic of the same predictions.
 """
 import importlib
-import os
-import re
 import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import MNIST_DIR, ROOT
+from conftest import MNIST_DIR
+from docblocks import block as doc_block
 from trainer import config as config_lib
-
-
-def readme_block(marker: str) -> str:
-  readme = open(os.path.join(ROOT, 'README.md')).read()
-  return re.search(re.escape(marker) + r'[^\n]*-->\n```python\n(.*?)```', readme, re.S).group(1)
 
 
 @pytest.fixture
 def package(tmp_path, monkeypatch):
-  """The README's blocks as modules of a package `my_project` outside the repository."""
+  """The docs' blocks as modules of a package `my_project` outside the repository."""
   folder = tmp_path / 'src' / 'my_project'
   folder.mkdir(parents=True)
   (folder / '__init__.py').write_text('')
-  (folder / 'gan.py').write_text(readme_block('runs this block as my_project/gan.py'))
+  (folder / 'gan.py').write_text(doc_block('runs this block as my_project/gan.py'))
   monkeypatch.syspath_prepend(str(tmp_path / 'src'))
 
   def forget():  # another test's my_project package may be imported already
@@ -130,8 +125,8 @@ def rank_auc(labels, scores):
 @pytest.fixture
 def zeros(package, tmp_path):
   src = tmp_path / 'src' / 'my_project'
-  (src / 'zeros.py').write_text(readme_block('runs this block as my_project/zeros.py'))
-  target = readme_block('runs this block as my_project/zeros_target.py')
+  (src / 'zeros.py').write_text(doc_block('runs this block as my_project/zeros.py'))
+  target = doc_block('runs this block as my_project/zeros_target.py')
   (src / 'zeros_target.py').write_text(target)
   return package('my_project.zeros'), package('my_project.zeros_target')
 

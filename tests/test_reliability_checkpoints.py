@@ -18,13 +18,13 @@ def trained(workdir, steps=15):
   """A run with checkpoints at 5, 10 and 15; returns {step: weights at that step}."""
   trainer = TinyTrainer(tiny_config(**{'train.steps': steps}), str(workdir))
   snapshots = {}
-  original = trainer.save
+  original = trainer.runner.save
 
   def save():
     snapshots[int(trainer.global_step.numpy())] = weights(trainer)
     return original()
 
-  trainer.save = save
+  trainer.runner.save = save
   trainer.train()
   return snapshots
 

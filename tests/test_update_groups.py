@@ -2,31 +2,18 @@
 private name, skips one group's update on its own, puts BatchNorm's statistics back, keeps its
 stateful metric and resumes bit-identically; a subclass redefining a framework name is one line.
 """
-import glob
 import importlib
-import os
 import re
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import MNIST_DIR, ROOT
+import docblocks
+from conftest import MNIST_DIR
 from tiny import TinyTrainer, tiny_config
 from trainer import UserError
 from trainer import config as config_lib
-
-
-def docs_block(marker: str) -> str:
-  """The python block after `marker` in README.md or a page under docs/."""
-  pages = [os.path.join(ROOT, 'README.md')] + sorted(
-      glob.glob(os.path.join(ROOT, 'docs', '**', '*.md'), recursive=True))
-  for page in pages:
-    found = re.search(re.escape(marker) + r'[^\n]*-->\n```python\n(.*?)```', open(page).read(),
-                      re.S)
-    if found:
-      return found.group(1)
-  raise AssertionError(f'no block marked {marker!r} in README.md or docs/')
 
 
 @pytest.fixture
@@ -34,7 +21,7 @@ def gan2(tmp_path, monkeypatch):
   folder = tmp_path / 'src' / 'my_project'
   folder.mkdir(parents=True)
   (folder / '__init__.py').write_text('')
-  block = docs_block('tests/test_update_groups.py runs this block as my_project/gan2.py')
+  block = docblocks.block('runs this block as my_project/gan2.py')
   # No private name: no attribute or import starting with an underscore but __init__.
   assert not re.search(r'\._(?!_init__)', block)
   assert 'from trainer.' not in block.replace('from trainer.data', '')

@@ -73,12 +73,20 @@ class Trainer:
 
   # ---- hooks -------------------------------------------------------------------------------
   def build_model(self) -> keras.Model:
+    """The Keras model, built once under the strategy's scope and the precision policy (with
+    `precision.float32_layers` in float32); give the last layer `dtype='float32'`."""
     raise NotImplementedError('a Trainer subclass must define build_model()')
 
   def build_datasets(self) -> Datasets:
+    """`Datasets(train, eval, train_examples=0)`: `train` yields global batches
+    (`config.train.batch_size`, drop_remainder=True; repeated by the trainer when finite), `eval`
+    one batched pass over the eval set (trainer/data/ready.py builds both in one call)."""
     raise NotImplementedError('a Trainer subclass must define build_datasets()')
 
   def compute_loss(self, batch: Any, *, training: bool) -> tuple[tf.Tensor, dict[str, Any]]:
+    """`(loss, {name: value})` for one batch of the datasets: the per-example loss `[B]` (the
+    trainer averages it over the global batch) computed from `self.model`, and per-example
+    metrics `[B]` (or a stateful metric's `update_state` arguments, see `build_metrics`)."""
     raise NotImplementedError('a Trainer subclass must define compute_loss()')
 
   def build_optimizer(self, learning_rate) -> keras.optimizers.Optimizer:

@@ -1,6 +1,6 @@
 """A PNG of one or more runs from their TensorBoard events.
 
-  python -m trainer.plot --workdir=runs/a [--workdir=runs/b ...] [--out=runs/a/curves.png]
+  `python -m trainer.insight.plot --workdir=runs/a [--workdir=runs/b ...] [--out=runs/a/curves.png]`
 
 Panels: loss (train solid, eval dashed with dots: a curve when config.train.eval_every is set),
 the first metric (same; accuracy for the MNIST models), learning rate, loss scale (log axis),
@@ -9,7 +9,8 @@ wall-clock time (minutes since the run's first logged point; a resumed run's pau
 gap), which is where the policies' speed difference shows. Several workdirs are drawn on the
 same axes, one colour each, labelled by folder name and precision policy (from the run's
 config.json; 'auto' is shown with what it resolves to on this machine).
-Needs matplotlib (`pip install mpt-trainer[plots]`).
+Needs matplotlib, which the `plots` extra installs (`pip install -e '.[plots]'` in a checkout);
+without it, plotting is a one-line error saying so.
 """
 from __future__ import annotations
 
@@ -68,9 +69,22 @@ def _first_metric(runs) -> str | None:
   return None
 
 
+def pyplot():
+  """matplotlib.pyplot on the Agg backend; a one-line UserError naming the extra when
+  matplotlib is not installed (`pip install -e .` leaves it out)."""
+  try:
+    import matplotlib
+  except ImportError:
+    raise UserError("plotting needs matplotlib, which the 'plots' extra installs: "
+                    "pip install -e '.[plots]' (in a checkout) or pip install matplotlib") from None
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  return plt
+
+
 def render(workdirs: list[str], out: str) -> str:
   """Draws the panels for `workdirs` into the PNG `out`; returns its path."""
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   fig = figure(workdirs)
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   fig.savefig(out, dpi=100)
@@ -80,12 +94,7 @@ def render(workdirs: list[str], out: str) -> str:
 
 def figure(workdirs: list[str]):
   """The matplotlib Figure of the panels for `workdirs`."""
-  try:
-    import matplotlib
-  except ImportError:
-    raise UserError('plotting needs matplotlib: pip install "mpt-trainer[plots]"') from None
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+  plt = pyplot()
 
   runs = [(f'{os.path.basename(os.path.normpath(w))} ({policy_of(w)})', w, read_scalars(w))
           for w in workdirs]

@@ -4,7 +4,7 @@
   mirrored      MirroredStrategy over every local GPU, or the devices in `distribute.devices`
                 ('GPU:0,GPU:1', 'CPU:0,CPU:1', ...)
   multi_worker  MultiWorkerMirroredStrategy; the cluster and this process's task come from the
-                TF_CONFIG environment variable (see the README, "Several GPUs and hosts")
+                TF_CONFIG environment variable (see docs/guides/distribution.md)
   tpu           TPUStrategy via TPUClusterResolver(distribute.tpu): a TPU name, a
                 'grpc://host:port' address, or '' / 'local' for a TPU attached to this host
 
@@ -124,8 +124,8 @@ def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
   text = os.environ.get('TF_CONFIG', '')
   if not text:
     raise UserError("config.distribute.strategy='multi_worker' needs the TF_CONFIG environment "
-                    'variable (cluster and task of this process); see the README, "Several '
-                    'GPUs and hosts".')
+                    'variable (cluster and task of this process); see '
+                    'docs/guides/distribution.md.')
   try:
     tf_config = json.loads(text)
     workers = dict(tf_config['cluster'])

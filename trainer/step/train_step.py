@@ -2,7 +2,7 @@
 
 `Trainer.build_train_step()` returns a `TrainStep`; the default one is a loss-scaled optimizer
 update of `Trainer.compute_loss`. A custom step subclasses `TrainStep` and overrides what differs
-(see "Beyond the three hooks" in the README for a two-optimizer GAN step):
+(docs/guides/custom-steps.md has a two-optimizer GAN step):
 
   variables                   the variables the gradients are for (default: the model's
                               trainable variables); the optimizers are built over them.
