@@ -37,6 +37,10 @@ def _momentum(v):
   return None if 0 <= v < 1 else 'must be in [0, 1) (0 = no momentum)'
 
 
+def _beta(v):
+  return None if 0 <= v < 1 else 'must be in [0, 1)'
+
+
 def _seed(v):
   return None if 0 <= v < 2**32 else 'must be in [0, 2**32) (NumPy and TF take 32-bit seeds)'
 
@@ -88,6 +92,12 @@ SCHEMA: dict[str, Key] = {
     'train.max_to_keep': Key(int, 3, 'checkpoints kept', _positive),
     'train.jit_compile': Key(str, 'auto', "XLA for the per-replica step: 'auto' is on for "
                              'GPU/TPU, off on CPU', _one_of('auto', 'true', 'false')),
+    'train.intra_op_threads': Key(int, 0, "threads of TensorFlow's pool that splits one op "
+                                  "(a matmul) across cores; 0 = TensorFlow's choice (one per "
+                                  'core)', _non_negative),
+    'train.inter_op_threads': Key(int, 0, "threads of TensorFlow's pool that runs independent "
+                                  "ops at once; 0 = TensorFlow's choice (one per core)",
+                                  _non_negative),
     'train.deterministic': Key(bool, False, 'op determinism: a resumed run is bit-identical'),
     'train.grad_accum_steps': Key(int, 1, 'micro-batches per optimizer step: the global batch '
                                   'is split into this many, gradients summed',
@@ -117,11 +127,19 @@ SCHEMA: dict[str, Key] = {
     'optimizer.learning_rate': Key(float, 1e-3, 'peak learning rate', _positive),
     'optimizer.schedule': Key(str, 'constant', 'learning-rate schedule after warm-up',
                               _one_of('constant', 'cosine')),
+    'optimizer.min_learning_rate': Key(float, 0.0, 'cosine only: the rate the decay ends at '
+                                       '(on the last step); 0 = decay to 0', _non_negative),
     'optimizer.warmup_steps': Key(int, 0, 'linear warm-up from 0 to the peak', _non_negative),
     'optimizer.weight_decay': Key(float, 0.0, 'decoupled weight decay', _non_negative),
     'optimizer.clip_norm': Key(float, 0.0, 'global-norm clipping of the unscaled gradients; '
                                '0 = off', _non_negative),
     'optimizer.momentum': Key(float, 0.9, 'momentum (sgd only)', _momentum),
+    'optimizer.beta_1': Key(float, 0.9, "adam and adamw: the first moment's decay rate",
+                            _beta),
+    'optimizer.beta_2': Key(float, 0.999, "adam and adamw: the second moment's decay rate",
+                            _beta),
+    'optimizer.epsilon': Key(float, 1e-7, "adam and adamw: added to the root of the second "
+                             "moment (Keras's default 1e-7; PyTorch's is 1e-8)", _positive),
     'optimizer.fused': Key(bool, True, "fused TF kernels in the update (Keras's results); "
                            "False = Keras's own element-wise update"),
     'optimizer.state_bits': Key(int, 32, 'bits per Adam/AdamW moment element: 32, or 8 (block-'
@@ -331,6 +349,11 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if t.batch_size % t.grad_accum_steps:
     raise ConfigError(f'config.train.batch_size={t.batch_size} must be a multiple of '
                       f'config.train.grad_accum_steps={t.grad_accum_steps}.')
+  o = config.optimizer
+  if o.min_learning_rate > o.learning_rate:
+    raise ConfigError(f'config.optimizer.min_learning_rate={o.min_learning_rate} is above '
+                      f'config.optimizer.learning_rate={o.learning_rate}; the cosine decays '
+                      'from the peak down to the floor: make the floor <= the peak.')
   if config.early_stopping.metric and not t.eval_every:
     raise ConfigError(f'config.early_stopping.metric={config.early_stopping.metric!r} needs '
                       'evals during training: set config.train.eval_every > 0.')

@@ -58,6 +58,9 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   contract.check_hooks(trainer, _base(trainer))  # before any hook runs
   trainer.config = c = config_lib.validate(config)
   trainer.workdir = local_path(workdir)
+  # The thread pools before anything starts TF's runtime; then the strategy (multi_worker and
+  # TPU set up before anything touches a device).
+  distribute.set_threads(c)
   trainer.strategy = strategy or distribute.build(c)
   distribute.check_batch(trainer.strategy, c.train.batch_size)
   if c.train.deterministic:

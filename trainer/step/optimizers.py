@@ -24,8 +24,13 @@ from trainer.step import fused_optimizers
 
 def schedule(opt_config, total_steps: int):
   """step (a scalar tensor) -> learning rate (float32): linear warm-up from 0 over
-  `warmup_steps`, then constant or cosine decay to 0 at `total_steps`."""
+  `warmup_steps`, then constant, or a cosine decay from the peak to `min_learning_rate` (the
+  floor, default 0) at `total_steps`:
+    rate(step) = floor + (peak - floor) * (1 + cos(pi * progress)) / 2,
+    progress = clip((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)
+  (nanoGPT's get_lr, with its lr_decay_iters = total_steps and min_lr = the floor)."""
   peak = float(opt_config.learning_rate)
+  floor = float(opt_config.get('min_learning_rate', 0.0))
   warmup = int(opt_config.warmup_steps)
   kind = opt_config.schedule
   decay_steps = max(total_steps - warmup, 1)
@@ -34,7 +39,7 @@ def schedule(opt_config, total_steps: int):
     step = tf.cast(step, tf.float32)
     if kind == 'cosine':
       progress = tf.clip_by_value((step - warmup) / decay_steps, 0.0, 1.0)
-      rate = 0.5 * peak * (1.0 + tf.cos(math.pi * progress))
+      rate = floor + 0.5 * (peak - floor) * (1.0 + tf.cos(math.pi * progress))
     else:
       rate = tf.constant(peak, tf.float32)
     if warmup > 0:
@@ -75,14 +80,24 @@ def _classes(opt_config):
   return keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.SGD
 
 
+def _moments(opt_config) -> dict:
+  """Adam's beta_1, beta_2 and epsilon from the config (Keras's defaults when a config built
+  without the schema lacks them)."""
+  return {'beta_1': float(opt_config.get('beta_1', 0.9)),
+          'beta_2': float(opt_config.get('beta_2', 0.999)),
+          'epsilon': float(opt_config.get('epsilon', 1e-7))}
+
+
 def _adam(opt_config, learning_rate):
   return _classes(opt_config)[0](learning_rate=learning_rate,
-                                 weight_decay=float(opt_config.weight_decay) or None)
+                                 weight_decay=float(opt_config.weight_decay) or None,
+                                 **_moments(opt_config))
 
 
 def _adamw(opt_config, learning_rate):
   return _classes(opt_config)[1](learning_rate=learning_rate,
-                                 weight_decay=float(opt_config.weight_decay))
+                                 weight_decay=float(opt_config.weight_decay),
+                                 **_moments(opt_config))
 
 
 def _sgd(opt_config, learning_rate):
