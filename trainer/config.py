@@ -181,14 +181,20 @@ SCHEMA: dict[str, Key] = {
                               "'GPU:0,GPU:1'; '' = all local GPUs"),
     'distribute.tpu': Key(str, '', "tpu only: TPU name or 'grpc://host:port'; '' = the TPU "
                           'of this host'),
-    'numerics.every': Key(int, 1000, 'per-layer gradient underflow and activation headroom '
-                          '(TensorBoard numerics/, one log line) at the first log step past '
-                          'every multiple of this many steps; 0 = off', _non_negative),
+    'numerics.every': Key(int, 1000, 'per-layer gradients flushed to zero, subnormal and zero, '
+                          'and activation headroom (TensorBoard numerics/, one log line) at the '
+                          'first log step, then the first log step past every multiple of this '
+                          'many steps; 0 = off', _non_negative),
     'numerics.forensics_first': Key(int, 3, 'skipped steps replayed layer by layer to name the '
                                     'first non-finite layer (<workdir>/forensics/), the first '
                                     'ones', _non_negative),
     'numerics.forensics_every': Key(int, 100, '... then every this-many-th skip; 0 = no more',
                                     _non_negative),
+    'numerics.divergence_factor': Key(float, 10.0, 'a warning line when the logged train loss '
+                                      'passes this many times its running minimum (and the '
+                                      'first loss); 0 = off', _non_negative),
+    'numerics.divergence_stop': Key(bool, False, 'divergence also ends the run (exit status 2; '
+                                    'the newest checkpoint, written before, is kept)'),
     'early_stopping.metric': Key(str, '', "eval metric that stops training when it stops "
                                  "improving (needs train.eval_every > 0); '' = off"),
     'early_stopping.mode': Key(str, 'auto', "'min', 'max', or 'auto' (min for losses and "

@@ -17,10 +17,25 @@ from __future__ import annotations
 import math
 import keras
 import tensorflow as tf
+from absl import logging
 
 from trainer import registry
 from trainer.errors import ConfigError
 from trainer.step import fused_optimizers
+
+def reset_loss_scale_factor(optimizer) -> None:
+  """A Keras 3 optimizer given `loss_scale_factor=F` multiplies the loss by F in its own
+  `scale_loss` and divides every gradient by F in `apply`: on top of the trainer's loss scaling
+  (which never calls the optimizer's `scale_loss`) each update would be F times too small. Reset
+  to None, as Keras's LossScaleOptimizer does with its inner optimizer, with one warning line."""
+  factor = getattr(optimizer, 'loss_scale_factor', None)
+  if factor is not None:
+    name = getattr(optimizer, 'name', type(optimizer).__name__)
+    logging.warning('optimizer %s: loss_scale_factor=%g reset to None: the trainer scales the '
+                    'loss itself (config.precision.loss_scale), and the optimizer would divide '
+                    'every gradient by %g again', name, factor, factor)
+    optimizer.loss_scale_factor = None
+
 
 def schedule(opt_config, total_steps: int):
   """step (a scalar tensor) -> learning rate (float32): linear warm-up from 0 over
