@@ -109,6 +109,9 @@ def _config_error(argv, path, e: Exception) -> str:
     return (f'--config={path}: the file defines no get_config(); a config file returns its '
             'ml_collections.ConfigDict from get_config() (see configs/mnist.py)')
   overrides = [a for a in argv[1:] if a.startswith('--config.')]
+  if path and overrides and _returns_none(path):  # an override found no config to set
+    return (f'--config={path}: get_config() returned None; end it with `return config` (see '
+            'configs/mnist.py)')
   if isinstance(e, (KeyError, AttributeError)) and overrides:
     known = _config_keys(path)
     names = [a.split('=', 1)[0].removeprefix('--config.') for a in overrides]
@@ -124,6 +127,15 @@ def _config_error(argv, path, e: Exception) -> str:
     return f'{culprit}: the config has no key {key}{hint}'
   culprit = overrides[0] if len(overrides) == 1 else f'--config={path}'
   return f'{culprit}: {type(e).__name__}: {e}'
+
+
+def _returns_none(path: str) -> bool:
+  """Whether the config file's get_config() returns None (False when it cannot be loaded)."""
+  from trainer import config as config_lib
+  try:
+    return config_lib.load_file(path.split(':', 1)[0]) is None
+  except Exception:  # only used to name the culprit better; the error is reported anyway
+    return False
 
 
 def _config_keys(path: str) -> list[str]:

@@ -41,7 +41,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from trainer.insight import forensics
+from trainer.insight import files, forensics
 
 HEADROOM_BITS = 2  # keep values at least 2**HEADROOM_BITS below the dtype's maximum
 LOW = ('float16', 'bfloat16')
@@ -295,7 +295,6 @@ def report(trainer_class, config, workdir: str, *, steps: int = 10,
     results = validate(trainer_class, config, workdir, advice.suggested_value,
                        steps=validate_steps)
     text += '\n' + '\n'.join(validation_lines(results, validate_steps)) + '\n'
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'advice.md'), 'w') as f:
-    f.write(text)
+  files.folder(os.path.dirname(os.path.abspath(workdir)), workdir, '--advise')
+  files.write(os.path.join(workdir, 'advice.md'), text, '--advise')  # never through a link
   return text

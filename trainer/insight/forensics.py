@@ -35,9 +35,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from trainer.errors import UserError  # noqa: F401  (forensics.UserError, as before the split)
+from trainer.errors import UserError
 from trainer.insight.forensic_folder import (Forensics, folder_for, load,  # noqa: F401
-                                            save, write_report)
+                                            run_of, save, write_report)
 from trainer.insight.hooks import (Call, float32, float_leaves, is_float, quantized_calls_compiled,
                                    recording, sublayers, to_float32, trainable)
 
@@ -273,8 +273,14 @@ def replay_folder(trainer, folder: str) -> Report:
   writes report.txt / report.json next to it and returns the report."""
   forensics = load(folder)
   forensics.restore_weights(trainer.model)
-  report = replay(trainer.model, trainer.compute_loss, forensics.batch,
-                  loss_scale=forensics.loss_scale)
+  try:
+    report = replay(trainer.model, trainer.compute_loss, forensics.batch,
+                    loss_scale=forensics.loss_scale)
+  except (ValueError, TypeError, KeyError, IndexError, tf.errors.InvalidArgumentError) as e:
+    first = (str(e).strip().splitlines() or [''])[0][:200]
+    raise UserError(f'--forensics={folder}: its batch does not fit the model built from the '
+                    f'config ({type(e).__name__}: {first}); pass the --config of the run that '
+                    'wrote the folder') from None
   report.skipped = forensics.skipped
   write_report(folder, report)
   return report
@@ -291,7 +297,7 @@ def record(trainer, batch, step: int, *, loss_scale: float | None = None,
   report.skipped = skipped
   folder = save(folder_for(trainer.workdir, step), model=trainer.model, batch=batch,
                 loss_scale=scale, step=step, config=trainer.config, policy=trainer.policy,
-                report=report)
+                report=report, run=trainer.workdir)
   logging.warning('step %d: %s (forensics: %s)', step, report.line(), folder)
   return report
 
