@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from trainer import registry
+from trainer import registry, steps_text
 from trainer.errors import ConfigError
 
 
@@ -364,8 +364,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f'config.early_stopping.metric={config.early_stopping.metric!r} needs '
                       'evals during training: set config.train.eval_every > 0.')
   _check_low_precision(config)
-  parse_steps(config.debug.inject_nonfinite_steps)
-  parse_profile_steps(config.train.profile_steps)
+  steps_text.steps(config.debug.inject_nonfinite_steps)
+  steps_text.profile_steps(config.train.profile_steps)
   return config
 
 
@@ -382,29 +382,6 @@ def _check_low_precision(config) -> None:
   if o.state_bits == 8 and o.name not in ('adam', 'adamw'):
     raise ConfigError(f'config.optimizer.state_bits=8 quantizes Adam/AdamW moments; '
                       f'config.optimizer.name={o.name!r} is not adam or adamw: set state_bits=32.')
-
-
-def parse_profile_steps(text: str) -> tuple[int, int] | None:
-  """'' -> None; '10,20' -> (10, 20); anything else raises ConfigError naming
-  config.train.profile_steps (trainer/run/profiling.py traces those steps)."""
-  if not text.strip():
-    return None
-  parts = [p.strip() for p in text.split(',')]
-  if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
-    raise ConfigError(f'config.train.profile_steps={text!r}: give two global steps '
-                      "'start,end' with start < end, e.g. '100,120', or '' for no trace.")
-  return int(parts[0]), int(parts[1])
-
-
-def parse_steps(text: str) -> tuple[int, ...]:
-  """'3, 10,12' -> (3, 10, 12); ConfigError naming config.debug.inject_nonfinite_steps."""
-  steps = []
-  for part in filter(None, (p.strip() for p in text.split(','))):
-    if not part.isdigit():
-      raise ConfigError(f'config.debug.inject_nonfinite_steps={text!r}: {part!r} is not a '
-                        'step number; give comma-separated non-negative integers.')
-    steps.append(int(part))
-  return tuple(sorted(set(steps)))
 
 
 def diff(old: dict, new: dict) -> list[str]:

@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from trainer.config import parse_steps
+from trainer.steps_text import steps as parse_steps
 from trainer.errors import ConfigError
 from trainer.step.loss_scale import all_finite, overwritten, state_variable, update_scalers
 from trainer.step import inject, kept_batch, optimizers
