@@ -36,6 +36,9 @@ def get_config():
   config.train.remat = False  # gradient checkpointing of the blocks a model marks
   config.train.profile_steps = ''  # e.g. '100,120': TF profiler trace into the TensorBoard dir
   config.train.accept_config_change = False  # resume a run with a config that changed
+  config.train.async_checkpoint = False  # write checkpoints in a background thread
+  config.train.recover_tries = 0  # restore the last healthy checkpoint on a collapse; 0 = stop
+  config.train.recover_lr_factor = 1.0  # learning rate x this at each recovery
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.name = 'adam'  # adam, adamw or sgd
