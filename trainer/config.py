@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from trainer import registry
+from trainer import registry, steps_text
 from trainer.errors import ConfigError
 
 
@@ -35,6 +35,10 @@ def _non_negative(v):
 
 def _momentum(v):
   return None if 0 <= v < 1 else 'must be in [0, 1) (0 = no momentum)'
+
+
+def _beta(v):
+  return None if 0 <= v < 1 else 'must be in [0, 1)'
 
 
 def _seed(v):
@@ -88,6 +92,12 @@ SCHEMA: dict[str, Key] = {
     'train.max_to_keep': Key(int, 3, 'checkpoints kept', _positive),
     'train.jit_compile': Key(str, 'auto', "XLA for the per-replica step: 'auto' is on for "
                              'GPU/TPU, off on CPU', _one_of('auto', 'true', 'false')),
+    'train.intra_op_threads': Key(int, 0, "threads of TensorFlow's pool that splits one op "
+                                  "(a matmul) across cores; 0 = TensorFlow's choice (one per "
+                                  'core)', _non_negative),
+    'train.inter_op_threads': Key(int, 0, "threads of TensorFlow's pool that runs independent "
+                                  "ops at once; 0 = TensorFlow's choice (one per core)",
+                                  _non_negative),
     'train.deterministic': Key(bool, False, 'op determinism: a resumed run is bit-identical'),
     'train.grad_accum_steps': Key(int, 1, 'micro-batches per optimizer step: the global batch '
                                   'is split into this many, gradients summed',
@@ -102,16 +112,34 @@ SCHEMA: dict[str, Key] = {
     'train.accept_config_change': Key(bool, False, 'resume a workdir whose recorded config '
                                       'differs in keys other than run length and bookkeeping '
                                       '(see trainer/run/workdir.py); the change is recorded'),
+    'train.async_checkpoint': Key(bool, False, "write checkpoints in TensorFlow's background "
+                                  'thread: the step loop waits only for the copy of the '
+                                  'variables (trainer/run/workdir.py)'),
+    'train.recover_tries': Key(int, 0, 'on a collapse (max_consecutive_skips) or a diverged '
+                               'loss: restore the last healthy checkpoint and go on past the '
+                               'failed data, at most this many times; 0 = stop',
+                               _non_negative),
+    'train.recover_lr_factor': Key(float, 1.0, 'each recovery multiplies the learning rate by '
+                                   'this (kept in the checkpoints)',
+                                   lambda v: None if 0 < v <= 1 else 'must be in (0, 1]'),
     'optimizer.name': Key(str, 'adam', 'a registered optimizer: adam, adamw, sgd or your own '
                           '(trainer.register_optimizer)', registry.check_name),
     'optimizer.learning_rate': Key(float, 1e-3, 'peak learning rate', _positive),
     'optimizer.schedule': Key(str, 'constant', 'learning-rate schedule after warm-up',
                               _one_of('constant', 'cosine')),
+    'optimizer.min_learning_rate': Key(float, 0.0, 'cosine only: the rate the decay ends at '
+                                       '(on the last step); 0 = decay to 0', _non_negative),
     'optimizer.warmup_steps': Key(int, 0, 'linear warm-up from 0 to the peak', _non_negative),
     'optimizer.weight_decay': Key(float, 0.0, 'decoupled weight decay', _non_negative),
     'optimizer.clip_norm': Key(float, 0.0, 'global-norm clipping of the unscaled gradients; '
                                '0 = off', _non_negative),
     'optimizer.momentum': Key(float, 0.9, 'momentum (sgd only)', _momentum),
+    'optimizer.beta_1': Key(float, 0.9, "adam and adamw: the first moment's decay rate",
+                            _beta),
+    'optimizer.beta_2': Key(float, 0.999, "adam and adamw: the second moment's decay rate",
+                            _beta),
+    'optimizer.epsilon': Key(float, 1e-7, "adam and adamw: added to the root of the second "
+                             "moment (Keras's default 1e-7; PyTorch's is 1e-8)", _positive),
     'optimizer.fused': Key(bool, True, "fused TF kernels in the update (Keras's results); "
                            "False = Keras's own element-wise update"),
     'optimizer.state_bits': Key(int, 32, 'bits per Adam/AdamW moment element: 32, or 8 (block-'
@@ -153,14 +181,20 @@ SCHEMA: dict[str, Key] = {
                               "'GPU:0,GPU:1'; '' = all local GPUs"),
     'distribute.tpu': Key(str, '', "tpu only: TPU name or 'grpc://host:port'; '' = the TPU "
                           'of this host'),
-    'numerics.every': Key(int, 1000, 'per-layer gradient underflow and activation headroom '
-                          '(TensorBoard numerics/, one log line) at the first log step past '
-                          'every multiple of this many steps; 0 = off', _non_negative),
+    'numerics.every': Key(int, 1000, 'per-layer gradients flushed to zero, subnormal and zero, '
+                          'and activation headroom (TensorBoard numerics/, one log line) at the '
+                          'first log step, then the first log step past every multiple of this '
+                          'many steps; 0 = off', _non_negative),
     'numerics.forensics_first': Key(int, 3, 'skipped steps replayed layer by layer to name the '
                                     'first non-finite layer (<workdir>/forensics/), the first '
                                     'ones', _non_negative),
     'numerics.forensics_every': Key(int, 100, '... then every this-many-th skip; 0 = no more',
                                     _non_negative),
+    'numerics.divergence_factor': Key(float, 10.0, 'a warning line when the logged train loss '
+                                      'passes this many times its running minimum (and the '
+                                      'first loss); 0 = off', _non_negative),
+    'numerics.divergence_stop': Key(bool, False, 'divergence also ends the run (exit status 2; '
+                                    'the newest checkpoint, written before, is kept)'),
     'early_stopping.metric': Key(str, '', "eval metric that stops training when it stops "
                                  "improving (needs train.eval_every > 0); '' = off"),
     'early_stopping.mode': Key(str, 'auto', "'min', 'max', or 'auto' (min for losses and "
@@ -188,6 +222,8 @@ def load_file(path: str) -> ml_collections.ConfigDict:
   import importlib.util
   spec = importlib.util.spec_from_file_location(
       f'_config_{os.path.splitext(os.path.basename(path))[0]}', path)
+  if spec is None or spec.loader is None:
+    raise ConfigError(f'--config={path}: not a Python file (a config file is a .py module)')
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
@@ -321,12 +357,17 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if t.batch_size % t.grad_accum_steps:
     raise ConfigError(f'config.train.batch_size={t.batch_size} must be a multiple of '
                       f'config.train.grad_accum_steps={t.grad_accum_steps}.')
+  o = config.optimizer
+  if o.min_learning_rate > o.learning_rate:
+    raise ConfigError(f'config.optimizer.min_learning_rate={o.min_learning_rate} is above '
+                      f'config.optimizer.learning_rate={o.learning_rate}; the cosine decays '
+                      'from the peak down to the floor: make the floor <= the peak.')
   if config.early_stopping.metric and not t.eval_every:
     raise ConfigError(f'config.early_stopping.metric={config.early_stopping.metric!r} needs '
                       'evals during training: set config.train.eval_every > 0.')
   _check_low_precision(config)
-  parse_steps(config.debug.inject_nonfinite_steps)
-  parse_profile_steps(config.train.profile_steps)
+  steps_text.steps(config.debug.inject_nonfinite_steps)
+  steps_text.profile_steps(config.train.profile_steps)
   return config
 
 
@@ -343,29 +384,6 @@ def _check_low_precision(config) -> None:
   if o.state_bits == 8 and o.name not in ('adam', 'adamw'):
     raise ConfigError(f'config.optimizer.state_bits=8 quantizes Adam/AdamW moments; '
                       f'config.optimizer.name={o.name!r} is not adam or adamw: set state_bits=32.')
-
-
-def parse_profile_steps(text: str) -> tuple[int, int] | None:
-  """'' -> None; '10,20' -> (10, 20); anything else raises ConfigError naming
-  config.train.profile_steps (trainer/run/profiling.py traces those steps)."""
-  if not text.strip():
-    return None
-  parts = [p.strip() for p in text.split(',')]
-  if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
-    raise ConfigError(f'config.train.profile_steps={text!r}: give two global steps '
-                      "'start,end' with start < end, e.g. '100,120', or '' for no trace.")
-  return int(parts[0]), int(parts[1])
-
-
-def parse_steps(text: str) -> tuple[int, ...]:
-  """'3, 10,12' -> (3, 10, 12); ConfigError naming config.debug.inject_nonfinite_steps."""
-  steps = []
-  for part in filter(None, (p.strip() for p in text.split(','))):
-    if not part.isdigit():
-      raise ConfigError(f'config.debug.inject_nonfinite_steps={text!r}: {part!r} is not a '
-                        'step number; give comma-separated non-negative integers.')
-    steps.append(int(part))
-  return tuple(sorted(set(steps)))
 
 
 def diff(old: dict, new: dict) -> list[str]:

@@ -24,6 +24,8 @@ redefined by a subclass: that is a one-line UserError when the class is defined 
 """
 from __future__ import annotations
 
+import time
+
 from typing import Any
 
 import keras
@@ -64,12 +66,13 @@ class Trainer:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
                strategy: tf.distribute.Strategy | None = None):
+    started = time.perf_counter()  # goodput: start-up counts from here
     build.check_names(type(self).__name__, vars(self))  # set before super().__init__()
     # The config validated, then strategy, policy, datasets, model, metrics, optimizer, loss
     # scaler and step, the hook contract checked on the first eval batch before anything is
     # written (trainer/run/build.py).
     build.build(self, config, workdir, strategy)
-    self.runner = Runner(self)
+    self.runner = Runner(self, started=started)
 
   # ---- hooks -------------------------------------------------------------------------------
   def build_model(self) -> keras.Model:

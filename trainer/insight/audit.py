@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import keras
 
-from trainer.errors import UserError
+from trainer.insight import files
 
 LOW = ('float16', 'bfloat16')
 
@@ -135,13 +135,8 @@ def report(trainer) -> str:
   rows, hazards = audit(trainer.model, trainer.policy)
   text = markdown(trainer.model, trainer.policy, rows, hazards)
   path = os.path.join(trainer.workdir, 'audit.md')
-  try:
-    os.makedirs(trainer.workdir, exist_ok=True)
-    with open(path, 'w') as f:
-      f.write(text)
-  except OSError as e:
-    raise UserError(f'--audit: cannot write {path} ({e.strerror}); pass --workdir=<a folder you '
-                    'can write>') from None
+  files.folder(os.path.dirname(trainer.workdir), trainer.workdir, '--audit')
+  files.write(path, text, '--audit')  # never through a link
   return text
 
 

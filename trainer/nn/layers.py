@@ -170,7 +170,9 @@ def _gelu_kept_as_input(x):
 
   def backward(dy):
     x32 = tf.cast(x, tf.float32)
-    cdf = 0.5 * (1.0 + tf.math.erf(x32 * _SQRT_HALF))
+    # Phi(x) = erfc(-x / sqrt 2) / 2: in the left tail 1 + erf(x / sqrt 2) cancels to a few
+    # float32 roundings of 1 (0 below x = -5.9), while erfc keeps Phi's relative accuracy.
+    cdf = 0.5 * tf.math.erfc(-x32 * _SQRT_HALF)
     pdf = _INV_SQRT_2PI * tf.exp(-0.5 * tf.square(x32))
     return tf.cast(tf.cast(dy, tf.float32) * (cdf + x32 * pdf), x.dtype)
 

@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from trainer import config as config_lib
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.step import contract, distribute, low_precision, optimizers, precision
@@ -58,6 +58,9 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   contract.check_hooks(trainer, _base(trainer))  # before any hook runs
   trainer.config = c = config_lib.validate(config)
   trainer.workdir = local_path(workdir)
+  # The thread pools before anything starts TF's runtime; then the strategy (multi_worker and
+  # TPU set up before anything touches a device).
+  distribute.set_threads(c)
   trainer.strategy = strategy or distribute.build(c)
   distribute.check_batch(trainer.strategy, c.train.batch_size)
   if c.train.deterministic:
@@ -69,6 +72,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   trainer.datasets, steps_per_epoch = epochs.prepare(trainer.build_datasets(), c.train.batch_size)
   epochs.check_length(trainer.datasets, steps_per_epoch, c)
   trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
+  _check_against_the_run(c, trainer.total_steps, trainer.strategy.num_replicas_in_sync)
 
   trainer.jit_compile = jit(c.train.jit_compile)
   with trainer.strategy.scope():
@@ -96,6 +100,20 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     trainer.optimizer = trainer.build_optimizer(lambda: trainer.learning_rate(step))
     low_precision.check_optimizer(trainer.optimizer, c)
     trainer.train_step = trainer.build_train_step()
+
+
+def _check_against_the_run(c, total_steps: int, replicas: int) -> None:
+  """Keys that are valid alone but not for this run's length or replicas: one ConfigError."""
+  if c.optimizer.warmup_steps > total_steps:
+    raise ConfigError(f'config.optimizer.warmup_steps={c.optimizer.warmup_steps} is longer than '
+                      f'the run ({total_steps} steps): the learning rate would never reach '
+                      'config.optimizer.learning_rate; shorten the warm-up or train longer')
+  replica = c.debug.inject_nonfinite_replica
+  injecting = c.debug.inject_nonfinite_every or c.debug.inject_nonfinite_steps
+  if injecting and replica >= replicas:
+    raise ConfigError(f'config.debug.inject_nonfinite_replica={replica}: the run has {replicas} '
+                      f'replica(s), numbered 0 to {replicas - 1}; the injection would do '
+                      'nothing. Use -1 for every replica')
 
 
 def _base(trainer) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 from absl import logging
 
-from trainer.config import parse_profile_steps as parse
+from trainer.steps_text import profile_steps as parse
 
 
 class StepProfiler:
@@ -29,7 +29,7 @@ class StepProfiler:
       self.active = True
 
   def after(self, step: int):
-    if self.active and step >= self.window[1]:
+    if self.active and self.window and step >= self.window[1]:
       self.stop()
 
   def stop(self):

@@ -54,6 +54,30 @@ def check_precision(config) -> None:
                       "'auto' or 'none'.")
 
 
+def set_threads(config) -> None:
+  """TensorFlow's op thread pools from `train.intra_op_threads` and `train.inter_op_threads`
+  (0 = TensorFlow's choice, one thread per core for each pool). The pools are made when the
+  runtime starts (the first op or device query), so this must run before: launch.py's Trainer
+  does; in a process that already ran TensorFlow a changed value is a ConfigError."""
+  threading = tf.config.threading
+  for key, get, set_ in (
+      ('intra_op_threads', threading.get_intra_op_parallelism_threads,
+       threading.set_intra_op_parallelism_threads),
+      ('inter_op_threads', threading.get_inter_op_parallelism_threads,
+       threading.set_inter_op_parallelism_threads)):
+    wanted = int(config.train.get(key, 0))
+    if wanted == 0 or get() == wanted:
+      continue
+    try:
+      set_(wanted)
+    except RuntimeError:
+      raise ConfigError(
+          f'config.train.{key}={wanted}: TensorFlow already started in this process with '
+          f'{get() or "its default"} (the pools are fixed when the first op runs); build the '
+          'Trainer before running any TensorFlow op, or leave the key at 0') from None
+    logging.info('TensorFlow %s: %d threads', key.replace('_threads', ''), wanted)
+
+
 def build(config) -> tf.distribute.Strategy:
   """The strategy named by `config.distribute.strategy` (config already validated)."""
   check_precision(config)
@@ -120,8 +144,22 @@ def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
     raise UserError(f'TF_CONFIG: task index {index} is not in the cluster: {task_type!r} has '
                     f'{len(workers[task_type])} address(es), so the index must be in '
                     f'[0, {len(workers[task_type])}).')
+  for kind, addresses in workers.items():
+    for address in addresses if isinstance(addresses, list) else [addresses]:
+      if not _is_address(address):
+        raise UserError(f'TF_CONFIG: {address!r} in cluster.{kind} is not an address; each '
+                        'is a string "host:port" with a port in [1, 65535], such as '
+                        '"10.0.0.2:2222".')
   logging.info('multi_worker: cluster %s, this task %s:%s', workers, task_type, index)
   return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def _is_address(address) -> bool:
+  """'host:port' (an IPv6 host in brackets) with a port in [1, 65535]."""
+  if not isinstance(address, str):
+    return False
+  host, _, port = address.rpartition(':')
+  return bool(host.strip('[]')) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _tpu(tpu: str) -> tf.distribute.TPUStrategy:
