@@ -211,7 +211,9 @@ def test_chunked_attention_equals_full_to_float32_rounding(time, chunk):
   full, chunked, x = _attention_pair('float32', time, chunk)
   for a, b in zip(tf.function(lambda x: _value_and_grads(chunked, x))(x),
                   _value_and_grads(full, x)):
-    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    # float32 rounding of sums of terms as large as the tensor's largest element
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5,
+                               atol=1e-5 * np.abs(b.numpy()).max())
 
 
 def test_chunked_attention_in_bfloat16_within_bfloat16_rounding():

@@ -231,3 +231,20 @@ def test_mirrored_skip_and_resume(tmp_path):
     assert r['changed_by_next'], setting
     assert r['replicas_differ'] == [], setting
     assert r['resume_differs'] == [], setting
+
+
+@pytest.mark.parametrize('name', ['adam', 'adamw', 'sgd'])
+def test_built_from_the_config_with_its_hyperparameters(name):
+  from trainer import config as config_lib
+  from trainer.step import optimizers
+  config = config_lib.validate(tiny_config(**runs.overrides('bfloat16_kahan', name, **{
+      'optimizer.beta_1': 0.8, 'optimizer.beta_2': 0.99, 'optimizer.epsilon': 1e-6,
+      'optimizer.momentum': 0.5})))
+  optimizer = optimizers.build(config.optimizer, 1e-3, master_weights='bfloat16_kahan')
+  assert isinstance(optimizer, low_precision.CLASSES[name])
+  assert optimizer.master_weights == 'bfloat16_kahan'
+  assert optimizer.weight_decay == pytest.approx(0.01)
+  if name == 'sgd':
+    assert optimizer.momentum == 0.5
+  else:
+    assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.8, 0.99, 1e-6)

@@ -85,6 +85,10 @@ def build(opt_config, learning_rate, *, master_weights: str = 'float32', seed: i
                 weight_decay=float(opt_config.weight_decay) or None)
   if opt_config.name == 'sgd':
     kwargs['momentum'] = opt_config.momentum
+  else:
+    kwargs.update(_moments(opt_config))
+  if opt_config.name == 'adamw':
+    kwargs['weight_decay'] = float(opt_config.weight_decay)
   return low_precision.CLASSES[opt_config.name](**kwargs)
 
 
