@@ -85,3 +85,17 @@ def test_step_ablation_runs_every_contender():
   rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:] if line.strip()}
   assert set(rows) == {'ours', 'no_cond', 'bare', 'no_forensics', 'no_guard', 'fit'}, done.stdout
   assert all(float(row[1]) > 0 for row in rows.values())  # steps per second
+
+
+def test_memory_breakdown_setting_and_table():
+  from benchmarks import memory
+  assert memory._parse_setting('bf16 sr:mixed_bfloat16,precision.master_weights=bfloat16_sr,'
+                               'train.remat=true') == (
+      'bf16 sr', 'mixed_bfloat16', True,
+      ['precision.master_weights=bfloat16_sr', 'train.remat=true'])
+  rows = [{'label': 'a', 'bytes_per_param': 12.0, 'step_mib': 200.0, 'kept_mib': 100.0},
+          {'label': 'b', 'bytes_per_param': 4.0, 'step_mib': 120.0, 'kept_mib': 50.0}]
+  table = memory.markdown(rows).splitlines()
+  assert table[0].startswith('| setting | bytes/param |')
+  assert table[3].startswith('| b | 4.0 |')
+  assert '120 (0.60x)' in table[3] and '50 (0.50x)' in table[3]
