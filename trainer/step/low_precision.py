@@ -145,6 +145,8 @@ class _LowPrecision:
   """The update for bfloat16 weights and 8-bit moments, mixed in ahead of a fused optimizer.
   Variables it does not manage (float32 weights with 32-bit state) take the fused update."""
 
+  iterations: tf.Variable  # the Keras optimizer's (an annotation only: no class attribute)
+
   def __init__(self, *args, master_weights: str = 'float32', state_bits: int = 32,
                seed: int = 0, step=None, **kwargs):
     super().__init__(*args, **kwargs)
