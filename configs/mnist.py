@@ -34,6 +34,9 @@ def get_config():
   config.train.remat = False  # gradient checkpointing of the blocks a model marks
   config.train.profile_steps = ''  # e.g. '100,120': TF profiler trace into the TensorBoard dir
   config.train.accept_config_change = False  # resume a run with a config that changed
+  config.train.async_checkpoint = False  # saves written in the background (copy, then write)
+  config.train.recover_tries = 0  # on a collapse or divergence: back to the last healthy ckpt
+  config.train.recover_lr_factor = 1.0  # each recovery multiplies the learning rate by this
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.name = 'adam'  # adam, adamw or sgd
