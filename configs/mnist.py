@@ -28,25 +28,32 @@ def get_config():
   config.train.checkpoint_every = 500  # in steps; also at the end
   config.train.max_to_keep = 3  # checkpoints kept
   config.train.jit_compile = 'auto'  # XLA for the per-replica step: auto = on for GPU/TPU
+  config.train.intra_op_threads = 0  # TF's pool splitting one op; 0 = TF's choice
+  config.train.inter_op_threads = 0  # TF's pool running independent ops; 0 = TF's choice
   config.train.deterministic = False  # op determinism (slower); resumed runs bit-identical
   config.train.grad_accum_steps = 1  # micro-batches per step (batch_size must be a multiple)
   config.train.init_from = ''  # another run's workdir: start from its model weights
   config.train.remat = False  # gradient checkpointing of the blocks a model marks
   config.train.profile_steps = ''  # e.g. '100,120': TF profiler trace into the TensorBoard dir
   config.train.accept_config_change = False  # resume a run with a config that changed
-  config.train.async_checkpoint = False  # saves written in the background (copy, then write)
-  config.train.recover_tries = 0  # on a collapse or divergence: back to the last healthy ckpt
-  config.train.recover_lr_factor = 1.0  # each recovery multiplies the learning rate by this
+  config.train.async_checkpoint = False  # write checkpoints in a background thread
+  config.train.recover_tries = 0  # restore the last healthy checkpoint on a collapse; 0 = stop
+  config.train.recover_lr_factor = 1.0  # learning rate x this at each recovery
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.name = 'adam'  # adam, adamw or sgd
   config.optimizer.learning_rate = 1e-3  # peak rate
-  config.optimizer.schedule = 'cosine'  # constant or cosine (decays to 0 at the last step)
+  config.optimizer.schedule = 'cosine'  # constant or cosine (decays to the floor at the last step)
+  config.optimizer.min_learning_rate = 0.0  # cosine's floor, reached at the last step
   config.optimizer.warmup_steps = 0  # linear warm-up from 0 to the peak
   config.optimizer.weight_decay = 0.0  # decoupled weight decay
   config.optimizer.clip_norm = 0.0  # global-norm clipping of the unscaled gradients; 0 = off
   config.optimizer.momentum = 0.9  # sgd only
+  config.optimizer.beta_1 = 0.9  # adam/adamw: first-moment decay
+  config.optimizer.beta_2 = 0.999  # adam/adamw: second-moment decay
+  config.optimizer.epsilon = 1e-7  # adam/adamw: Keras's default (PyTorch's is 1e-8)
   config.optimizer.fused = True  # fused TF kernels in the update; False = Keras's own ops
+  config.optimizer.state_bits = 32  # 8: Adam/AdamW moments block-wise quantized to one byte
 
   config.precision = ml_collections.ConfigDict()
   config.precision.policy = 'auto'  # float32, mixed_float16, mixed_bfloat16 or auto
@@ -60,6 +67,7 @@ def get_config():
   config.precision.hysteresis = 1  # non-finite steps in a row before backing off
   config.precision.float8 = False  # float8 Dense layers (model.quantize('float8'))
   config.precision.float32_layers = ''  # e.g. 'dense,conv2d': layers kept float32 (--advise)
+  config.precision.master_weights = 'float32'  # or bfloat16_sr / bfloat16_kahan (mixed_bfloat16)
   config.precision.max_consecutive_skips = 50  # skipped steps in a row that stop the run; 0 = off
   config.precision.allow_low_precision_variables = False  # float16/bfloat16 weights allowed
 
@@ -72,6 +80,8 @@ def get_config():
   config.numerics.every = 1000  # per-layer underflow/headroom statistics, in steps; 0 = off
   config.numerics.forensics_first = 3  # the first skipped steps replayed to name the layer
   config.numerics.forensics_every = 100  # then every 100th skip; both 0 = off
+  config.numerics.divergence_factor = 10.0  # warn when the loss passes 10x its running minimum
+  config.numerics.divergence_stop = False  # True: divergence also ends the run (exit status 2)
 
   config.early_stopping = ml_collections.ConfigDict()
   config.early_stopping.metric = ''  # eval metric to stop on (needs train.eval_every); '' = off

@@ -104,17 +104,17 @@ def test_recovery_gives_up_after_its_tries(tmp_path):
   assert trainer.runner.recoveries == 1
 
 
-def test_divergence_rule():
-  assert health.diverged(float('nan'), 1.0) and health.diverged(float('inf'), math.inf)
-  assert not health.diverged(3.9, 1.0) and health.diverged(4.1, 1.0)
-  assert not health.diverged(-5.0, -1.0)  # a negative loss has no multiplicative rule
+def test_health_test():
   h = health.Health()
   assert h.healthy(0) and not h.healthy(1)  # no loss logged (a custom step): its skips alone
-  h.observe(2.0)
-  h.observe(1.0)
+  h.observe(2.0, diverged=False)
   assert h.healthy(0) and not h.healthy(1)  # a skipped step at the save
-  h.observe(5.0)
-  assert not h.healthy(0) and h.lowest == 1.0
+  h.observe(50.0, diverged=True)  # the divergence monitor's word (trainer/insight/divergence.py)
+  assert not h.healthy(0) and h.loss == 50.0
+  h.observe(float('nan'), diverged=False)  # a non-finite loss is never healthy
+  assert not h.healthy(0)
+  h.observe(1.0, diverged=False)
+  assert h.healthy(0)
 
 
 def test_goodput_shares_sum_to_one_and_count_compilation():

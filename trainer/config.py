@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from trainer import registry
+from trainer import registry, steps_text
 from trainer.errors import ConfigError
 
 
@@ -37,6 +37,10 @@ def _momentum(v):
   return None if 0 <= v < 1 else 'must be in [0, 1) (0 = no momentum)'
 
 
+def _beta(v):
+  return None if 0 <= v < 1 else 'must be in [0, 1)'
+
+
 def _seed(v):
   return None if 0 <= v < 2**32 else 'must be in [0, 2**32) (NumPy and TF take 32-bit seeds)'
 
@@ -54,6 +58,9 @@ POLICIES = ('auto', *PRECISION_POLICIES)
 LOSS_SCALE_MODES = ('none', 'static', 'dynamic')
 LOSS_SCALES = ('auto', *(m for m in LOSS_SCALE_MODES if m != 'static'))  # static: a number
 STRATEGIES = ('default', 'mirrored', 'multi_worker', 'tpu')
+MASTER_WEIGHTS = ('float32', 'bfloat16_sr', 'bfloat16_kahan')  # trainer/step/low_precision.py
+STATE_BITS = (32, 8)
+LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/step/low_precision.py has
 
 
 def _loss_scale(v):
@@ -85,6 +92,12 @@ SCHEMA: dict[str, Key] = {
     'train.max_to_keep': Key(int, 3, 'checkpoints kept', _positive),
     'train.jit_compile': Key(str, 'auto', "XLA for the per-replica step: 'auto' is on for "
                              'GPU/TPU, off on CPU', _one_of('auto', 'true', 'false')),
+    'train.intra_op_threads': Key(int, 0, "threads of TensorFlow's pool that splits one op "
+                                  "(a matmul) across cores; 0 = TensorFlow's choice (one per "
+                                  'core)', _non_negative),
+    'train.inter_op_threads': Key(int, 0, "threads of TensorFlow's pool that runs independent "
+                                  "ops at once; 0 = TensorFlow's choice (one per core)",
+                                  _non_negative),
     'train.deterministic': Key(bool, False, 'op determinism: a resumed run is bit-identical'),
     'train.grad_accum_steps': Key(int, 1, 'micro-batches per optimizer step: the global batch '
                                   'is split into this many, gradients summed',
@@ -114,13 +127,24 @@ SCHEMA: dict[str, Key] = {
     'optimizer.learning_rate': Key(float, 1e-3, 'peak learning rate', _positive),
     'optimizer.schedule': Key(str, 'constant', 'learning-rate schedule after warm-up',
                               _one_of('constant', 'cosine')),
+    'optimizer.min_learning_rate': Key(float, 0.0, 'cosine only: the rate the decay ends at '
+                                       '(on the last step); 0 = decay to 0', _non_negative),
     'optimizer.warmup_steps': Key(int, 0, 'linear warm-up from 0 to the peak', _non_negative),
     'optimizer.weight_decay': Key(float, 0.0, 'decoupled weight decay', _non_negative),
     'optimizer.clip_norm': Key(float, 0.0, 'global-norm clipping of the unscaled gradients; '
                                '0 = off', _non_negative),
     'optimizer.momentum': Key(float, 0.9, 'momentum (sgd only)', _momentum),
+    'optimizer.beta_1': Key(float, 0.9, "adam and adamw: the first moment's decay rate",
+                            _beta),
+    'optimizer.beta_2': Key(float, 0.999, "adam and adamw: the second moment's decay rate",
+                            _beta),
+    'optimizer.epsilon': Key(float, 1e-7, "adam and adamw: added to the root of the second "
+                             "moment (Keras's default 1e-7; PyTorch's is 1e-8)", _positive),
     'optimizer.fused': Key(bool, True, "fused TF kernels in the update (Keras's results); "
                            "False = Keras's own element-wise update"),
+    'optimizer.state_bits': Key(int, 32, 'bits per Adam/AdamW moment element: 32, or 8 (block-'
+                                'wise quantized, trainer/step/low_precision.py)', lambda v: None
+                                if v in STATE_BITS else 'must be 32 or 8'),
     'precision.policy': Key(str, 'auto', 'dtype policy', _one_of(*POLICIES)),
     'precision.loss_scale': Key(str, 'auto', "'auto', 'none', 'dynamic' or a static number",
                                 _loss_scale),
@@ -140,6 +164,11 @@ SCHEMA: dict[str, Key] = {
     'precision.float32_layers': Key(str, '', 'comma-separated layer names computed in float32 '
                                     "under a mixed policy (and the layers inside them); '' = "
                                     'none (launch.py --advise suggests a value)'),
+    'precision.master_weights': Key(str, 'float32', "the weights the optimizer updates: "
+                                    "'float32', or bfloat16 (mixed_bfloat16 only) rounded "
+                                    "stochastically ('bfloat16_sr') or Kahan-compensated "
+                                    "('bfloat16_kahan'); trainer/step/low_precision.py",
+                                    _one_of(*MASTER_WEIGHTS)),
     'precision.max_consecutive_skips': Key(int, 50, 'skipped steps in a row that stop training '
                                            'with an error; 0 = never stop', _non_negative),
     'precision.allow_low_precision_variables': Key(
@@ -152,14 +181,20 @@ SCHEMA: dict[str, Key] = {
                               "'GPU:0,GPU:1'; '' = all local GPUs"),
     'distribute.tpu': Key(str, '', "tpu only: TPU name or 'grpc://host:port'; '' = the TPU "
                           'of this host'),
-    'numerics.every': Key(int, 1000, 'per-layer gradient underflow and activation headroom '
-                          '(TensorBoard numerics/, one log line) at the first log step past '
-                          'every multiple of this many steps; 0 = off', _non_negative),
+    'numerics.every': Key(int, 1000, 'per-layer gradients flushed to zero, subnormal and zero, '
+                          'and activation headroom (TensorBoard numerics/, one log line) at the '
+                          'first log step, then the first log step past every multiple of this '
+                          'many steps; 0 = off', _non_negative),
     'numerics.forensics_first': Key(int, 3, 'skipped steps replayed layer by layer to name the '
                                     'first non-finite layer (<workdir>/forensics/), the first '
                                     'ones', _non_negative),
     'numerics.forensics_every': Key(int, 100, '... then every this-many-th skip; 0 = no more',
                                     _non_negative),
+    'numerics.divergence_factor': Key(float, 10.0, 'a warning line when the logged train loss '
+                                      'passes this many times its running minimum (and the '
+                                      'first loss); 0 = off', _non_negative),
+    'numerics.divergence_stop': Key(bool, False, 'divergence also ends the run (exit status 2; '
+                                    'the newest checkpoint, written before, is kept)'),
     'early_stopping.metric': Key(str, '', "eval metric that stops training when it stops "
                                  "improving (needs train.eval_every > 0); '' = off"),
     'early_stopping.mode': Key(str, 'auto', "'min', 'max', or 'auto' (min for losses and "
@@ -320,35 +355,33 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if t.batch_size % t.grad_accum_steps:
     raise ConfigError(f'config.train.batch_size={t.batch_size} must be a multiple of '
                       f'config.train.grad_accum_steps={t.grad_accum_steps}.')
+  o = config.optimizer
+  if o.min_learning_rate > o.learning_rate:
+    raise ConfigError(f'config.optimizer.min_learning_rate={o.min_learning_rate} is above '
+                      f'config.optimizer.learning_rate={o.learning_rate}; the cosine decays '
+                      'from the peak down to the floor: make the floor <= the peak.')
   if config.early_stopping.metric and not t.eval_every:
     raise ConfigError(f'config.early_stopping.metric={config.early_stopping.metric!r} needs '
                       'evals during training: set config.train.eval_every > 0.')
-  parse_steps(config.debug.inject_nonfinite_steps)
-  parse_profile_steps(config.train.profile_steps)
+  _check_low_precision(config)
+  steps_text.steps(config.debug.inject_nonfinite_steps)
+  steps_text.profile_steps(config.train.profile_steps)
   return config
 
 
-def parse_profile_steps(text: str) -> tuple[int, int] | None:
-  """'' -> None; '10,20' -> (10, 20); anything else raises ConfigError naming
-  config.train.profile_steps (trainer/run/profiling.py traces those steps)."""
-  if not text.strip():
-    return None
-  parts = [p.strip() for p in text.split(',')]
-  if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
-    raise ConfigError(f'config.train.profile_steps={text!r}: give two global steps '
-                      "'start,end' with start < end, e.g. '100,120', or '' for no trace.")
-  return int(parts[0]), int(parts[1])
-
-
-def parse_steps(text: str) -> tuple[int, ...]:
-  """'3, 10,12' -> (3, 10, 12); ConfigError naming config.debug.inject_nonfinite_steps."""
-  steps = []
-  for part in filter(None, (p.strip() for p in text.split(','))):
-    if not part.isdigit():
-      raise ConfigError(f'config.debug.inject_nonfinite_steps={text!r}: {part!r} is not a '
-                        'step number; give comma-separated non-negative integers.')
-    steps.append(int(part))
-  return tuple(sorted(set(steps)))
+def _check_low_precision(config) -> None:
+  """precision.master_weights and optimizer.state_bits: what they need (one-line errors)."""
+  p, o = config.precision, config.optimizer
+  if p.master_weights != 'float32' and p.policy != 'mixed_bfloat16':
+    raise ConfigError(f'config.precision.master_weights={p.master_weights!r} needs '
+                      f"config.precision.policy='mixed_bfloat16' (got {p.policy!r}); or set "
+                      "master_weights='float32'.")
+  if p.master_weights != 'float32' and o.name not in LOW_PRECISION_OPTIMIZERS:
+    raise ConfigError(f'config.precision.master_weights={p.master_weights!r} works with '
+                      f'config.optimizer.name adam, adamw or sgd, not {o.name!r}.')
+  if o.state_bits == 8 and o.name not in ('adam', 'adamw'):
+    raise ConfigError(f'config.optimizer.state_bits=8 quantizes Adam/AdamW moments; '
+                      f'config.optimizer.name={o.name!r} is not adam or adamw: set state_bits=32.')
 
 
 def diff(old: dict, new: dict) -> list[str]:

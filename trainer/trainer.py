@@ -94,7 +94,9 @@ class Trainer:
 
   def build_optimizer(self, learning_rate) -> keras.optimizers.Optimizer:
     """`learning_rate` is a no-argument callable (the schedule at the global step)."""
-    return optimizers.build(self.config.optimizer, learning_rate)
+    c = self.config
+    return optimizers.build(c.optimizer, learning_rate, master_weights=c.precision.master_weights,
+                            seed=c.seed, step=self.global_step)
 
   def build_metrics(self) -> dict[str, keras.metrics.Metric]:
     """Stateful Keras metrics by name (e.g. {'auc': keras.metrics.AUC(from_logits=True)}):

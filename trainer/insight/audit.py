@@ -140,13 +140,17 @@ def report(trainer) -> str:
   return text
 
 
-def check_at_start(model: keras.Model, policy: str, allow_low_precision_variables: bool) -> None:
+def check_at_start(model: keras.Model, policy: str, allow_low_precision_variables: bool,
+                   bfloat16_masters: bool = False) -> None:
   """The hazards, when training starts: one warning line each; low-precision variables are a
-  ConfigError unless config.precision.allow_low_precision_variables (then a warning)."""
+  ConfigError unless config.precision.allow_low_precision_variables (then a warning), and
+  expected (not reported) with config.precision.master_weights bfloat16_*."""
   from absl import logging
 
   from trainer.errors import ConfigError
   _, hazards = audit(model, policy)
+  if bfloat16_masters:  # the optimizer rounds them stochastically or Kahan-compensates them
+    hazards = [h for h in hazards if h.kind != 'low-precision variables']
   for h in hazards:
     if h.kind == 'low-precision variables' and not allow_low_precision_variables:
       raise ConfigError(f'build_model: layer {h.layer} ({h.kind}): {h.message}; or set '

@@ -20,7 +20,7 @@ from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
-from trainer.step import contract, distribute, optimizers, precision
+from trainer.step import contract, distribute, low_precision, optimizers, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 
 HOOKS = ('build_model', 'build_datasets', 'compute_loss', 'build_optimizer', 'build_metrics',
@@ -58,6 +58,9 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   contract.check_hooks(trainer, _base(trainer))  # before any hook runs
   trainer.config = c = config_lib.validate(config)
   trainer.workdir = local_path(workdir)
+  # The thread pools before anything starts TF's runtime; then the strategy (multi_worker and
+  # TPU set up before anything touches a device).
+  distribute.set_threads(c)
   trainer.strategy = strategy or distribute.build(c)
   distribute.check_batch(trainer.strategy, c.train.batch_size)
   if c.train.deterministic:
@@ -73,7 +76,9 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
 
   trainer.jit_compile = jit(c.train.jit_compile)
   with trainer.strategy.scope():
-    trainer.model = precision.build_model(trainer.build_model, c.precision.float32_layers)
+    trainer.model = precision.build_model(
+        trainer.build_model, c.precision.float32_layers,
+        bfloat16_variables=c.precision.master_weights != 'float32')
     # Two sets of the stateful metrics: one the train loop updates, one the eval loop.
     trainer.train_metrics = trainer.build_metrics()
     contract.check_metrics(trainer.train_metrics)
@@ -93,6 +98,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     trainer.learning_rate = optimizers.schedule(c.optimizer, trainer.total_steps)
     step = trainer.global_step
     trainer.optimizer = trainer.build_optimizer(lambda: trainer.learning_rate(step))
+    low_precision.check_optimizer(trainer.optimizer, c)
     trainer.train_step = trainer.build_train_step()
 
 

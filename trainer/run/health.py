@@ -7,11 +7,11 @@ when, besides finite, the run was well at its step:
 
   * the last step before the save applied its update (no skipped step in a row at the save:
     the collapse guard's counter is 0), and
-  * the training loss of the latest progress line is finite and has not diverged
-    (`diverged`: more than DIVERGED_FACTOR times the lowest loss logged so far, for a positive
-    loss).
+  * the training loss of the latest progress line is finite and has not diverged (the one rule
+    of divergence: trainer/insight/divergence.py's DivergenceMonitor, which the runner asks at
+    every progress line).
 
-`diverged` is the one rule; issue 16's divergence monitor can replace it. The workdir keeps the
+The workdir keeps the
 newest healthy checkpoint out of rotation (trainer/run/workdir.py) and records it in
 checkpoints/healthy.json, so that a collapse message can name it and a recovery
 (`train.recover_tries`) can restore it.
@@ -20,33 +20,20 @@ from __future__ import annotations
 
 import math
 
-DIVERGED_FACTOR = 4.0
-
-
-def diverged(loss: float, lowest: float) -> bool:
-  """A non-finite loss, or (for positive losses) more than DIVERGED_FACTOR x the lowest one."""
-  if not math.isfinite(loss):
-    return True
-  return math.isfinite(lowest) and lowest > 0 and loss > DIVERGED_FACTOR * lowest
-
-
 class Health:
   """The losses the progress lines logged: `observe` each, `healthy` at a save."""
 
   def __init__(self):
-    self.lowest = math.inf
     self.loss: float | None = None  # the latest logged training loss
     self.bad = False  # the latest logged loss diverged
 
-  def observe(self, loss: float | None) -> bool:
-    """Records a progress line's loss; returns whether it diverged."""
+  def observe(self, loss: float | None, diverged: bool) -> None:
+    """Records a progress line's loss and whether the divergence monitor called it diverged (a
+    non-finite loss always is)."""
     if loss is None:
-      return False
+      return
     self.loss = float(loss)
-    self.bad = diverged(self.loss, self.lowest)
-    if not self.bad:
-      self.lowest = min(self.lowest, self.loss)
-    return self.bad
+    self.bad = bool(diverged) or not math.isfinite(self.loss)
 
   def healthy(self, consecutive_skips: int) -> bool:
     """Whether a save now passes the health test (the module docstring). A step whose outputs

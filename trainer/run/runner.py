@@ -23,8 +23,9 @@ import time
 import tensorflow as tf
 from absl import flags, logging
 
-from trainer.errors import CollapseError, NonFiniteError, UserError
+from trainer.errors import CollapseError, DivergenceError, NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
+from trainer.insight.divergence import DivergenceMonitor
 from trainer.run import (actions, checkpoints, epochs, goodput, health, lifecycle, preemption,
                          profiling, progress)
 from trainer.run.workdir import Workdir
@@ -68,6 +69,7 @@ class Runner:
     self.clock = goodput.Clock(started)
     self.checkpoint = tf.train.Checkpoint(**self.items)
     self.forensics = forensics.RateLimiter(c.numerics.forensics_first, c.numerics.forensics_every)
+    self.divergence = DivergenceMonitor(c.numerics.divergence_factor)
     self.stop_reason: str | None = None
     self.workdir = Workdir(t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items)
     self.is_chief = self.workdir.is_chief  # writes the run folder (multi_worker)
@@ -140,7 +142,8 @@ class Runner:
     metrics. Ends early, with a checkpoint, when an action calls `request_stop`."""
     tr, t = self.trainer, self.config.train
     audit.check_at_start(tr.model, tr.policy,  # precision hazards: one warning line each
-                         self.config.precision.allow_low_precision_variables)
+                         self.config.precision.allow_low_precision_variables,
+                         bfloat16_masters=self.config.precision.master_weights != 'float32')
     step = self.restore()
     total = tr.total_steps
     logging.info('training %s: %d steps, global batch %d, policy %s, loss scale %s, %d '
@@ -154,6 +157,8 @@ class Runner:
     self._train_iterator = iterator  # kept past train(): tearing it down waits for tf.data
     ticker = progress.Progress(total=total, log_every=t.log_every, first_step=step)
     self.numerics.start(step)
+    if self.divergence.factor > 0 and step < total:
+      self.divergence.start(self.first_loss())
     elapsed, steps_timed = 0.0, 0
     last_eval = None
     profiler = profiling.StepProfiler(t.profile_steps, os.path.join(tr.workdir, 'tensorboard'))
@@ -177,12 +182,17 @@ class Runner:
           steps_timed += n
           if ticker.due(step):  # the first call, log_every, the last step, or 30 s passed
             logged = self.log_progress(step, steps_timed / elapsed)
+            line = self.check_divergence(step, logged)  # before this step's save
             self.act('log', step, logged)
             elapsed, steps_timed = 0.0, 0
-            if self.health.observe(logged.get('loss')) and t.recover_tries:
-              step = self.recover(f'the training loss {logged["loss"]:.4g} at step {step} '
-                                  f'diverged (lowest so far {self.health.lowest:.4g})')
-              continue
+            self.health.observe(logged.get('loss'), diverged=line is not None)
+            if line is not None:
+              if t.recover_tries:  # the last healthy checkpoint, unless no try is left
+                restored = self.recover(line)
+                if restored != step:
+                  step = restored
+                  continue
+              self.stop_on_divergence(line)  # with config.numerics.divergence_stop
           # The final eval too, before the last save: what its actions record (best eval,
           # evals without improvement) is in the checkpoint a longer run resumes from.
           if step == total or (t.eval_every and step % t.eval_every == 0):
@@ -253,7 +263,14 @@ class Runner:
     if not self.is_chief:
       return
     tr = self.trainer
-    batch = next(iter(tr.datasets.train.skip(step)))  # the global batch of that step
+    # The step's own batch, kept on the device by the compiled loop when it stopped after the
+    # skip (trainer/step/kept_batch.py: re-reading element N of the pipeline gives another
+    # batch when it reshuffles, augments at random or is non-deterministic).
+    batch = tr.train_step.kept_batch.read() if tr.train_step.kept_batch is not None else None
+    if batch is None:
+      logging.warning('step %d: the skipped step\'s batch was not kept; replaying element %d of '
+                      'datasets.train, which differs when the pipeline reshuffles', step, step)
+      batch = next(iter(tr.datasets.train.skip(step)))
     self.workdir.open_for_writing(step)
     try:
       forensics.record(tr, batch, step,
@@ -333,6 +350,31 @@ class Runner:
         self.write_scalars('goodput', shares, step)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning('goodput not reported (%s: %s)', type(e).__name__, e)
+  def first_loss(self) -> float:
+    """The mean loss of the first eval batch at the current weights (one forward pass): where
+    the divergence monitor's running minimum starts."""
+    tr = self.trainer
+    per_example, _ = tr.compute_loss(contract.first_eval_batch(tr.datasets), training=False)
+    return float(tf.reduce_mean(tf.cast(per_example, tf.float32)))
+
+  def check_divergence(self, step: int, logged: dict[str, float]) -> str | None:
+    """At a log step: the divergence line (trainer/insight/divergence.py), logged as a warning
+    and returned, when the logged loss diverged; else None."""
+    if 'loss' not in logged:
+      return None
+    line = self.divergence.update(step, logged['loss'], float(self.trainer.learning_rate(step)))
+    if line is not None:
+      logging.warning(line)
+    return line
+
+  def stop_on_divergence(self, line: str) -> None:
+    """With config.numerics.divergence_stop: DivergenceError (the newest checkpoint on disk,
+    written before the divergence was seen, stays the newest)."""
+    if self.config.numerics.divergence_stop:
+      newest = self.workdir.latest_checkpoint
+      raise DivergenceError(line + '. Stopped (config.numerics.divergence_stop=True); ' + (
+          f'the newest checkpoint, {newest}, was written before it' if newest else
+          'no checkpoint was written yet'))
 
   def log_eval(self, step: int) -> dict[str, float]:
     """One eval, its line, its scalars and an 'eval' event; the metrics with '_step'."""

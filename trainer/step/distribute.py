@@ -54,6 +54,30 @@ def check_precision(config) -> None:
                       "'auto' or 'none'.")
 
 
+def set_threads(config) -> None:
+  """TensorFlow's op thread pools from `train.intra_op_threads` and `train.inter_op_threads`
+  (0 = TensorFlow's choice, one thread per core for each pool). The pools are made when the
+  runtime starts (the first op or device query), so this must run before: launch.py's Trainer
+  does; in a process that already ran TensorFlow a changed value is a ConfigError."""
+  threading = tf.config.threading
+  for key, get, set_ in (
+      ('intra_op_threads', threading.get_intra_op_parallelism_threads,
+       threading.set_intra_op_parallelism_threads),
+      ('inter_op_threads', threading.get_inter_op_parallelism_threads,
+       threading.set_inter_op_parallelism_threads)):
+    wanted = int(config.train.get(key, 0))
+    if wanted == 0 or get() == wanted:
+      continue
+    try:
+      set_(wanted)
+    except RuntimeError:
+      raise ConfigError(
+          f'config.train.{key}={wanted}: TensorFlow already started in this process with '
+          f'{get() or "its default"} (the pools are fixed when the first op runs); build the '
+          'Trainer before running any TensorFlow op, or leave the key at 0') from None
+    logging.info('TensorFlow %s: %d threads', key.replace('_threads', ''), wanted)
+
+
 def build(config) -> tf.distribute.Strategy:
   """The strategy named by `config.distribute.strategy` (config already validated)."""
   check_precision(config)

@@ -17,15 +17,35 @@ from __future__ import annotations
 import math
 import keras
 import tensorflow as tf
+from absl import logging
 
 from trainer import registry
 from trainer.errors import ConfigError
 from trainer.step import fused_optimizers
 
+def reset_loss_scale_factor(optimizer) -> None:
+  """A Keras 3 optimizer given `loss_scale_factor=F` multiplies the loss by F in its own
+  `scale_loss` and divides every gradient by F in `apply`: on top of the trainer's loss scaling
+  (which never calls the optimizer's `scale_loss`) each update would be F times too small. Reset
+  to None, as Keras's LossScaleOptimizer does with its inner optimizer, with one warning line."""
+  factor = getattr(optimizer, 'loss_scale_factor', None)
+  if factor is not None:
+    name = getattr(optimizer, 'name', type(optimizer).__name__)
+    logging.warning('optimizer %s: loss_scale_factor=%g reset to None: the trainer scales the '
+                    'loss itself (config.precision.loss_scale), and the optimizer would divide '
+                    'every gradient by %g again', name, factor, factor)
+    optimizer.loss_scale_factor = None
+
+
 def schedule(opt_config, total_steps: int):
   """step (a scalar tensor) -> learning rate (float32): linear warm-up from 0 over
-  `warmup_steps`, then constant or cosine decay to 0 at `total_steps`."""
+  `warmup_steps`, then constant, or a cosine decay from the peak to `min_learning_rate` (the
+  floor, default 0) at `total_steps`:
+    rate(step) = floor + (peak - floor) * (1 + cos(pi * progress)) / 2,
+    progress = clip((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)
+  (nanoGPT's get_lr, with its lr_decay_iters = total_steps and min_lr = the floor)."""
   peak = float(opt_config.learning_rate)
+  floor = float(opt_config.get('min_learning_rate', 0.0))
   warmup = int(opt_config.warmup_steps)
   kind = opt_config.schedule
   decay_steps = max(total_steps - warmup, 1)
@@ -34,7 +54,7 @@ def schedule(opt_config, total_steps: int):
     step = tf.cast(step, tf.float32)
     if kind == 'cosine':
       progress = tf.clip_by_value((step - warmup) / decay_steps, 0.0, 1.0)
-      rate = 0.5 * peak * (1.0 + tf.cos(math.pi * progress))
+      rate = floor + 0.5 * (peak - floor) * (1.0 + tf.cos(math.pi * progress))
     else:
       rate = tf.constant(peak, tf.float32)
     if warmup > 0:
@@ -44,14 +64,28 @@ def schedule(opt_config, total_steps: int):
   return learning_rate
 
 
-def build(opt_config, learning_rate) -> keras.optimizers.Optimizer:
+def build(opt_config, learning_rate, *, master_weights: str = 'float32', seed: int = 0,
+          step=None) -> keras.optimizers.Optimizer:
   """The registered builder of `opt_config.name`, called with (opt_config, learning_rate);
-  `learning_rate` is a float or a no-argument callable (Keras 3 calls it every update)."""
+  `learning_rate` is a float or a no-argument callable (Keras 3 calls it every update).
+
+  With bfloat16 `master_weights` (config.precision.master_weights) or
+  `opt_config.state_bits=8`, adam, adamw and sgd are trainer/step/low_precision.py's classes
+  instead, seeded by (`seed`, `step`: the trainer's global step variable)."""
   found = registry.builder(opt_config.name)
   if found is None:
     raise ConfigError(f'config.optimizer.name={opt_config.name!r}: '
                       f'{registry.check_name(opt_config.name)}')
-  return found(opt_config, learning_rate)
+  state_bits = int(opt_config.get('state_bits', 32))
+  if master_weights == 'float32' and state_bits == 32:
+    return found(opt_config, learning_rate)
+  from trainer.step import low_precision  # pylint: disable=import-outside-toplevel
+  kwargs = dict(learning_rate=learning_rate, master_weights=master_weights,
+                state_bits=state_bits, seed=seed, step=step,
+                weight_decay=float(opt_config.weight_decay) or None)
+  if opt_config.name == 'sgd':
+    kwargs['momentum'] = opt_config.momentum
+  return low_precision.CLASSES[opt_config.name](**kwargs)
 
 
 def _classes(opt_config):
@@ -61,14 +95,24 @@ def _classes(opt_config):
   return keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.SGD
 
 
+def _moments(opt_config) -> dict:
+  """Adam's beta_1, beta_2 and epsilon from the config (Keras's defaults when a config built
+  without the schema lacks them)."""
+  return {'beta_1': float(opt_config.get('beta_1', 0.9)),
+          'beta_2': float(opt_config.get('beta_2', 0.999)),
+          'epsilon': float(opt_config.get('epsilon', 1e-7))}
+
+
 def _adam(opt_config, learning_rate):
   return _classes(opt_config)[0](learning_rate=learning_rate,
-                                 weight_decay=float(opt_config.weight_decay) or None)
+                                 weight_decay=float(opt_config.weight_decay) or None,
+                                 **_moments(opt_config))
 
 
 def _adamw(opt_config, learning_rate):
   return _classes(opt_config)[1](learning_rate=learning_rate,
-                                 weight_decay=float(opt_config.weight_decay))
+                                 weight_decay=float(opt_config.weight_decay),
+                                 **_moments(opt_config))
 
 
 def _sgd(opt_config, learning_rate):
