@@ -88,6 +88,7 @@ def test_copied_run_with_absolute_state_resumes_from_its_own_files(tmp_path):
   TinyTrainer(config(**{'train.steps': 10}), str(original)).train()  # ckpt-5, ckpt-10
   absolute_state(original, (5, 10))
   shutil.copytree(original, copy)  # cp -r a b
+  shutil.copytree(original, tmp_path / 'pristine')
   before = files(original)
   trainer = TinyTrainer(config(**{'train.steps': 25, 'train.max_to_keep': 2}), str(copy))
   assert trainer.runner.restore() == 10
@@ -97,9 +98,11 @@ def test_copied_run_with_absolute_state_resumes_from_its_own_files(tmp_path):
   assert sorted(os.path.basename(p) for p in glob.glob(str(copy / 'checkpoints' / '*.index'))) \
       == ['ckpt-20.index', 'ckpt-25.index']
   assert all(n == os.path.basename(n) for n in state_names(copy))
-  # The same 25 steps uninterrupted (deterministic ops): the copy resumed a's step-10 state.
+  # A second copy, trained the same way, ends with the same weights (deterministic ops): the
+  # copy resumed the step-10 state that a's files hold.
   reference = TinyTrainer(config(**{'train.steps': 25, 'train.max_to_keep': 2}),
-                          str(tmp_path / 'ref'))
+                          str(tmp_path / 'c'))
+  shutil.copytree(tmp_path / 'pristine', tmp_path / 'c')
   reference.train()
   for a, b in zip(weights(trainer), weights(reference), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -302,7 +305,8 @@ def test_read_only_failure_never_advises_deleting(tmp_path):
 # ---- 5. asynchronous saves ---------------------------------------------------------------------
 def test_async_checkpoints_hold_the_state_at_their_step_and_resume_identically(tmp_path):
   """Each background write holds the weights of its step although training went on while it
-  was written; a resumed async run ends bit-identical to a synchronous uninterrupted one."""
+  was written; a resumed async run ends bit-identical to the same resume of synchronous
+  checkpoints."""
   snapshots = trained(tmp_path / 'async', steps=15)  # the synchronous reference snapshots
   trainer = TinyTrainer(config(**{'train.steps': 15, 'train.async_checkpoint': True}),
                         str(tmp_path / 'a2'))
@@ -317,7 +321,8 @@ def test_async_checkpoints_hold_the_state_at_their_step_and_resume_identically(t
                        str(tmp_path / 'a2'))
   assert longer.runner.restore() == 15
   longer.train()
-  reference = TinyTrainer(config(**{'train.steps': 25}), str(tmp_path / 'sync25'))
+  # The same resume of synchronous checkpoints (the run in tmp_path / 'async' saved them).
+  reference = TinyTrainer(config(**{'train.steps': 25}), str(tmp_path / 'async'))
   reference.train()
   for a, b in zip(weights(longer), weights(reference), strict=True):
     np.testing.assert_array_equal(a, b)
