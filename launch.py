@@ -46,6 +46,10 @@ _ADVISE = flags.DEFINE_bool('advise', False, 'Run --advise_steps calibration ste
                             'it to <workdir>/advice.md, and exit without training.')
 _ADVISE_STEPS = flags.DEFINE_integer('advise_steps', 10, 'Calibration steps of --advise.',
                                      lower_bound=1)
+_ADVISE_VALIDATE = flags.DEFINE_integer(
+    'advise_validate_steps', 0, 'With --advise: then train this many steps as configured and as '
+    'many with the suggestion, and print each run\'s skipped steps and flushed gradient '
+    'fraction; 0 = no validation.', lower_bound=0)
 flags.register_multi_flags_validator(
     ['config', 'mode', 'forensics'],
     lambda f: f['config'] is not None or (f['mode'] == 'diagnose' and bool(f['forensics'])),
@@ -105,6 +109,9 @@ def _config_error(argv, path, e: Exception) -> str:
     return (f'--config={path}: the file defines no get_config(); a config file returns its '
             'ml_collections.ConfigDict from get_config() (see configs/mnist.py)')
   overrides = [a for a in argv[1:] if a.startswith('--config.')]
+  if path and overrides and _returns_none(path):  # an override found no config to set
+    return (f'--config={path}: get_config() returned None; end it with `return config` (see '
+            'configs/mnist.py)')
   if isinstance(e, (KeyError, AttributeError)) and overrides:
     known = _config_keys(path)
     names = [a.split('=', 1)[0].removeprefix('--config.') for a in overrides]
@@ -120,6 +127,15 @@ def _config_error(argv, path, e: Exception) -> str:
     return f'{culprit}: the config has no key {key}{hint}'
   culprit = overrides[0] if len(overrides) == 1 else f'--config={path}'
   return f'{culprit}: {type(e).__name__}: {e}'
+
+
+def _returns_none(path: str) -> bool:
+  """Whether the config file's get_config() returns None (False when it cannot be loaded)."""
+  from trainer import config as config_lib
+  try:
+    return config_lib.load_file(path.split(':', 1)[0]) is None
+  except Exception:  # only used to name the culprit better; the error is reported anyway
+    return False
 
 
 def _config_keys(path: str) -> list[str]:
@@ -151,7 +167,7 @@ def _diagnose(folder: str | None):
                       'initial weights', trainer.runner.workdir.checkpoint_dir)
       step = 0
     batch = next(iter(trainer.datasets.train.skip(step)))
-    report = forensics.record(trainer, batch, step)
+    report = forensics.record(trainer, batch, step, skipped=False)  # no step skipped it
     print(f'step {step}, loss scale {float(trainer.loss_scaler.scale.numpy()):g}: '
           f'{report.line()}\nforensics: {forensics.folder_for(trainer.workdir, step)}')
     return
@@ -195,7 +211,8 @@ def main(argv):
     if _ADVISE.value:
       from trainer.insight import advisor
       print(advisor.report(models.get_trainer_class(config.model), config,
-                           _WORKDIR.value or _default_workdir(), steps=_ADVISE_STEPS.value))
+                           _WORKDIR.value or _default_workdir(), steps=_ADVISE_STEPS.value,
+                           validate_steps=_ADVISE_VALIDATE.value))
       return
     trainer_class = models.get_trainer_class(config.model)
     trainer = trainer_class(config, _WORKDIR.value or _default_workdir())

@@ -10,6 +10,10 @@ that fits a budget; with --account, what the backward pass keeps, tensor by tens
   python benchmarks/memory.py --model=transformer_lm --set=... --account
   # steps/s per policy and setting, interleaved rounds in one process, with MFU
   python benchmarks/memory.py --model=transformer_lm --set=... --time_rounds=5
+  # the step's memory by component, per setting (label:policy,dotted=value,...)
+  python benchmarks/memory.py --set=... --breakdown \
+      --setting='f32:float32' \
+      --setting='bf16 sr:mixed_bfloat16,precision.master_weights=bfloat16_sr'
 
 Method. Memory: each (policy, remat) runs in a fresh subprocess that imports TensorFlow, Keras
 and the project, reads its peak resident set (VmHWM), then builds the trainer (model, optimizer,
@@ -24,6 +28,13 @@ compute_loss under a tf.GradientTape, at the config's batch); every tensor the f
 and a gradient op reads is what the tape keeps alive until the backward pass reaches it. Their
 bytes are summed by dtype and by the layer that made them. This is exact for the graph, and says
 nothing about the allocator.
+Breakdown (--breakdown, a subprocess per --setting, TF's BFC allocator on the CPU unless
+--noallocator): weights and optimizer state (bytes of the variables), kept for backward (as
+--account), the allocator's peak (the most bytes of live tensors), transient = allocator peak -
+weights - state - kept (the gradients and the largest working set of one op or block), beyond
+the allocator = peak RSS - allocator peak (Python, TF's code and caches, oneDNN's, the input
+pipeline, freed pages malloc keeps), RSS peak and step MiB, and seconds per step (the median of
+--steps steps after one traced step, in that process; noisy on a shared machine).
 Time: every (policy, remat) trainer is built and warmed up in this one process, then
 --time_rounds interleaved rounds; ratios are medians of per-round pairs (the machine may be
 shared: ratios measured seconds apart share its load).
@@ -63,6 +74,14 @@ _ACCOUNT = flags.DEFINE_bool('account', False, 'Tensor-by-tensor account of what
                              'pass keeps.')
 _TIME_ROUNDS = flags.DEFINE_integer('time_rounds', 0, 'Interleaved timing rounds; 0 = off.')
 _ROUND_STEPS = flags.DEFINE_integer('round_steps', 3, 'Steps per contender per timing round.')
+_BREAKDOWN = flags.DEFINE_bool('breakdown', False, 'The step\'s memory by component, per '
+                               '--setting (a subprocess each).')
+_SETTINGS = flags.DEFINE_multi_string('setting', [], 'A --breakdown row: label:policy[,dotted='
+                                      'value...], e.g. "bf16 sr:mixed_bfloat16,precision.'
+                                      'master_weights=bfloat16_sr".')
+_ALLOCATOR = flags.DEFINE_bool('allocator', True, '--breakdown: run the child on TF\'s BFC '
+                               'allocator (its peak is then known; RSS differs from the default '
+                               'allocator\'s).')
 _JSON = flags.DEFINE_string('json_out', '', 'Also write the results here as JSON.')
 _CHILD = flags.DEFINE_string('child', '', 'Internal: JSON spec of one memory measurement.')
 
@@ -99,7 +118,16 @@ def build_config(model: str, config_file: str, overrides: list[str], *, policy: 
   else:
     base = run.model_config(model)
   config = run.variant(base, policy=policy, steps_per_loop=steps_per_loop)
-  for item in overrides:  # after `variant`, so that e.g. train.jit_compile=true applies
+  config.train.remat = remat
+  apply_overrides(config, overrides)  # after `variant`: e.g. train.jit_compile=true applies
+  if batch_size:
+    config.train.batch_size = batch_size
+  return config
+
+
+def apply_overrides(config, items) -> None:
+  """dotted=value items, each value of the type of the key's current value (str when new)."""
+  for item in items:
     key, value = item.split('=', 1)
     current = config
     *path, last = key.split('.')
@@ -108,10 +136,25 @@ def build_config(model: str, config_file: str, overrides: list[str], *, policy: 
     old = current.get(last)
     current[last] = (value.lower() in ('1', 'true') if isinstance(old, bool)
                      else type(old)(value) if old is not None else value)
-  config.train.remat = remat
-  if batch_size:
-    config.train.batch_size = batch_size
-  return config
+
+
+def kept_bytes(trainer) -> int:
+  """Bytes of the forward tensors one gradient computation keeps for the backward pass."""
+  import numpy as np
+  import tensorflow as tf
+  batch = next(iter(trainer.datasets.train))
+  variables = trainer.model.trainable_variables
+
+  @tf.function
+  def grads(batch):
+    with tf.GradientTape() as tape:
+      loss, _ = trainer.compute_loss(batch, training=True)
+      loss = tf.reduce_mean(loss)
+    return loss, tape.gradient(loss, variables)
+
+  kept = kept_for_backward(grads.get_concrete_function(batch).graph)
+  return sum(int(np.prod(t.shape.as_list())) * t.dtype.size for t in kept
+             if t.shape.is_fully_defined())
 
 
 def child(spec: dict) -> None:
@@ -120,30 +163,54 @@ def child(spec: dict) -> None:
   import keras  # noqa: F401
   import tensorflow as tf
   imported = peak_rss_mib()
-  config = build_config(spec['model'], spec['config'], spec['set'], policy=spec['policy'],
-                        remat=spec['remat'], batch_size=spec['batch_size'])
+  config = build_config(spec['model'], spec['config'], spec['set'] + spec.get('extra', []),
+                        policy=spec['policy'], remat=spec['remat'],
+                        batch_size=spec['batch_size'])
   trainer_class = models.get_trainer_class(config.model)
+  extra = {}
   with tempfile.TemporaryDirectory() as workdir:
     trainer = trainer_class(config, workdir)
     built = peak_rss_mib()
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-    trainer.train_step.run(iterator, spec['steps'])
-    int(trainer.global_step.numpy())
+    if spec.get('breakdown'):
+      from trainer.step import low_precision
+      trainer.train_step.run(iterator, 1)  # traced here
+      int(trainer.global_step.numpy())
+      times = []
+      for _ in range(spec['steps']):
+        start = time.perf_counter()
+        trainer.train_step.run(iterator, 1)
+        int(trainer.global_step.numpy())
+        times.append(time.perf_counter() - start)
+      extra.update(step_seconds=statistics.median(times),
+                   weights_mib=low_precision.weight_bytes(trainer.model.weights) / 2**20,
+                   state_mib=low_precision.state_bytes(trainer.optimizer) / 2**20,
+                   kept_mib=kept_bytes(trainer) / 2**20,
+                   params=trainer.model.count_params())
+    else:
+      trainer.train_step.run(iterator, spec['steps'])
+      int(trainer.global_step.numpy())
   peak = peak_rss_mib()
-  extra = {}
   if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # TF's own account of live tensor bytes
     extra['allocator_peak_mib'] = tf.config.experimental.get_memory_info('CPU:0')['peak'] / 2**20
   print(json.dumps({**extra, 'imported_mib': imported, 'built_mib': built, 'peak_mib': peak,
                     'step_mib': peak - imported, 'step_minus_build_mib': peak - built}))
 
 
-def measure(policy: str, remat: bool, batch_size: int | None, kill_mib: float = 0.0) -> dict:
+def measure(policy: str, remat: bool, batch_size: int | None, kill_mib: float = 0.0,
+            extra=(), breakdown: bool = False) -> dict:
   """Runs `child` in a subprocess; {'fits': False} when its resident set passed `kill_mib`
-  (killed then)."""
+  (killed then). `extra`: more dotted=value overrides; `breakdown`: the components too."""
   spec = dict(model=_MODEL.value, config=_CONFIG.value, set=_SET.value, policy=policy,
-              remat=remat, batch_size=batch_size, steps=_STEPS.value)
-  argv = [sys.executable, os.path.abspath(__file__), f'--child={json.dumps(spec)}']
+              remat=remat, batch_size=batch_size, steps=_STEPS.value, extra=list(extra),
+              breakdown=breakdown)
+  argv = [sys.executable, os.path.abspath(__file__), f'--child={json.dumps(spec)}',
+          f'--data_root={run._DATA_ROOT.value}',  # pylint: disable=protected-access
+          *([f'--data_dir={",".join(run._DATA_DIR.value)}']  # pylint: disable=protected-access
+            if run._DATA_DIR.value else [])]  # pylint: disable=protected-access
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+  if breakdown and _ALLOCATOR.value:
+    env['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
   with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile('w+') as err:
     proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env, cwd=ROOT)
     while proc.poll() is None:
@@ -273,22 +340,25 @@ def account(policy: str, remat: bool) -> dict:
                      for s, n, d, sh, o in rows if 'block0_1/' in n]}
 
 
-def timing(settings: list[tuple[str, bool]]) -> dict:
-  """steps/s per (policy, remat), interleaved rounds in this process, and MFU."""
+def timing(settings: list[tuple]) -> dict:
+  """steps/s per (policy, remat), or per (label, policy, remat, overrides) from --setting,
+  interleaved rounds in this process, and MFU."""
   import keras
   import models
   import tensorflow as tf
   from benchmarks import flops
   from benchmarks.contenders import Ours
-  built = []
-  for policy, remat in settings:
-    config = build_config(_MODEL.value, _CONFIG.value, _SET.value, policy=policy, remat=remat,
-                          batch_size=_BATCH.value)
+  built, policies = [], {}
+  for setting in settings:
+    key, policy, remat, extra = (setting, *setting, ()) if len(setting) == 2 else setting
+    config = build_config(_MODEL.value, _CONFIG.value, _SET.value + list(extra), policy=policy,
+                          remat=remat, batch_size=_BATCH.value)
     contender = Ours(models.get_trainer_class(config.model), config)
     contender.timed(1)
     contender.timed(1)
-    built.append(((policy, remat), contender))
-    logging.warning('built %s remat=%s', policy, remat)
+    built.append((key, contender))
+    policies[key] = policy
+    logging.warning('built %s', key)
   step_flops = flops.step_flops(built[0][1].trainer)
   keras.mixed_precision.set_global_policy('float32')
   rates = {k: [] for k, _ in built}
@@ -302,17 +372,66 @@ def timing(settings: list[tuple[str, bool]]) -> dict:
   peaks = {d: flops.matmul_peak(tf.as_dtype(d), 1024) for d in ('float32', 'bfloat16')}
   base = rates[built[0][0]]
   out = {'flops_per_step': step_flops, 'matmul_peak_flops': peaks, 'settings': {}}
-  for (policy, remat), values in rates.items():
+  for key, values in rates.items():
+    policy = policies[key]
     dtype = 'bfloat16' if policy == 'mixed_bfloat16' else 'float32'
     median = statistics.median(values)
-    same_policy_off = rates.get((policy, False))
-    out['settings'][f'{policy} remat={remat}'] = {
+    same_policy_off = rates.get((policy, False)) if isinstance(key, tuple) else None
+    out['settings'][f'{key[0]} remat={key[1]}' if isinstance(key, tuple) else key] = {
         'steps_per_sec': median, 'rounds': values,
         'x_first': statistics.median(a / b for a, b in zip(values, base)),
         'step_time_x_remat_off': (statistics.median(b / a for a, b in zip(values, same_policy_off))
                                   if same_policy_off else None),
         'mfu': step_flops * median / peaks[dtype], 'mfu_of': dtype}
   return out
+
+
+def _parse_setting(setting: str) -> tuple[str, str, bool, list[str]]:
+  """'label:policy,dotted=value,...' -> (label, policy, remat, overrides)."""
+  label, _, rest = setting.partition(':')
+  policy, *items = [p for p in rest.split(',') if p]
+  remat = any(i.lower() in ('train.remat=true', 'train.remat=1') for i in items)
+  return label, policy, remat, items
+
+
+def breakdown(setting: str) -> dict:
+  """One --setting's row: the child's numbers and the components derived from them, MiB."""
+  label, policy, remat, items = _parse_setting(setting)
+  m = measure(policy, remat, _BATCH.value, extra=items, breakdown=True)
+  row = {'label': label, 'policy': policy, 'overrides': items, **m}
+  row['bytes_per_param'] = (m['weights_mib'] + m['state_mib']) * 2**20 / m['params']
+  if 'allocator_peak_mib' in m:
+    row['transient_mib'] = m['allocator_peak_mib'] - m['weights_mib'] - m['state_mib'] - m[
+        'kept_mib']
+    row['beyond_allocator_mib'] = m['peak_mib'] - m['allocator_peak_mib']
+  logging.warning('%s: step %.0f MiB, %.2f s/step', label, m['step_mib'], m['step_seconds'])
+  return row
+
+
+def markdown(rows: list[dict]) -> str:
+  """The --breakdown table, ratios against the first row."""
+  cols = [('bytes/param', 'bytes_per_param', '{:.1f}'), ('weights', 'weights_mib', '{:.1f}'),
+          ('opt. state', 'state_mib', '{:.1f}'), ('kept', 'kept_mib', '{:.0f}'),
+          ('transient', 'transient_mib', '{:.0f}'),
+          ('allocator peak', 'allocator_peak_mib', '{:.0f}'),
+          ('beyond allocator', 'beyond_allocator_mib', '{:.0f}'),
+          ('RSS peak', 'peak_mib', '{:.0f}'),
+          ('step MiB', 'step_mib', '{:.0f}'), ('s/step', 'step_seconds', '{:.2f}')]
+  lines = ['| setting | ' + ' | '.join(c[0] for c in cols) + ' |',
+           '|---' * (len(cols) + 1) + '|']
+  first = rows[0]
+  for r in rows:
+    cells = []
+    for _, key, fmt in cols:
+      if key not in r:
+        cells.append('')
+        continue
+      cell = fmt.format(r[key])
+      if r is not first and key in ('step_mib', 'allocator_peak_mib', 'step_seconds', 'kept_mib'):
+        cell += f' ({r[key] / first[key]:.2f}x)'
+      cells.append(cell)
+    lines.append(f'| {r["label"]} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
 
 
 def main(argv):
@@ -325,10 +444,14 @@ def main(argv):
   settings = [(p, r.lower() == 'true') for p in _POLICY_LIST.value for r in _REMAT.value]
   results = {'model': _MODEL.value, 'config': _CONFIG.value, 'set': _SET.value,
              'batch_size': _BATCH.value, 'steps': _STEPS.value, 'load_average': os.getloadavg()}
-  if _ACCOUNT.value:
+  if _BREAKDOWN.value:
+    results['breakdown'] = rows = [breakdown(s) for s in _SETTINGS.value]
+    results['allocator'] = _ALLOCATOR.value
+    results['table'] = markdown(rows)
+  elif _ACCOUNT.value:
     results['account'] = {f'{p} remat={r}': account(p, r) for p, r in settings}
   elif _TIME_ROUNDS.value:
-    results['time'] = timing(settings)
+    results['time'] = timing([_parse_setting(s) for s in _SETTINGS.value] or settings)
   elif _BUDGET.value:
     results['budget_mib'] = _BUDGET.value
     results['largest_batch'] = {f'{p} remat={r}': largest_batch(p, r, _BUDGET.value,
@@ -342,6 +465,8 @@ def main(argv):
                       m['step_minus_build_mib'])
   text = json.dumps(results, indent=2)
   print(text)
+  if 'table' in results:
+    print(results['table'])
   if _JSON.value:
     with open(_JSON.value, 'w') as f:
       f.write(text + '\n')

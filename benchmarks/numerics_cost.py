@@ -3,8 +3,10 @@
   python benchmarks/numerics_cost.py --models=mnist_cnn,mnist_mlp --policy=mixed_float16
 
 For each model, in one process: the trainer's compiled loop (`run_steps`, steps_per_loop steps a
-call) and the statistics probe (`trainer.runner.numerics` at log steps: one forward and backward
-pass and the host reads of its results), timed alternately in rounds after a warm-up. The cost at
+call) and the statistics probe (`trainer.runner.numerics` at log steps: a forward and backward
+pass in the compute dtypes and, under a low-precision policy, one in float32 (the reference for
+what is flushed), and the host reads of its results), timed alternately in rounds after a
+warm-up. The cost at
 interval `every` is probe time / (every x step time): what the statistics add to the training
 time when on. Off, the train step is not changed, so the cost is zero by construction.
 """

@@ -50,6 +50,7 @@ def get_config():
   config.optimizer.beta_2 = 0.999  # adam/adamw: second-moment decay
   config.optimizer.epsilon = 1e-7  # adam/adamw: Keras's default (PyTorch's is 1e-8)
   config.optimizer.fused = True  # fused TF kernels in the update; False = Keras's own ops
+  config.optimizer.state_bits = 32  # 8: Adam/AdamW moments block-wise quantized to one byte
 
   config.precision = ml_collections.ConfigDict()
   config.precision.policy = 'auto'  # float32, mixed_float16, mixed_bfloat16 or auto
@@ -63,6 +64,7 @@ def get_config():
   config.precision.hysteresis = 1  # non-finite steps in a row before backing off
   config.precision.float8 = False  # float8 Dense layers (model.quantize('float8'))
   config.precision.float32_layers = ''  # e.g. 'dense,conv2d': layers kept float32 (--advise)
+  config.precision.master_weights = 'float32'  # or bfloat16_sr / bfloat16_kahan (mixed_bfloat16)
   config.precision.max_consecutive_skips = 50  # skipped steps in a row that stop the run; 0 = off
   config.precision.allow_low_precision_variables = False  # float16/bfloat16 weights allowed
 
@@ -75,6 +77,8 @@ def get_config():
   config.numerics.every = 1000  # per-layer underflow/headroom statistics, in steps; 0 = off
   config.numerics.forensics_first = 3  # the first skipped steps replayed to name the layer
   config.numerics.forensics_every = 100  # then every 100th skip; both 0 = off
+  config.numerics.divergence_factor = 10.0  # warn when the loss passes 10x its running minimum
+  config.numerics.divergence_stop = False  # True: divergence also ends the run (exit status 2)
 
   config.early_stopping = ml_collections.ConfigDict()
   config.early_stopping.metric = ''  # eval metric to stop on (needs train.eval_every); '' = off

@@ -40,6 +40,12 @@ def get_trainer_class(name: str) -> type[Trainer]:
 
 
 def _import(name: str):
+  parts = name.split('.')
+  if not all(part.isidentifier() for part in parts):
+    raise ConfigError(f'config.model={name!r} is not a module name: give a module in models/ '
+                      f'({", ".join(available())}) by its name, or a dotted path of Python '
+                      "identifiers such as 'my_project.gan' (not a file path, no leading or "
+                      'doubled dots)')
   try:
     return importlib.import_module(name)
   except ModuleNotFoundError as e:

@@ -11,7 +11,8 @@ What stays float32 under a mixed policy:
 The matmuls and the residual stream run in the policy's compute dtype.
 
 Model keys (config.model_config, unchecked by the schema): context, d_model, num_heads,
-num_layers, mlp_ratio, dropout, val_fraction.
+num_layers, mlp_ratio, dropout, val_fraction, attention ('full', or 'chunked': queries in chunks
+of attention_chunk positions, each recomputed in the backward pass; trainer/nn/layers.py).
 
 Sample text from a trained workdir:
   python -m models.transformer_lm --workdir=runs/shakespeare --prompt='ROMEO:' --length=300
@@ -32,7 +33,7 @@ from trainer.errors import ConfigError, DataError, UserError
 from trainer.nn.layers import CausalSelfAttention, TokenAndPositionEmbedding, gelu_float32
 
 MODEL_DEFAULTS = dict(context=128, d_model=128, num_heads=4, num_layers=4, mlp_ratio=4,
-                      dropout=0.0, val_fraction=0.1)
+                      dropout=0.0, val_fraction=0.1, attention='full', attention_chunk=64)
 
 
 def model_config(config) -> ml_collections.ConfigDict:
@@ -56,15 +57,17 @@ class TransformerBlock(keras.layers.Layer):
   """
 
   def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, dropout: float = 0.0,
-               remat: bool = False, **kwargs):
+               remat: bool = False, attention: str = 'full', attention_chunk: int = 64,
+               **kwargs):
     super().__init__(**kwargs)
     self.remat = bool(remat)
     self.d_model, self.num_heads = int(d_model), int(num_heads)
     self.mlp_ratio, self.dropout = int(mlp_ratio), float(dropout)
     n, p = self.name, self.dtype_policy
     self.ln1 = keras.layers.LayerNormalization(epsilon=1e-5, name=f'{n}_ln1', dtype=p)
-    self.attention = CausalSelfAttention(num_heads, dropout=dropout, name=f'{n}_attention',
-                                         dtype=p)
+    self.attention_kind, self.attention_chunk = attention, int(attention_chunk)
+    self.attention = CausalSelfAttention(num_heads, dropout=dropout, attention=attention,
+                                         chunk=attention_chunk, name=f'{n}_attention', dtype=p)
     self.ln2 = keras.layers.LayerNormalization(epsilon=1e-5, name=f'{n}_ln2', dtype=p)
     # GELU in float32: bfloat16 element-wise erf is emulated on a CPU (trainer/nn/layers.py).
     self.mlp_in = keras.layers.Dense(mlp_ratio * d_model, activation=gelu_float32,
@@ -103,7 +106,8 @@ class TransformerBlock(keras.layers.Layer):
 
   def get_config(self):
     return {**super().get_config(), 'd_model': self.d_model, 'num_heads': self.num_heads,
-            'mlp_ratio': self.mlp_ratio, 'dropout': self.dropout, 'remat': self.remat}
+            'mlp_ratio': self.mlp_ratio, 'dropout': self.dropout, 'remat': self.remat,
+            'attention': self.attention_kind, 'attention_chunk': self.attention_chunk}
 
 
 def build_transformer(vocab_size: int, m, config=None) -> keras.Model:
@@ -111,11 +115,18 @@ def build_transformer(vocab_size: int, m, config=None) -> keras.Model:
   backward pass (trainer/nn/remat.py)."""
   config = config or {}
   remat.check_no_dropout(config, m.dropout, 'config.model_config.dropout')
+  if m.attention not in ('full', 'chunked'):
+    raise ConfigError(f"config.model_config.attention={m.attention!r}: must be 'full' or "
+                      "'chunked'")
+  if m.attention == 'chunked' and m.dropout:
+    raise ConfigError("config.model_config.attention='chunked' recomputes the attention weights "
+                      'in the backward pass: set config.model_config.dropout=0')
   tokens = keras.Input((None,), dtype='int32', name='tokens')
   x = TokenAndPositionEmbedding(vocab_size, m.context, m.d_model, name='embed')(tokens)
   for i in range(m.num_layers):
     x = TransformerBlock(m.d_model, m.num_heads, m.mlp_ratio, m.dropout,
-                         remat=remat.enabled(config), name=f'block{i}')(x)
+                         remat=remat.enabled(config), attention=m.attention,
+                         attention_chunk=m.attention_chunk, name=f'block{i}')(x)
   x = keras.layers.LayerNormalization(epsilon=1e-5, name='final_ln')(x)
   logits = keras.layers.Dense(vocab_size, dtype='float32', name='logits')(x)  # float32 logits
   return keras.Model(tokens, logits, name='transformer_lm')

@@ -107,3 +107,51 @@ def test_launch_advise_writes_advice_md(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   assert "precision.float32_layers = 'culprit,norm'" in result.stdout
   assert (workdir / 'advice.md').read_text() in result.stdout
+
+
+def test_non_finite_gradients_never_fit(tmp_path):
+  """The backward-overflow demo: forward headroom names no layer, but the amplifier's input
+  gradient at loss scale 32768 is beyond float16's range (a plain float32 tape says so), so
+  the advice must not say every layer fits."""
+  import numpy as np
+  import tensorflow as tf
+  trainer_class = models.get_trainer_class('overflow_demo')
+  config = _demo_config(**{'model_config.overflow': 'backward'})
+  advice = advisor.advise(trainer_class, config, str(tmp_path / 'advise'), steps=2)
+  reference = trainer_class(_demo_config(**{'model_config.overflow': 'backward',
+                                            'precision.policy': 'float32'}),
+                            str(tmp_path / 'f32'))
+  amplifier = reference.model.get_layer('amplifier')
+  batch = next(iter(reference.datasets.train))
+  with tf.GradientTape() as tape:
+    inputs = []
+    original = amplifier.call
+
+    def call(x, *args, **kwargs):
+      tape.watch(x)
+      inputs.append(x)
+      return original(x, *args, **kwargs)
+
+    object.__setattr__(amplifier, 'call', call)
+    per_example, _ = reference.compute_loss(batch, training=True)
+    loss = tf.reduce_mean(per_example) * 32768.0
+  amplifier.__dict__.pop('call')
+  assert np.abs(tape.gradient(loss, inputs[0]).numpy()).max() > 65504  # float16 cannot hold it
+  assert advice.nonfinite_layers, [(s.name, s.grad_nonfinite) for s in advice.layers]
+  text = advice.markdown()
+  assert '(every layer fits' not in text and 'not every layer fits mixed_float16' in text
+
+
+def test_launch_advise_validates_its_suggestion(tmp_path):
+  workdir = tmp_path / 'run'
+  result = subprocess.run(
+      [sys.executable, 'launch.py', '--config=configs/overflow_demo.py', '--advise',
+       '--advise_steps=2', '--advise_validate_steps=20', f'--config.data.dir={DATA}',
+       f'--workdir={workdir}'],
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  assert result.returncode == 0, result.stderr[-2000:]
+  out = result.stdout
+  assert "- as configured (float32_layers=''): skipped 20 of 20 steps" in out, out[-1500:]
+  assert "- with the suggestion (float32_layers='culprit,norm'): skipped 0 of 20 steps" in out
+  assert (workdir / 'advice.md').read_text() in out

@@ -106,3 +106,70 @@ def test_float8_two_replicas_agree_with_one_device(tmp_path):
       # (seen: 5e-4 absolute, 7e-5 relative on amax histories of later layers); a gradient
       # not summed over replicas moves SGD at 0.1 by ~1e-2.
       np.testing.assert_allclose(replicas[0], one, rtol=1e-3, atol=1e-3, err_msg=name)
+
+
+# ---- the numerics tools on float8 models --------------------------------------------------------
+
+def test_float8_probe_leaves_out_scales_and_histories_and_sees_quantized_layers(tmp_path):
+  """The probe's gradient fractions are over the kernels and biases only (a NumPy float64
+  reference of the first layer's zero gradient elements), and the quantized layers, which Keras
+  calls through `quantized_call`, get their output statistics."""
+  import tensorflow as tf
+  from models.mnist_mlp import MnistMlpTrainer
+  from trainer.insight.numerics import Probe
+  trainer = MnistMlpTrainer(mlp_config(), str(tmp_path / 'w'))
+  probe = Probe(trainer)
+  assert not [v for v in probe.variables if getattr(v, 'overwrite_with_gradient', False)]
+  batch = next(iter(trainer.datasets.train))
+  stats, _ = probe.measure(batch)
+  dense, logits = (layer for layer in trainer.model.layers if hasattr(layer, 'kernel'))
+  x = batch[0].numpy().reshape(len(batch[0]), -1).astype(np.float64)
+  labels = batch[1].numpy()
+  w1, b1 = dense._kernel.numpy().astype(np.float64), dense.bias.numpy().astype(np.float64)
+  w2 = logits._kernel.numpy().astype(np.float64)
+  pre = x @ w1 + b1
+  h = np.maximum(pre, 0)
+  z = h @ w2 + logits.bias.numpy()
+  p = np.exp(z - z.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  p[np.arange(len(labels)), labels] -= 1
+  dh = (p @ w2.T) * (pre > 0)
+  zeros = np.sum(x.T @ dh == 0) + np.sum(dh.sum(0) == 0)
+  entry = stats[dense.path]
+  assert entry['grad_zero'] == pytest.approx(zeros / (w1.size + b1.size), abs=1e-6)
+  assert 'headroom_bits' in entry  # a quantized layer's output is seen
+  assert entry['output_max'] == pytest.approx(np.abs(h).max(), rel=0.1)  # float8 rounding
+  assert tf.reduce_all(tf.math.is_finite(dense.kernel_scale))
+
+
+def test_float8_replay_names_the_overflowing_quantized_layer(tmp_path):
+  """Keras's float8 gradient fails eagerly under a tape; the replay runs the quantized calls
+  compiled and names the layer whose float16 output overflows (float32: 64 x 448 x 400 > 65504;
+  the first call's scale is 1, so inputs are clipped to float8 e4m3's largest value, 448)."""
+  import keras
+  from tiny import TinyTrainer, tiny_config
+  from trainer.insight import forensics
+
+  class Loud(TinyTrainer):
+    def build_model(self):
+      big = keras.initializers.Constant(400.0)
+      return keras.Sequential([
+          keras.Input((8,)), keras.layers.Dense(64, kernel_initializer=big),
+          keras.layers.Dense(64, kernel_initializer=big, name='culprit'),
+          keras.layers.Dense(4, dtype='float32')], name='loud')
+
+  trainer = Loud(tiny_config(**{'precision.policy': 'mixed_float16', 'precision.float8': True}),
+                 str(tmp_path / 'w'))
+  assert trainer.model.get_layer('culprit').quantization_mode == 'float8'
+  batch = next(iter(trainer.datasets.train))
+  report = forensics.replay(trainer.model, trainer.compute_loss, batch, loss_scale=32768.0)
+  assert report.phase == 'forward' and report.layer == 'culprit', report.line()
+  finite = MnistMlpTrainerFor(tmp_path)
+  line = forensics.replay(finite.model, finite.compute_loss,
+                          next(iter(finite.datasets.train)), loss_scale=32768.0).line()
+  assert line.startswith('replay finite'), line
+
+
+def MnistMlpTrainerFor(tmp_path):  # pylint: disable=invalid-name
+  from models.mnist_mlp import MnistMlpTrainer
+  return MnistMlpTrainer(mlp_config(), str(tmp_path / 'mlp'))

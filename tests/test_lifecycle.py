@@ -12,7 +12,7 @@ import tensorflow as tf
 import models
 from configs import mnist_mlp
 from trainer.run import lifecycle
-from trainer import config as config_lib
+from trainer import steps_text
 from trainer.errors import ConfigError, UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,9 +107,9 @@ def test_profile_steps_write_a_trace(tmp_path):
 @pytest.mark.parametrize('text', ['5', '10,5', 'a,b', '1,2,3'])
 def test_profile_steps_errors_name_the_key(text):
   with pytest.raises(ConfigError, match='config.train.profile_steps'):
-    config_lib.parse_profile_steps(text)
-  assert config_lib.parse_profile_steps('') is None
-  assert config_lib.parse_profile_steps('3, 9') == (3, 9)
+    steps_text.profile_steps(text)
+  assert steps_text.profile_steps('') is None
+  assert steps_text.profile_steps('3, 9') == (3, 9)
 
 
 def test_launch_modes(trained):

@@ -100,3 +100,67 @@ def test_from_config_auto():
   p.loss_scale = '128'
   static = LossScaler.from_config(p, 'float32')
   assert static.mode == 'static' and float(static.scale.numpy()) == 128.0
+
+
+# ---- the step around the scaler: what may and may not move the scale --------------------------
+
+def _one_batch_iterator(trainer, batch):
+  dataset = tf.data.Dataset.from_tensors(batch).repeat()
+  return iter(trainer.strategy.experimental_distribute_dataset(dataset))
+
+
+def test_a_non_finite_learning_rate_skips_the_step_but_leaves_the_scale(tmp_path):
+  import keras
+  from tiny import TinyTrainer, tiny_config
+
+  class InfRate(TinyTrainer):
+    def build_optimizer(self, learning_rate):
+      return keras.optimizers.SGD(learning_rate=lambda: tf.where(
+          tf.equal(self.global_step, 1), float('inf'), 0.1))
+
+  trainer = InfRate(tiny_config(**{'precision.policy': 'mixed_float16'}), str(tmp_path / 'w'))
+  batch = next(iter(trainer.datasets.train))
+  iterator = _one_batch_iterator(trainer, batch)
+  trainer.train_step.run(iterator, 1)
+  before = [v.numpy().copy() for v in trainer.model.trainable_variables]
+  trainer.train_step.run(iterator, 1)  # step 1: rate inf
+  assert int(trainer.train_step.skipped_steps.numpy()) == 1
+  for a, v in zip(before, trainer.model.trainable_variables):
+    np.testing.assert_array_equal(a, v.numpy())
+  assert float(trainer.loss_scaler.scale.numpy()) == 32768.0  # not backed off to 16384
+  assert int(trainer.loss_scaler.good_steps.numpy()) == 1  # nor counted as a good step
+  trainer.train_step.run(iterator, 1)
+  assert int(trainer.loss_scaler.good_steps.numpy()) == 2
+
+
+def test_an_optimizers_own_loss_scale_factor_is_reset(tmp_path, caplog):
+  """SGD(0.5, loss_scale_factor=100) would divide every gradient by 100 on top of the trainer's
+  unscaling: the update must be a plain float32 SGD step, w - 0.5 g."""
+  import keras
+  from tiny import TinyTrainer, tiny_config
+
+  class Factor(TinyTrainer):
+    def build_optimizer(self, learning_rate):
+      return keras.optimizers.SGD(0.5, loss_scale_factor=100.0)
+
+  with caplog.at_level('WARNING'):
+    trainer = Factor(tiny_config(**{'precision.loss_scale': 'dynamic'}), str(tmp_path / 'w'))
+  assert any('loss_scale_factor=100 reset to None' in r.getMessage() for r in caplog.records)
+  assert trainer.optimizer.loss_scale_factor is None
+  batch = next(iter(trainer.datasets.train))
+  x, y = (t.numpy() for t in batch)
+  weights = [v.numpy().astype(np.float64) for v in trainer.model.trainable_variables]
+  # NumPy float64: Dense(relu) -> Dense logits, mean softmax cross-entropy, its gradients.
+  w1, b1, w2, b2 = weights
+  pre = x @ w1 + b1
+  h = np.maximum(pre, 0)
+  z = h @ w2 + b2
+  p = np.exp(z - z.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  p[np.arange(len(y)), y] -= 1
+  dz = p / len(y)
+  dh = (dz @ w2.T) * (pre > 0)
+  grads = [x.T @ dh, dh.sum(0), h.T @ dz, dz.sum(0)]
+  trainer.train_step.run(_one_batch_iterator(trainer, batch), 1)
+  for w, g, v in zip(weights, grads, trainer.model.trainable_variables):
+    np.testing.assert_allclose(v.numpy(), w - 0.5 * g, rtol=1e-5, atol=1e-6)

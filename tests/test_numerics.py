@@ -1,7 +1,11 @@
-"""numerics.every: per-layer gradient underflow and activation headroom at log steps."""
+"""numerics.every: per-layer gradient underflow (flushed, subnormal, exact zeros) and
+activation headroom at log steps, checked against NumPy references."""
 
 import keras
+import ml_dtypes
 import numpy as np
+import pytest
+import tensorflow as tf
 
 from tiny import TinyTrainer, tiny_config
 from trainer.insight import events
@@ -24,18 +28,21 @@ def test_statistics_name_layers_and_are_written(tmp_path, caplog):
   with caplog.at_level('INFO'):
     trainer.train()
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('numerics at')]
-  assert [l.split(':')[0] for l in lines] == ['numerics at step 10', 'numerics at step 20']
+  # The first log step, then the first log step past each multiple of numerics.every.
+  assert [l.split(':')[0] for l in lines] == ['numerics at step 5', 'numerics at step 10',
+                                              'numerics at step 20']
   assert 'least headroom wide/loud' in lines[0]
   stats, overall = trainer.runner.numerics.probe.measure()
   loud = stats['wide/loud']
   assert 0 < loud['headroom_bits'] < 10  # |outputs| ~ 1e3 x inputs: within 2^10 of 65504
   first = trainer.model.layers[0].path
   assert loud['headroom_bits'] < stats[first]['headroom_bits']
-  assert 0.0 <= overall <= 1.0 and all(0 <= v['grad_underflow'] <= 1 for v in stats.values()
-                                       if 'grad_underflow' in v)
+  assert all(0.0 <= overall[k] <= 1.0 for k in ('grad_flushed', 'grad_subnormal', 'grad_zero'))
   scalars = events.read_scalars(str(tmp_path / 'w'))
-  assert [s for s, _ in scalars['numerics/wide/loud/headroom_bits']] == [10, 20]
-  assert 'numerics/gradient_underflow' in scalars
+  assert [s for s, _ in scalars['numerics/wide/loud/headroom_bits']] == [5, 10, 20]
+  assert {'numerics/gradient_flushed', 'numerics/gradient_subnormal',
+          'numerics/gradient_zero'} <= set(scalars)
+  assert 'numerics/wide/loud/grad_flushed' in scalars
 
 
 def test_underflow_fraction_follows_the_scale(tmp_path):
@@ -53,7 +60,8 @@ def test_underflow_fraction_follows_the_scale(tmp_path):
                                    'precision.loss_scale': scale}), str(tmp_path / scale))
     from trainer.insight.numerics import Probe
     stats, overall = Probe(trainer).measure(next(iter(trainer.datasets.train)))
-    fractions[scale] = stats[trainer.model.layers[0].path]['grad_underflow']
+    layer = stats[trainer.model.layers[0].path]
+    fractions[scale] = layer['grad_flushed'] + layer['grad_subnormal']
   assert fractions['1'] > 0.5 and fractions['32768'] < 0.1, fractions
 
 
@@ -89,3 +97,148 @@ def test_probe_measures_one_micro_batch_as_the_step_computes_it(tmp_path):
   kernel = tape.gradient(loss, first.kernel)
   np.testing.assert_allclose(stats[first.path]['grad_max'],
                              float(tf.reduce_max(tf.abs(kernel))), rtol=1e-5)
+
+
+# ---- underflow = what the precision loses, against a NumPy float16 / bfloat16 emulation -------
+
+# Per output unit j the loss weighs the (float16) Dense output by C[j], log-uniform from 1e-14 to
+# 1e-2: each column of the kernel gradient is C[j] / batch x scale x (sum of inputs), so the
+# columns whose upstream gradient flushes to zero depend on the scale.
+UNITS = 64
+C = np.logspace(-14, -2, UNITS).astype(np.float32)
+
+
+class Spread(TinyTrainer):
+
+  def build_model(self):
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(UNITS, name='spread')],
+                            name='spread_model')
+
+  def compute_loss(self, batch, *, training):
+    x, _ = batch
+    out = tf.cast(self.model(x, training=training), tf.float32)
+    return tf.reduce_sum(out * C, axis=-1), {}
+
+
+def reference_counts(x, scale, dtype):
+  """NumPy: (flushed, subnormal, zero, total) of the Dense's kernel and bias gradients for
+  batch `x` at loss scale `scale`, computed as the compute dtype `dtype` rounds them (products
+  summed in float64, rounded once), against float64 (the float32 computation)."""
+  upstream32 = C.astype(np.float64) * scale / len(x)  # d loss / d out, float32 side
+  upstream = upstream32.astype(dtype)  # the Cast's gradient into the compute dtype
+  x_low = x.astype(dtype).astype(np.float64)
+  grads = [(x_low.T @ np.tile(upstream.astype(np.float64), (len(x), 1))).astype(dtype),
+           (len(x) * upstream.astype(np.float64)).astype(dtype)]
+  grads32 = [x.astype(np.float64).T @ np.tile(upstream32, (len(x), 1)), len(x) * upstream32]
+  tiny = float(ml_dtypes.finfo(dtype).tiny)
+  flushed = sum(int(np.sum((g.astype(np.float64) == 0) & (r != 0))) for g, r in
+                zip(grads, grads32))
+  subnormal = sum(int(np.sum((g != 0) & (np.abs(g.astype(np.float64)) < tiny)))
+                  for g in grads)
+  zero = sum(int(np.sum(r == 0)) for r in grads32)
+  return flushed, subnormal, zero, sum(g.size for g in grads)
+
+
+@pytest.mark.parametrize('policy, loss_scale, scale, dtype', [
+    ('mixed_float16', 'none', 1.0, np.float16),
+    ('mixed_float16', '32768', 32768.0, np.float16),
+    ('mixed_bfloat16', 'none', 1.0, ml_dtypes.bfloat16),
+])
+def test_flushed_fraction_matches_a_numpy_reference(tmp_path, policy, loss_scale, scale, dtype):
+  from trainer.insight.numerics import Probe, summary_line
+  trainer = Spread(tiny_config(**{'precision.policy': policy,
+                                  'precision.loss_scale': loss_scale}), str(tmp_path / 'w'))
+  batch = next(iter(trainer.datasets.train))
+  stats, overall = Probe(trainer).measure(batch)
+  flushed, subnormal, zero, total = reference_counts(batch[0].numpy(), scale, dtype)
+  layer = stats['spread_model/spread']
+  print(policy, loss_scale, 'probe', layer, 'numpy', flushed / total, subnormal / total)
+  if dtype is np.float16:
+    assert flushed / total > 0.2  # the case is not vacuous
+    assert layer['grad_flushed'] == pytest.approx(flushed / total, rel=0.1)
+    assert layer['grad_subnormal'] == pytest.approx(subnormal / total, rel=0.1)
+  else:
+    assert flushed == 0 and layer['grad_flushed'] == 0.0  # bfloat16: float32's range
+  assert layer['grad_zero'] == zero / total == 0.0  # nothing is zero in float32 here
+  assert overall['grad_flushed'] == layer['grad_flushed']  # the only layer
+  line = summary_line(7, stats, overall, scale=None if loss_scale == 'none' else scale,
+                      dtypes=Probe(trainer).low_precision)
+  if dtype is np.float16:
+    assert f'flushed to zero {100 * layer["grad_flushed"]:.1f} %' in line, line
+    assert ('at loss scale 32768' in line) == (loss_scale != 'none'), line
+    assert 'most flushed spread_model/spread' in line
+  else:
+    assert 'range is not the issue under bfloat16' in line and 'gradients flushed' not in line
+
+
+def test_exact_zeros_are_not_underflow(tmp_path):
+  """Dead ReLU units give exact zeros in float32 too: counted as zeros, not as flushed."""
+
+  class Dead(TinyTrainer):
+    def build_model(self):
+      return keras.Sequential([
+          keras.Input((8,)),
+          keras.layers.Dense(16, activation='relu', bias_initializer=keras.initializers.Constant(
+              [-100.0] * 8 + [0.0] * 8)),  # 8 of 16 units never fire
+          keras.layers.Dense(4, dtype='float32')], name='dead')
+
+  trainer = Dead(tiny_config(**{'precision.policy': 'mixed_float16'}), str(tmp_path / 'w'))
+  from trainer.insight.numerics import Probe
+  batch = next(iter(trainer.datasets.train))
+  stats, _ = Probe(trainer).measure(batch)
+  first = trainer.model.layers[0]
+  with tf.GradientTape() as tape:  # a plain float32 reference: which kernel entries are zero
+    x = tf.cast(batch[0][:32], tf.float32)
+    h = tf.nn.relu(x @ first.kernel + first.bias)
+    loss = tf.reduce_sum(h)
+  grads = tape.gradient(loss, [first.kernel, first.bias])
+  zero = sum(int(np.sum(g.numpy() == 0)) for g in grads) / (8 * 16 + 16)
+  assert zero >= 8 * 9 / (8 * 16 + 16)  # the dead units' kernel columns and biases
+  assert stats[first.path]['grad_zero'] == pytest.approx(zero, abs=1e-6)
+  assert stats[first.path]['grad_flushed'] == 0.0
+
+
+def test_a_run_shorter_than_numerics_every_shows_the_line_once(tmp_path, caplog):
+  trainer = TinyTrainer(tiny_config(**{'train.steps': 15}), str(tmp_path / 'w'))
+  assert trainer.config.numerics.every == 1000  # the default
+  with caplog.at_level('INFO'):
+    trainer.train()
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('numerics at')]
+  assert len(lines) == 1 and lines[0].startswith('numerics at step 5:'), lines
+
+
+def test_activation_flushed_and_subnormal_match_a_numpy_reference(tmp_path):
+  """A Dense layer whose output columns are scaled from 1e-12 to 1e-2: in float16 some outputs
+  flush to zero and some are subnormal. NumPy: float16 inputs and kernel, products summed in
+  float64 and rounded once, against float64."""
+  from trainer.insight.numerics import Probe
+  scales = np.logspace(-12, -2, UNITS)
+
+  class Quiet(TinyTrainer):
+    def build_model(self):
+      kernel = np.ones((8, UNITS)) * scales
+      return keras.Sequential([keras.Input((8,)), keras.layers.Dense(
+          UNITS, name='quiet', kernel_initializer=keras.initializers.Constant(kernel),
+          use_bias=False)], name='quiet_model')
+
+    def compute_loss(self, batch, *, training):
+      x, _ = batch
+      out = tf.cast(self.model(x, training=training), tf.float32)
+      return tf.reduce_sum(out, axis=-1), {}
+
+  trainer = Quiet(tiny_config(**{'precision.policy': 'mixed_float16'}), str(tmp_path / 'w'))
+  batch = next(iter(trainer.datasets.train))
+  stats, _ = Probe(trainer).measure(batch)
+  x = batch[0].numpy()[:32].astype(np.float64)
+  kernel = trainer.model.layers[0].kernel.numpy()
+  out16 = (x.astype(np.float16).astype(np.float64) @
+           kernel.astype(np.float16).astype(np.float64)).astype(np.float16).astype(np.float64)
+  out32 = x @ kernel.astype(np.float64)
+  tiny = float(np.finfo(np.float16).tiny)
+  flushed = np.mean((out16 == 0) & (out32 != 0) & (np.abs(out32) < tiny))
+  subnormal = np.mean((out16 != 0) & (np.abs(out16) < tiny))
+  entry = stats['quiet_model/quiet']
+  print('probe', entry, 'numpy', flushed, subnormal)
+  assert flushed > 0.1 and subnormal > 0.1  # not vacuous
+  assert entry['output_flushed'] == pytest.approx(flushed, rel=0.1)
+  assert entry['output_subnormal'] == pytest.approx(subnormal, rel=0.1)

@@ -112,3 +112,17 @@ def test_signal_saves_at_loop_boundary_and_resumes(reference, tmp_path, sig):
   log = run(tmp_path)
   assert re.search(rf'resumed from .*ckpt-{step} at step {step}', log), log[-3000:]
   assert_bit_identical(final_state(tmp_path), reference)
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL], ids=['SIGTERM', 'SIGKILL'])
+def test_async_checkpoints_survive_a_signal_and_resume_bit_identical(reference, tmp_path,
+                                                                       monkeypatch, sig):
+  """train.async_checkpoint: SIGTERM waits for the background write before exiting (code 0);
+  kill -9 right after a save leaves the previous checkpoint named; both resume bit-identical."""
+  monkeypatch.setattr(sys.modules[__name__], 'ARGS',
+                      ARGS + ['--config.train.async_checkpoint=true'])
+  code, log = interrupt(tmp_path, 10, lambda p: p.send_signal(sig))  # ckpt-10 being written
+  assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), log[-3000:]
+  assert 'Traceback' not in log
+  run(tmp_path)
+  assert_bit_identical(final_state(tmp_path), reference)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from trainer import registry
+from trainer import registry, steps_text
 from trainer.errors import ConfigError
 
 
@@ -58,6 +58,9 @@ POLICIES = ('auto', *PRECISION_POLICIES)
 LOSS_SCALE_MODES = ('none', 'static', 'dynamic')
 LOSS_SCALES = ('auto', *(m for m in LOSS_SCALE_MODES if m != 'static'))  # static: a number
 STRATEGIES = ('default', 'mirrored', 'multi_worker', 'tpu')
+MASTER_WEIGHTS = ('float32', 'bfloat16_sr', 'bfloat16_kahan')  # trainer/step/low_precision.py
+STATE_BITS = (32, 8)
+LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/step/low_precision.py has
 
 
 def _loss_scale(v):
@@ -109,6 +112,16 @@ SCHEMA: dict[str, Key] = {
     'train.accept_config_change': Key(bool, False, 'resume a workdir whose recorded config '
                                       'differs in keys other than run length and bookkeeping '
                                       '(see trainer/run/workdir.py); the change is recorded'),
+    'train.async_checkpoint': Key(bool, False, "write checkpoints in TensorFlow's background "
+                                  'thread: the step loop waits only for the copy of the '
+                                  'variables (trainer/run/workdir.py)'),
+    'train.recover_tries': Key(int, 0, 'on a collapse (max_consecutive_skips) or a diverged '
+                               'loss: restore the last healthy checkpoint and go on past the '
+                               'failed data, at most this many times; 0 = stop',
+                               _non_negative),
+    'train.recover_lr_factor': Key(float, 1.0, 'each recovery multiplies the learning rate by '
+                                   'this (kept in the checkpoints)',
+                                   lambda v: None if 0 < v <= 1 else 'must be in (0, 1]'),
     'optimizer.name': Key(str, 'adam', 'a registered optimizer: adam, adamw, sgd or your own '
                           '(trainer.register_optimizer)', registry.check_name),
     'optimizer.learning_rate': Key(float, 1e-3, 'peak learning rate', _positive),
@@ -129,6 +142,9 @@ SCHEMA: dict[str, Key] = {
                              "moment (Keras's default 1e-7; PyTorch's is 1e-8)", _positive),
     'optimizer.fused': Key(bool, True, "fused TF kernels in the update (Keras's results); "
                            "False = Keras's own element-wise update"),
+    'optimizer.state_bits': Key(int, 32, 'bits per Adam/AdamW moment element: 32, or 8 (block-'
+                                'wise quantized, trainer/step/low_precision.py)', lambda v: None
+                                if v in STATE_BITS else 'must be 32 or 8'),
     'precision.policy': Key(str, 'auto', 'dtype policy', _one_of(*POLICIES)),
     'precision.loss_scale': Key(str, 'auto', "'auto', 'none', 'dynamic' or a static number",
                                 _loss_scale),
@@ -148,6 +164,11 @@ SCHEMA: dict[str, Key] = {
     'precision.float32_layers': Key(str, '', 'comma-separated layer names computed in float32 '
                                     "under a mixed policy (and the layers inside them); '' = "
                                     'none (launch.py --advise suggests a value)'),
+    'precision.master_weights': Key(str, 'float32', "the weights the optimizer updates: "
+                                    "'float32', or bfloat16 (mixed_bfloat16 only) rounded "
+                                    "stochastically ('bfloat16_sr') or Kahan-compensated "
+                                    "('bfloat16_kahan'); trainer/step/low_precision.py",
+                                    _one_of(*MASTER_WEIGHTS)),
     'precision.max_consecutive_skips': Key(int, 50, 'skipped steps in a row that stop training '
                                            'with an error; 0 = never stop', _non_negative),
     'precision.allow_low_precision_variables': Key(
@@ -160,14 +181,20 @@ SCHEMA: dict[str, Key] = {
                               "'GPU:0,GPU:1'; '' = all local GPUs"),
     'distribute.tpu': Key(str, '', "tpu only: TPU name or 'grpc://host:port'; '' = the TPU "
                           'of this host'),
-    'numerics.every': Key(int, 1000, 'per-layer gradient underflow and activation headroom '
-                          '(TensorBoard numerics/, one log line) at the first log step past '
-                          'every multiple of this many steps; 0 = off', _non_negative),
+    'numerics.every': Key(int, 1000, 'per-layer gradients flushed to zero, subnormal and zero, '
+                          'and activation headroom (TensorBoard numerics/, one log line) at the '
+                          'first log step, then the first log step past every multiple of this '
+                          'many steps; 0 = off', _non_negative),
     'numerics.forensics_first': Key(int, 3, 'skipped steps replayed layer by layer to name the '
                                     'first non-finite layer (<workdir>/forensics/), the first '
                                     'ones', _non_negative),
     'numerics.forensics_every': Key(int, 100, '... then every this-many-th skip; 0 = no more',
                                     _non_negative),
+    'numerics.divergence_factor': Key(float, 10.0, 'a warning line when the logged train loss '
+                                      'passes this many times its running minimum (and the '
+                                      'first loss); 0 = off', _non_negative),
+    'numerics.divergence_stop': Key(bool, False, 'divergence also ends the run (exit status 2; '
+                                    'the newest checkpoint, written before, is kept)'),
     'early_stopping.metric': Key(str, '', "eval metric that stops training when it stops "
                                  "improving (needs train.eval_every > 0); '' = off"),
     'early_stopping.mode': Key(str, 'auto', "'min', 'max', or 'auto' (min for losses and "
@@ -336,32 +363,25 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.early_stopping.metric and not t.eval_every:
     raise ConfigError(f'config.early_stopping.metric={config.early_stopping.metric!r} needs '
                       'evals during training: set config.train.eval_every > 0.')
-  parse_steps(config.debug.inject_nonfinite_steps)
-  parse_profile_steps(config.train.profile_steps)
+  _check_low_precision(config)
+  steps_text.steps(config.debug.inject_nonfinite_steps)
+  steps_text.profile_steps(config.train.profile_steps)
   return config
 
 
-def parse_profile_steps(text: str) -> tuple[int, int] | None:
-  """'' -> None; '10,20' -> (10, 20); anything else raises ConfigError naming
-  config.train.profile_steps (trainer/run/profiling.py traces those steps)."""
-  if not text.strip():
-    return None
-  parts = [p.strip() for p in text.split(',')]
-  if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
-    raise ConfigError(f'config.train.profile_steps={text!r}: give two global steps '
-                      "'start,end' with start < end, e.g. '100,120', or '' for no trace.")
-  return int(parts[0]), int(parts[1])
-
-
-def parse_steps(text: str) -> tuple[int, ...]:
-  """'3, 10,12' -> (3, 10, 12); ConfigError naming config.debug.inject_nonfinite_steps."""
-  steps = []
-  for part in filter(None, (p.strip() for p in text.split(','))):
-    if not part.isdigit():
-      raise ConfigError(f'config.debug.inject_nonfinite_steps={text!r}: {part!r} is not a '
-                        'step number; give comma-separated non-negative integers.')
-    steps.append(int(part))
-  return tuple(sorted(set(steps)))
+def _check_low_precision(config) -> None:
+  """precision.master_weights and optimizer.state_bits: what they need (one-line errors)."""
+  p, o = config.precision, config.optimizer
+  if p.master_weights != 'float32' and p.policy != 'mixed_bfloat16':
+    raise ConfigError(f'config.precision.master_weights={p.master_weights!r} needs '
+                      f"config.precision.policy='mixed_bfloat16' (got {p.policy!r}); or set "
+                      "master_weights='float32'.")
+  if p.master_weights != 'float32' and o.name not in LOW_PRECISION_OPTIMIZERS:
+    raise ConfigError(f'config.precision.master_weights={p.master_weights!r} works with '
+                      f'config.optimizer.name adam, adamw or sgd, not {o.name!r}.')
+  if o.state_bits == 8 and o.name not in ('adam', 'adamw'):
+    raise ConfigError(f'config.optimizer.state_bits=8 quantizes Adam/AdamW moments; '
+                      f'config.optimizer.name={o.name!r} is not adam or adamw: set state_bits=32.')
 
 
 def diff(old: dict, new: dict) -> list[str]:

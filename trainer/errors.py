@@ -22,3 +22,7 @@ class CollapseError(UserError):
 
 class NonFiniteError(UserError):
   """The training state or the final eval is not finite: nothing non-finite is saved."""
+
+
+class DivergenceError(UserError):
+  """Training stopped: the loss diverged and config.numerics.divergence_stop is set."""

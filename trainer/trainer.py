@@ -24,6 +24,8 @@ redefined by a subclass: that is a one-line UserError when the class is defined 
 """
 from __future__ import annotations
 
+import time
+
 from typing import Any
 
 import keras
@@ -64,12 +66,13 @@ class Trainer:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
                strategy: tf.distribute.Strategy | None = None):
+    started = time.perf_counter()  # goodput: start-up counts from here
     build.check_names(type(self).__name__, vars(self))  # set before super().__init__()
     # The config validated, then strategy, policy, datasets, model, metrics, optimizer, loss
     # scaler and step, the hook contract checked on the first eval batch before anything is
     # written (trainer/run/build.py).
     build.build(self, config, workdir, strategy)
-    self.runner = Runner(self)
+    self.runner = Runner(self, started=started)
 
   # ---- hooks -------------------------------------------------------------------------------
   def build_model(self) -> keras.Model:
@@ -91,7 +94,9 @@ class Trainer:
 
   def build_optimizer(self, learning_rate) -> keras.optimizers.Optimizer:
     """`learning_rate` is a no-argument callable (the schedule at the global step)."""
-    return optimizers.build(self.config.optimizer, learning_rate)
+    c = self.config
+    return optimizers.build(c.optimizer, learning_rate, master_weights=c.precision.master_weights,
+                            seed=c.seed, step=self.global_step)
 
   def build_metrics(self) -> dict[str, keras.metrics.Metric]:
     """Stateful Keras metrics by name (e.g. {'auc': keras.metrics.AUC(from_logits=True)}):

@@ -12,18 +12,24 @@ layer (every layer, nested ones included) it records:
   * the fraction of the target's outputs that are non-finite;
   * the relative error of the target's output against float32 (L2 norm of the difference over
     the L2 norm of the float32 output, averaged over the steps);
-  * gradient underflow: the fraction of the layer's weight-gradient elements that are zero or
-    below the compute dtype's smallest normal, in the target at the loss scale the run starts
-    with, next to the fraction that is zero in float32 (ReLU zeros are not underflow). These
-    are the gradients of the whole batch's mean loss: with several replicas or gradient
-    accumulation a step's own weight gradients sum fewer examples and underflow more (the
-    numerics statistics, `numerics.every`, measure one replica's share).
+  * gradient underflow, as the numerics probe defines it: the fraction of the layer's
+    weight-gradient elements flushed to zero (zero in the target at the loss scale the run
+    starts with, non-zero in float32 but below the target dtype's smallest normal), subnormal
+    in the target, and zero in float32 (ReLU zeros:
+    context, not underflow); and the fraction non-finite. These are the gradients of the whole
+    batch's mean loss: with several replicas or gradient accumulation a step's own weight
+    gradients sum fewer examples and underflow more (the numerics statistics,
+    `numerics.every`, measure one replica's share).
 
 A layer is suggested for `precision.float32_layers` when its float32 output or input comes
 within `HEADROOM_BITS` powers of two of the dtype's maximum (an input must fit too: a float32
 layer's large output is cast down again by the low-precision layer that consumes it). Its
 output error and gradient underflow are reported, not acted on: the remedy for underflow is the
-loss scale. `launch.py --advise` prints the report and writes <workdir>/advice.md.
+loss scale. A layer with non-finite outputs or gradients never "fits": when headroom names no
+layer but something was non-finite, the advice says so instead of suggesting nothing.
+`launch.py --advise` prints the report and writes <workdir>/advice.md; with
+`--advise_validate_steps=N` it then trains N steps as configured and N with the suggestion
+(`validate`) and prints each run's skipped steps and flushed gradient fraction.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from trainer.insight import forensics
+from trainer.insight import files, forensics
 
 HEADROOM_BITS = 2  # keep values at least 2**HEADROOM_BITS below the dtype's maximum
 LOW = ('float16', 'bfloat16')
@@ -52,7 +58,8 @@ class LayerStats:
   outputs: int = 0
   rel_error_sum: float = 0.0
   rel_error_n: int = 0
-  grad_small: int = 0  # target: zero or below the smallest normal
+  grad_flushed: int = 0  # zero in the target, non-zero in float32
+  grad_subnormal: int = 0  # target: non-zero, below the smallest normal
   grad_zero32: int = 0  # float32: exactly zero
   grad_total: int = 0
   grad_nonfinite: int = 0  # target: non-finite gradient elements (underflow is moot then)
@@ -86,6 +93,11 @@ class Advice:
   suggested: list[str]
 
   @property
+  def nonfinite_layers(self) -> list[str]:
+    """The layers whose target outputs or weight gradients had a non-finite element."""
+    return [s.name for s in self.layers if s.nonfinite or s.grad_nonfinite]
+
+  @property
   def suggested_value(self) -> str:
     return ','.join(self.suggested)
 
@@ -93,15 +105,16 @@ class Advice:
     lines = [f'# precision advice: {self.policy}, {self.steps} calibration steps, loss scale '
              f'{self.loss_scale:g}', '',
              '| layer | class | compute | max abs out (f32) | headroom out | max abs in (f32) | '
-             'headroom in | non-finite out | rel. error vs f32 | grad zero/subnormal | '
+             'headroom in | non-finite out | rel. error vs f32 | grad flushed | grad subnormal | '
              'grad zero (f32) |',
-             '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |']
+             '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |']
     def pct(a, b):
       return f'{100.0 * a / b:.1f} %' if b else '-'
 
     for s in self.layers:
-      underflow = (f'non-finite ({pct(s.grad_nonfinite, s.grad_total)})' if s.grad_nonfinite
-                   else pct(s.grad_small, s.grad_total))
+      underflow = (f'non-finite ({pct(s.grad_nonfinite, s.grad_total)}) | -' if s.grad_nonfinite
+                   else f'{pct(s.grad_flushed, s.grad_total)} | '
+                        f'{pct(s.grad_subnormal, s.grad_total)}')
       lines.append(
           f'| {s.name}{" **float32**" if s.name in self.suggested else ""} | {s.cls} | '
           f'{s.compute_dtype} | {s.max_out:.3g} | {_bits(s.headroom(s.max_out))} | '
@@ -112,13 +125,22 @@ class Advice:
     lines.append(f'Headroom: powers of two between the largest |value| of the float32 run and '
                  f'the compute dtype\'s largest finite value (negative: out of range); a layer '
                  f'within {HEADROOM_BITS} is suggested for float32. Gradients are the weight '
-                 'gradients at the loss scale above.')
+                 'gradients at the loss scale above: flushed = zero in the compute dtype, '
+                 'non-zero but below its smallest normal in float32 (lost to range); zero (f32) '
+                 '= zero in float32 too.')
     lines.append('')
     if self.suggested:
       lines.append(f'Suggested: `precision.float32_layers = \'{self.suggested_value}\'` '
                    f'(`--config.precision.float32_layers={self.suggested_value}`)')
     elif not self.policy.startswith('mixed_'):
       lines.append(f'Nothing to advise: the policy {self.policy} computes in float32.')
+    elif self.nonfinite_layers:
+      names, n = ', '.join(self.nonfinite_layers[:3]), len(self.nonfinite_layers)
+      lines.append(f'Suggested: nothing by headroom, but not every layer fits {self.policy}: '
+                   f'{n} layer{"s" if n != 1 else ""} had non-finite outputs or gradients '
+                   f'(first: {names}) at loss scale {self.loss_scale:g}. A backward overflow: '
+                   'lower precision.initial_scale, or replay a skipped step '
+                   '(--mode=diagnose) to name the layer.')
     else:
       lines.append('Suggested: `precision.float32_layers = \'\'` (every layer fits '
                    f'{self.policy}).')
@@ -132,7 +154,7 @@ def _bits(value: float) -> str:
 def _observe(model, compute_loss, batch, scale):
   """One eager forward and backward pass with the layers hooked: the calls, the scaled weight
   gradients {id(variable): gradient}, and the unscaled gradients in model order."""
-  with tf.GradientTape(persistent=True) as tape:
+  with tf.GradientTape() as tape:  # one gradient call (a persistent tape fails on float8)
     with forensics.recording(model, tape) as calls:
       per_example, _ = compute_loss(batch, training=True)
     loss = tf.reduce_mean(tf.cast(per_example, tf.float32))
@@ -194,14 +216,18 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
       if forensics.sublayers(layer):
         continue  # a container: its weights are counted with the layers inside it
       tiny = _finfo(layer.compute_dtype)[1] or 0.0
-      for vt, vr in zip(layer.trainable_variables, cr.layer.trainable_variables):
+      for vt, vr in zip(forensics.trainable(layer), forensics.trainable(cr.layer)):
         gt, gr = grads_t.get(id(vt)), grads_r.get(id(vr))
         if gt is None or gr is None:
           continue
         gt = tf.abs(tf.cast(gt, tf.float32))
-        s.grad_small += int(tf.math.count_nonzero(gt < tiny))
+        gr = tf.abs(tf.cast(gr, tf.float32))  # float32, at the same scale
+        zero32 = tf.equal(gr, 0.0)
+        lost = tf.logical_and(tf.logical_not(zero32), gr < tiny)  # zero there: range
+        s.grad_flushed += int(tf.math.count_nonzero(tf.logical_and(tf.equal(gt, 0.0), lost)))
+        s.grad_subnormal += int(tf.math.count_nonzero(tf.logical_and(gt > 0, gt < tiny)))
         s.grad_nonfinite += int(tf.size(gt)) - int(tf.math.count_nonzero(tf.math.is_finite(gt)))
-        s.grad_zero32 += int(tf.math.count_nonzero(tf.equal(gr, 0.0)))
+        s.grad_zero32 += int(tf.math.count_nonzero(zero32))
         s.grad_total += int(tf.size(gt))
     reference.optimizer.apply_gradients(
         [(g, v) for g, v in zip(unscaled_r, reference.model.trainable_variables) if g is not None])
@@ -213,10 +239,62 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
   return Advice(policy, steps, scale, layers, list(dict.fromkeys(suggested)))
 
 
-def report(trainer_class, config, workdir: str, *, steps: int = 10) -> str:
-  """`advise` as markdown, also written to <workdir>/advice.md."""
-  text = advise(trainer_class, config, workdir, steps=steps).markdown()
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'advice.md'), 'w') as f:
-    f.write(text)
+def validate(trainer_class, config: ml_collections.ConfigDict, workdir: str, suggested: str, *,
+             steps: int) -> list[dict]:
+  """Trains `steps` steps as configured and `steps` with precision.float32_layers=`suggested`
+  (each from the same initial weights, in <workdir>/advise-validate/<run>/; no numerics,
+  forensics, collapse guard or divergence stop), then measures each run's gradients with the
+  numerics probe (trainer/insight/numerics.py) at its final weights and loss scale. Returns per
+  run {'run', 'float32_layers', 'skipped', 'flushed', 'subnormal', 'error'}."""
+  from trainer.insight import numerics  # pylint: disable=import-outside-toplevel
+  runs = [('as configured', config.precision.float32_layers)]
+  if suggested and suggested != config.precision.float32_layers:
+    runs.append(('with the suggestion', suggested))
+  results = []
+  for name, layers in runs:
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.precision.float32_layers = layers
+    c.precision.max_consecutive_skips = 0
+    c.train.steps = steps
+    c.train.steps_per_loop = c.train.log_every = c.train.checkpoint_every = steps
+    c.train.eval_every = 0
+    c.numerics.every = c.numerics.forensics_first = c.numerics.forensics_every = 0
+    c.numerics.divergence_stop = False
+    trainer = trainer_class(c, os.path.join(workdir, 'advise-validate', name.replace(' ', '-')))
+    error = ''
+    try:
+      trainer.train()
+    except Exception as e:  # pylint: disable=broad-except  (a non-finite final eval, say)
+      error = f'{type(e).__name__}: {(str(e).strip().splitlines() or [""])[0][:120]}'
+    _, overall = numerics.Probe(trainer).measure()
+    results.append({'run': name, 'float32_layers': layers,
+                    'skipped': int(trainer.train_step.skipped_steps.numpy()),
+                    'flushed': overall['grad_flushed'], 'subnormal': overall['grad_subnormal'],
+                    'nonfinite': overall['grad_nonfinite'], 'error': error})
+  return results
+
+
+def validation_lines(results: list[dict], steps: int) -> list[str]:
+  lines = [f'Validation: {steps} training steps each, gradients measured at the end:', '']
+  for r in results:
+    layers = f"float32_layers='{r['float32_layers']}'"
+    lines.append(f"- {r['run']} ({layers}): skipped {r['skipped']} of {steps} steps; gradients "
+                 f"flushed to zero {100 * r['flushed']:.3g} %, subnormal "
+                 f"{100 * r['subnormal']:.3g} %, non-finite {100 * r['nonfinite']:.3g} %"
+                 + (f"; ended with {r['error']}" if r['error'] else ''))
+  return lines
+
+
+def report(trainer_class, config, workdir: str, *, steps: int = 10,
+           validate_steps: int = 0) -> str:
+  """`advise` as markdown, also written to <workdir>/advice.md; with `validate_steps`, the
+  suggestion's validation (`validate`) appended."""
+  advice = advise(trainer_class, config, workdir, steps=steps)
+  text = advice.markdown()
+  if validate_steps > 0:
+    results = validate(trainer_class, config, workdir, advice.suggested_value,
+                       steps=validate_steps)
+    text += '\n' + '\n'.join(validation_lines(results, validate_steps)) + '\n'
+  files.folder(os.path.dirname(os.path.abspath(workdir)), workdir, '--advise')
+  files.write(os.path.join(workdir, 'advice.md'), text, '--advise')  # never through a link
   return text

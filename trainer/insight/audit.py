@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import keras
 
-from trainer.errors import UserError
+from trainer.insight import files
 
 LOW = ('float16', 'bfloat16')
 
@@ -135,23 +135,22 @@ def report(trainer) -> str:
   rows, hazards = audit(trainer.model, trainer.policy)
   text = markdown(trainer.model, trainer.policy, rows, hazards)
   path = os.path.join(trainer.workdir, 'audit.md')
-  try:
-    os.makedirs(trainer.workdir, exist_ok=True)
-    with open(path, 'w') as f:
-      f.write(text)
-  except OSError as e:
-    raise UserError(f'--audit: cannot write {path} ({e.strerror}); pass --workdir=<a folder you '
-                    'can write>') from None
+  files.folder(os.path.dirname(trainer.workdir), trainer.workdir, '--audit')
+  files.write(path, text, '--audit')  # never through a link
   return text
 
 
-def check_at_start(model: keras.Model, policy: str, allow_low_precision_variables: bool) -> None:
+def check_at_start(model: keras.Model, policy: str, allow_low_precision_variables: bool,
+                   bfloat16_masters: bool = False) -> None:
   """The hazards, when training starts: one warning line each; low-precision variables are a
-  ConfigError unless config.precision.allow_low_precision_variables (then a warning)."""
+  ConfigError unless config.precision.allow_low_precision_variables (then a warning), and
+  expected (not reported) with config.precision.master_weights bfloat16_*."""
   from absl import logging
 
   from trainer.errors import ConfigError
   _, hazards = audit(model, policy)
+  if bfloat16_masters:  # the optimizer rounds them stochastically or Kahan-compensates them
+    hazards = [h for h in hazards if h.kind != 'low-precision variables']
   for h in hazards:
     if h.kind == 'low-precision variables' and not allow_low_precision_variables:
       raise ConfigError(f'build_model: layer {h.layer} ({h.kind}): {h.message}; or set '

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
-import os
 import re
 
 import keras
@@ -38,6 +36,10 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.errors import UserError
+from trainer.insight.forensic_folder import (Forensics, folder_for, load,  # noqa: F401
+                                            run_of, save, write_report)
+from trainer.insight.hooks import (Call, float32, float_leaves, is_float, quantized_calls_compiled,
+                                   recording, sublayers, to_float32, trainable)
 
 FORWARD, BACKWARD = 'forward', 'backward'
 
@@ -57,12 +59,16 @@ class Report:
   loss: float | None = None
   loss_scale: float = 1.0
   detail: str = ''  # e.g. the variable, or why no range is given
+  skipped: bool = False  # the compiled step skipped this step (else: a replay on request)
 
   def line(self) -> str:
     if not self.phase:
-      return (f'replay finite: no non-finite value in the forward or backward pass at loss scale '
-              f'{self.loss_scale:g} (the compiled step differed: another replica, a different '
-              'random draw, or XLA)')
+      text = ('replay finite: no non-finite value in the forward or backward pass at loss scale '
+              f'{self.loss_scale:g}')
+      if self.skipped:  # the same batch and weights: what differs is how the step computed
+        text += (' (the compiled step differed: its replicas\' or micro-batches\' gradient sums, '
+                 'a different random draw, XLA, or a debug.inject_nonfinite_* injection)')
+      return text
     where = f"'{self.layer}' ({self.layer_class})" if self.layer else 'compute_loss'
     text = f'first non-finite: {self.phase} {self.tensor} of {where}'
     if self.detail:
@@ -97,10 +103,6 @@ def _dtype_max(dtype: str) -> float | None:
     return None
 
 
-def is_float(t) -> bool:
-  return isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.is_floating
-
-
 def _nonfinite(tensors) -> bool:
   return any(is_float(t) and not bool(tf.reduce_all(tf.math.is_finite(t)))
              for t in tf.nest.flatten(tensors) if t is not None)
@@ -110,69 +112,6 @@ def max_abs(tensors) -> float:
   values = [float(tf.reduce_max(tf.abs(tf.cast(t, tf.float32))))
             for t in tf.nest.flatten(tensors) if is_float(t) and tf.size(t) > 0]
   return max(values, default=0.0)
-
-
-def _float_leaves(structure):
-  return [t for t in tf.nest.flatten(structure) if is_float(t)]
-
-
-@dataclasses.dataclass
-class _Call:
-  layer: keras.layers.Layer
-  args: tuple
-  kwargs: dict
-  outputs: object
-
-
-def sublayers(layer, include_self=False) -> list:
-  """Every layer inside `layer` (nested ones too, depth first), without InputLayers."""
-  # pylint: disable-next=protected-access
-  return [l for l in layer._flatten_layers(include_self=include_self)
-          if not isinstance(l, keras.layers.InputLayer)]
-
-
-@contextlib.contextmanager
-def recording(model, tape):
-  """Wraps every layer's `call` (an instance attribute, removed on exit) to record its inputs
-  and outputs in call-completion order, watching the inputs on `tape`."""
-  calls = []
-  layers = sublayers(model)
-  for layer in layers:
-    original = layer.call
-
-    def hooked(*args, __original=original, __layer=layer, **kwargs):
-      for t in _float_leaves((args, kwargs)):
-        tape.watch(t)
-      outputs = __original(*args, **kwargs)
-      calls.append(_Call(__layer, args, kwargs, outputs))
-      return outputs
-
-    object.__setattr__(layer, 'call', hooked)
-  try:
-    yield calls
-  finally:
-    for layer in layers:
-      layer.__dict__.pop('call', None)
-
-
-@contextlib.contextmanager
-def _float32(layer):
-  """The layer and every layer inside it compute in float32 (their variables are float32 under
-  any mixed policy already)."""
-  layers = sublayers(layer, include_self=True)
-  saved = [l._dtype_policy for l in layers]  # pylint: disable=protected-access
-  for l in layers:
-    l._dtype_policy = keras.DTypePolicy('float32')  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    for l, policy in zip(layers, saved):
-      l._dtype_policy = policy  # pylint: disable=protected-access
-
-
-def _to_float32(structure):
-  return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if is_float(t) else t,
-                               structure)
 
 
 _OP = re.compile(r'op "?([A-Za-z0-9_]+)"?')
@@ -201,39 +140,39 @@ def _failing_op(run) -> str:
   return ''
 
 
-def _call_layer(call: _Call, args, kwargs):
+def _call_layer(call: Call, args, kwargs):
   return call.layer(*args, **kwargs)
 
 
-def _forward_report(call: _Call, scale, loss=None) -> Report:
+def _forward_report(call: Call, scale, loss=None) -> Report:
   layer = call.layer
   dtype = layer.compute_dtype
   op = _failing_op(lambda: _call_layer(call, call.args, call.kwargs))
-  with _float32(layer):
-    outputs32 = _call_layer(call, _to_float32(call.args), _to_float32(call.kwargs))
+  with float32(layer):
+    outputs32 = _call_layer(call, to_float32(call.args), to_float32(call.kwargs))
   return Report(FORWARD, layer.name, type(layer).__name__, 'output', op, dtype,
                 max_abs(outputs32), loss, scale)
 
 
-def _layer_vjp(call: _Call, upstream, float32: bool):
+def _layer_vjp(call: Call, upstream, float32: bool):
   """(input gradients, weight gradients) of one layer call for the output gradient `upstream`."""
   args, kwargs = call.args, call.kwargs
   if float32:
-    args, kwargs, upstream = _to_float32(args), _to_float32(kwargs), _to_float32(upstream)
-  inputs = _float_leaves((args, kwargs))
-  weights = call.layer.trainable_variables
+    args, kwargs, upstream = to_float32(args), to_float32(kwargs), to_float32(upstream)
+  inputs = float_leaves((args, kwargs))
+  weights = trainable(call.layer)
   with tf.GradientTape() as tape:
     for t in inputs:
       tape.watch(t)
     outputs = _call_layer(call, args, kwargs)
-  outs = _float_leaves(outputs)
+  outs = float_leaves(outputs)
   ups = [tf.cast(u, o.dtype) if u is not None else tf.zeros_like(o)
          for o, u in zip(outs, tf.nest.flatten(upstream))]
   grads = tape.gradient(outs, inputs + list(weights), output_gradients=ups)
   return grads[:len(inputs)], grads[len(inputs):]
 
 
-def _backward_report(call: _Call, upstream, tensor: str, detail: str, scale, loss) -> Report:
+def _backward_report(call: Call, upstream, tensor: str, detail: str, scale, loss) -> Report:
   layer = call.layer
 
   def run():
@@ -242,7 +181,7 @@ def _backward_report(call: _Call, upstream, tensor: str, detail: str, scale, los
   op = _failing_op(run)
   largest = None
   if upstream is not None and not _nonfinite(upstream):
-    with _float32(layer):
+    with float32(layer):
       dx32, dw32 = _layer_vjp(call, upstream, float32=True)
     largest = max_abs(dx32 if tensor == 'input gradient' else dw32)
   return Report(BACKWARD, layer.name, type(layer).__name__, tensor, op, layer.compute_dtype,
@@ -260,7 +199,7 @@ def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) 
   gradients are the step's (1/global batch x scale in both); only the weight gradients sum more
   examples (all replicas' and micro-batches') than any one replica's in the step."""
   from trainer.step.forward_state import forward_state_kept
-  with forward_state_kept(model):
+  with forward_state_kept(model), quantized_calls_compiled(model):
     return _replay(model, compute_loss, batch, float(loss_scale))
 
 
@@ -269,7 +208,9 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
   if _nonfinite(batch):
     return Report(FORWARD, tensor='input', detail='the batch itself has non-finite values',
                   loss_scale=scale)
-  with tf.GradientTape(persistent=True) as tape:
+  # Not persistent: one gradient call below; and a persistent tape cannot differentiate the
+  # compiled float8 calls (quantized_calls_compiled).
+  with tf.GradientTape() as tape:
     with recording(model, tape) as calls:
       per_example, _ = compute_loss(batch, training=True)
     per_example = tf.cast(per_example, tf.float32)
@@ -290,9 +231,9 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
                   loss=loss_value, loss_scale=scale)
 
   # Backward: one gradient call for every recorded output, input and weight.
-  outputs = [_float_leaves(c.outputs) for c in calls]
-  inputs = [_float_leaves((c.args, c.kwargs)) for c in calls]
-  weights = [list(c.layer.trainable_variables) for c in calls]
+  outputs = [float_leaves(c.outputs) for c in calls]
+  inputs = [float_leaves((c.args, c.kwargs)) for c in calls]
+  weights = [trainable(c.layer) for c in calls]
   flat = [t for group in (outputs, inputs, weights) for ts in group for t in ts]
   grads = iter(tape.gradient(scaled, flat, unconnected_gradients=tf.UnconnectedGradients.NONE))
   del tape
@@ -327,112 +268,36 @@ def _expand(structure, float_grads):
   return [next(grads) if is_float(t) else None for t in tf.nest.flatten(structure)]
 
 
-# ---- the forensic folder ---------------------------------------------------------------------
-
-def _encode(structure, arrays):
-  if isinstance(structure, dict):
-    return {'dict': {k: _encode(v, arrays) for k, v in structure.items()}}
-  if isinstance(structure, (list, tuple)):
-    return {'tuple' if isinstance(structure, tuple) else 'list':
-            [_encode(v, arrays) for v in structure]}
-  arrays[f'leaf_{len(arrays)}'] = np.asarray(structure)
-  return {'leaf': f'leaf_{len(arrays) - 1}'}
-
-
-def _decode(spec, arrays):
-  if 'dict' in spec:
-    return {k: _decode(v, arrays) for k, v in spec['dict'].items()}
-  if 'tuple' in spec:
-    return tuple(_decode(v, arrays) for v in spec['tuple'])
-  if 'list' in spec:
-    return [_decode(v, arrays) for v in spec['list']]
-  return arrays[spec['leaf']]
-
-
-def folder_for(workdir: str, step: int) -> str:
-  return os.path.join(workdir, 'forensics', f'step-{step}')
-
-
-def save(folder: str, *, model: keras.Model, batch, loss_scale: float, step: int,
-         config=None, policy: str = '', report: Report | None = None) -> str:
-  """Writes a forensic folder: batch.npz, weights/ (tf.train.Checkpoint of `model`, the
-  pre-step weights), meta.json and, given a report, report.txt and report.json."""
-  os.makedirs(folder, exist_ok=True)
-  arrays = {}
-  spec = _encode(tf.nest.map_structure(lambda t: np.asarray(t), batch), arrays)
-  np.savez(os.path.join(folder, 'batch.npz'), **arrays)
-  tf.train.Checkpoint(model=model).write(os.path.join(folder, 'weights', 'ckpt'))
-  meta = {'step': int(step), 'loss_scale': float(loss_scale), 'policy': policy,
-          'batch_structure': spec,
-          'config': config.to_dict() if hasattr(config, 'to_dict') else config}
-  with open(os.path.join(folder, 'meta.json'), 'w') as f:
-    json.dump(meta, f, indent=2, sort_keys=True, default=str)
-  if report is not None:
-    write_report(folder, report)
-  return folder
-
-
-def write_report(folder: str, report: Report) -> None:
-  with open(os.path.join(folder, 'report.txt'), 'w') as f:
-    f.write(report.line() + '\n')
-  with open(os.path.join(folder, 'report.json'), 'w') as f:
-    json.dump(report.to_json(), f, indent=2, sort_keys=True)
-
-
-@dataclasses.dataclass
-class Forensics:
-  folder: str
-  step: int
-  loss_scale: float
-  policy: str
-  config: dict | None
-  batch: object
-
-  def restore_weights(self, model: keras.Model) -> None:
-    """Loads the saved pre-step weights into `model` (built the same way)."""
-    try:
-      tf.train.Checkpoint(model=model).read(
-          os.path.join(self.folder, 'weights', 'ckpt')).assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as e:
-      first = (str(e).strip().splitlines() or [''])[0]
-      raise UserError(f'--forensics={self.folder}: its weights do not fit the model built from '
-                      f'the config ({type(e).__name__}: {first[:200]}); pass the --config of '
-                      'the run that wrote the folder') from None
-
-
-def load(folder: str) -> Forensics:
-  meta_path = os.path.join(folder, 'meta.json')
-  if not os.path.isfile(meta_path):
-    raise UserError(f'--forensics={folder}: no meta.json there; pass a folder written by a '
-                    'skipped step, such as <workdir>/forensics/step-N')
-  with open(meta_path) as f:
-    meta = json.load(f)
-  with np.load(os.path.join(folder, 'batch.npz')) as arrays:
-    batch = _decode(meta['batch_structure'], {k: arrays[k] for k in arrays.files})
-  return Forensics(folder, meta['step'], meta['loss_scale'], meta.get('policy', ''),
-                   meta.get('config'), batch)
-
-
 def replay_folder(trainer, folder: str) -> Report:
   """Restores a folder's weights into `trainer.model`, replays its batch with its loss scale,
   writes report.txt / report.json next to it and returns the report."""
   forensics = load(folder)
   forensics.restore_weights(trainer.model)
-  report = replay(trainer.model, trainer.compute_loss, forensics.batch,
-                  loss_scale=forensics.loss_scale)
+  try:
+    report = replay(trainer.model, trainer.compute_loss, forensics.batch,
+                    loss_scale=forensics.loss_scale)
+  except (ValueError, TypeError, KeyError, IndexError, tf.errors.InvalidArgumentError) as e:
+    first = (str(e).strip().splitlines() or [''])[0][:200]
+    raise UserError(f'--forensics={folder}: its batch does not fit the model built from the '
+                    f'config ({type(e).__name__}: {first}); pass the --config of the run that '
+                    'wrote the folder') from None
+  report.skipped = forensics.skipped
   write_report(folder, report)
   return report
 
 
-def record(trainer, batch, step: int, *, loss_scale: float | None = None) -> Report:
+def record(trainer, batch, step: int, *, loss_scale: float | None = None,
+           skipped: bool = True) -> Report:
   """For the outer loop, after a skipped step: replays `batch` from the trainer's current
   (pre-step: the skipped step changed nothing) weights, logs the report's line and writes
-  <workdir>/forensics/step-N/. Call it before any later step changes the weights."""
+  <workdir>/forensics/step-N/. Call it before any later step changes the weights. `skipped`
+  False: a replay on request (--mode=diagnose), of a step no compiled step skipped."""
   scale = float(trainer.loss_scaler.scale.numpy()) if loss_scale is None else loss_scale
   report = replay(trainer.model, trainer.compute_loss, batch, loss_scale=scale)
+  report.skipped = skipped
   folder = save(folder_for(trainer.workdir, step), model=trainer.model, batch=batch,
                 loss_scale=scale, step=step, config=trainer.config, policy=trainer.policy,
-                report=report)
+                report=report, run=trainer.workdir)
   logging.warning('step %d: %s (forensics: %s)', step, report.line(), folder)
   return report
 

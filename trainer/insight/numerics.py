@@ -1,27 +1,41 @@
 """On-device numerics statistics: where the precision is tight, per layer, at log steps.
 
-Every `numerics.every` steps (at the first log boundary past each multiple; 0 = off) the trainer
-runs one compiled probe: a forward and backward pass of `compute_loss` at the current weights and
-loss scale, on a batch from an iterator of its own (the training iterator's order, hence a
-resume, is untouched), with the forward-pass state (BatchNorm statistics) put back afterwards.
-The probe computes what one replica's (first) micro-batch computes in a step, with the default
-step's loss (`TrainStep.replica_share`, `share_loss`): a whole global batch would sum replicas x
-micro-batches as many examples into each weight gradient and under-report its underflow.
-Only the statistics are read back:
+Every `numerics.every` steps (at the first log step, then at the first log boundary past each
+multiple; 0 = off) the trainer runs one compiled probe: a forward and backward pass of
+`compute_loss` at the current weights and loss scale, on a batch from an iterator of its own (the
+training iterator's order, hence a resume, is untouched), with the forward-pass state (BatchNorm
+statistics, dropout seeds) put back afterwards. The probe computes what one replica's (first)
+micro-batch computes in a step, with the default step's loss (`TrainStep.replica_share`,
+`share_loss`): a whole global batch would sum replicas x micro-batches as many examples into
+each weight gradient and under-report what is lost.
 
-  per layer, over the gradients of its variables as the backward pass computes them (scaled):
-    grad_max         the largest |gradient| after unscaling (of that share of the batch);
-    grad_underflow   the fraction of elements that are zero or below the smallest normal number
-                     of the layer's compute dtype (float16: 6.1e-5), i.e. lost or losing
-                     precision at this loss scale;
-    grad_nonfinite   the fraction that is inf or NaN;
-  per layer, over its forward output:
-    output_max       the largest |output|;
-    headroom_bits    log2(largest finite value of the compute dtype / output_max): how many
-                     doublings the activations can take before they overflow.
+Underflow is what the precision loses, so the probe computes the same gradients twice: in the
+layers' compute dtypes at the current loss scale (what the step computes), and with every layer
+computing in float32 (the reference; same weights, same batch, same forward state). Per weight-
+gradient element it then counts:
 
-They go to TensorBoard under `numerics/<layer>/...`, and one console line names the worst layers.
-The train step itself is unchanged: off costs nothing, on costs one probe per interval.
+  flushed    zero in the compute dtype, non-zero in float32 and, at this loss scale, below the
+             compute dtype's smallest normal number: lost to the dtype's range (directly, or
+             because a gradient upstream of it flushed). A zero of another cause (a ReLU whose
+             input rounded across 0, a sum that cancelled) is not range and not counted;
+  subnormal  non-zero but below the compute dtype's smallest normal number (float16: 6.1e-5),
+             at this scale: kept with fewer significant bits;
+  zero       zero in float32 too (dead ReLU units, border pixels): context, not underflow;
+  non-finite inf or NaN in the compute dtype.
+
+Per layer the fractions are over the gradients of its variables (Keras float8 layers' scale and
+amax-history variables are left out: their "gradients" are new values, not gradients), next to
+  grad_max       the largest |gradient| after unscaling;
+and over its forward output (a float8-quantized layer's too: its `quantized_call` is hooked):
+  output_max     the largest |output|;
+  output_flushed, output_subnormal   as for the gradients, against the float32 pass's outputs;
+  headroom_bits  log2(largest finite value of the compute dtype / output_max): how many
+                 doublings the activations can take before they overflow.
+
+They go to TensorBoard under `numerics/<layer>/...` and `numerics/gradient_{flushed,subnormal,
+zero}`, and one console line gives the flushed fraction and the worst layer by it. Under bfloat16
+(float32's exponent range) and float32 nothing is flushed by range, and the line says so. The
+train step itself is unchanged: off costs nothing, on costs one probe (two passes) per interval.
 """
 from __future__ import annotations
 
@@ -33,7 +47,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from trainer.insight import hooks
 from trainer.step.forward_state import forward_state_kept
+from trainer.step.loss_scale import overwritten
 
 
 def smallest_normal(dtype) -> float:
@@ -42,6 +58,12 @@ def smallest_normal(dtype) -> float:
 
 def largest(dtype) -> float:
   return float(ml_dtypes.finfo(tf.as_dtype(dtype).as_numpy_dtype).max)
+
+
+def has_float32_range(dtype) -> bool:
+  """Whether `dtype` has float32's exponent range (float32, bfloat16): no gradient a float32
+  computation keeps is flushed by range in it."""
+  return smallest_normal(dtype) <= smallest_normal(tf.float32)
 
 
 def leaf_layers(model) -> list:
@@ -56,24 +78,76 @@ def layer_name(layer) -> str:
 
 @contextlib.contextmanager
 def recording_outputs(layers, record):
-  """While active, each layer's `call` also calls `record(layer, output)`. Used while a
-  tf.function traces, so the recorded tensors are the graph's."""
-  originals = {}
-  for layer in layers:
-    original = layer.call
-    originals[layer] = original
+  """While active, each layer's `call` (or `quantized_call`) also calls `record(layer, output)`.
+  Used while a tf.function traces, so the recorded tensors are the graph's."""
 
-    def call(*args, __original=original, __layer=layer, **kwargs):
-      output = __original(*args, **kwargs)
-      record(__layer, output)
-      return output
+  def hook(layer):
+    def wrap(original):
+      def call(*args, **kwargs):
+        output = original(*args, **kwargs)
+        record(layer, output)
+        return output
+      return call
+    return wrap
 
-    layer.call = call
-  try:
+  with contextlib.ExitStack() as stack:
+    for layer in layers:
+      for method in hooks.call_methods(layer):
+        stack.enter_context(hooks.hooked(layer, method, hook(layer)))
     yield
-  finally:
-    for layer, original in originals.items():
-      layer.call = original
+
+
+# Per variable, the statistics the compiled probe returns (one row each).
+GRAD_MAX, FLUSHED, SUBNORMAL, ZERO, NONFINITE, COUNT = range(6)
+FRACTIONS = {'grad_flushed': FLUSHED, 'grad_subnormal': SUBNORMAL, 'grad_zero': ZERO,
+             'grad_nonfinite': NONFINITE}
+
+
+def gradient_counts(target, reference, tiny: float, scale) -> tf.Tensor:
+  """[6] float32 for one gradient: the largest finite |target| / scale, then the counts of
+  flushed, subnormal, zero and non-finite elements and the element count (module docstring).
+  `target`: the gradient as computed in the compute dtype at loss scale `scale` (still scaled);
+  `reference`: the same gradient computed in float32, unscaled."""
+  magnitude = tf.abs(tf.cast(target, tf.float32))
+  finite = tf.math.is_finite(magnitude)
+  reference = tf.abs(tf.cast(reference, tf.float32))
+  zero32 = tf.equal(reference, 0.0)
+  zero = tf.equal(magnitude, 0.0)
+  in_range = reference * scale >= tiny  # a zero there is rounding, not range
+
+  def count(mask):
+    return tf.reduce_sum(tf.cast(mask, tf.float32))
+
+  return tf.stack([
+      tf.reduce_max(tf.where(finite, magnitude, 0.0)) / scale,
+      count(tf.logical_and(zero, tf.logical_not(tf.logical_or(zero32, in_range)))),
+      count(tf.logical_and(tf.logical_and(finite, magnitude < tiny), tf.logical_not(zero))),
+      count(zero32),
+      count(tf.logical_not(finite)),
+      tf.cast(tf.size(magnitude), tf.float32)])
+
+
+def output_counts(layer, values, reference) -> tf.Tensor:
+  """[4] float32 for one layer's forward outputs `values` (compute dtype): the largest |output|,
+  the counts of flushed and subnormal elements (as for gradients, against the float32 pass's
+  outputs `reference`, None without one) and the element count. Outputs of another shape than
+  the reference's (a layer whose float32 call differs) get no flushed count."""
+  tiny = smallest_normal(layer.compute_dtype)
+  largest_out, flushed, subnormal, count = [], [], [], []
+  reference = reference if reference is not None else [None] * len(values)
+  for o, r in zip(values, reference):
+    o = tf.abs(tf.cast(o, tf.float32))
+    largest_out.append(tf.reduce_max(o))
+    subnormal.append(tf.reduce_sum(tf.cast(tf.logical_and(o > 0, o < tiny), tf.float32)))
+    count.append(tf.cast(tf.size(o), tf.float32))
+    if r is None or not o.shape.is_compatible_with(r.shape):
+      flushed.append(tf.constant(0.0))
+      continue
+    r = tf.abs(tf.cast(r, tf.float32))
+    lost = tf.logical_and(tf.equal(o, 0.0), tf.logical_and(r > 0, r < tiny))
+    flushed.append(tf.reduce_sum(tf.cast(lost, tf.float32)))
+  return tf.stack([tf.reduce_max(tf.stack(largest_out)), tf.add_n(flushed), tf.add_n(subnormal),
+                   tf.add_n(count)])
 
 
 class Probe:
@@ -83,89 +157,128 @@ class Probe:
     self.trainer = trainer
     model = trainer.model
     self.layers = leaf_layers(model)
-    self.variables = list(trainer.train_step.variables)
+    variables = list(trainer.train_step.variables)
+    # Float8 layers' scale and amax-history variables: their "gradients" are new values.
+    self.variables = [v for v, new_value in zip(variables, overwritten(variables))
+                      if not new_value]
     owner = {}
     for layer in self.layers:
       for v in layer.trainable_weights:
         owner.setdefault(id(getattr(v, 'value', v)), layer)
     self.owners = [owner.get(id(getattr(v, 'value', v))) for v in self.variables]
+    # The compute dtypes other than float32; a reference pass is needed only with one of them
+    # or a quantized (float8) layer.
+    self.low_precision = sorted({layer.compute_dtype for layer in self.layers
+                                 if layer.compute_dtype != 'float32'})
+    self.needs_reference = bool(self.low_precision) or any(
+        getattr(layer, 'quantization_mode', None) for layer in self.layers)
     self._fn = tf.function(self._stats)
     self._iterator = None
 
+  def _gradients(self, share, scaled: bool, record=None):
+    t = self.trainer
+    with contextlib.ExitStack() as stack:
+      if record is not None:
+        stack.enter_context(recording_outputs(self.layers, record))
+      tape = stack.enter_context(tf.GradientTape())
+      per_example, _ = t.compute_loss(share, training=True)
+      loss = t.train_step.share_loss(per_example)
+      if scaled:
+        loss = t.loss_scaler.scale_loss(loss)
+    return tape.gradient(loss, self.variables)
+
   def _stats(self, batch):
     t = self.trainer
-    outputs = {}
+    outputs, outputs32 = {}, {}
 
-    def record(layer, output):
-      values = [o for o in tf.nest.flatten(output) if hasattr(o, 'dtype') and o.dtype.is_floating]
-      if values:
-        outputs[layer_name(layer)] = tf.reduce_max(
-            tf.stack([tf.reduce_max(tf.abs(tf.cast(o, tf.float32))) for o in values]))
+    def recorder(into):
+      def record(layer, output):
+        values = [o for o in tf.nest.flatten(output)
+                  if hasattr(o, 'dtype') and o.dtype.is_floating]
+        if values:
+          into[layer_name(layer)] = (layer, values)  # a layer called twice: its last call
+      return record
 
     # One replica's (micro-)batch with the step's own loss: the gradients the step computes.
     share = t.train_step.replica_share(batch)
-    with forward_state_kept(t.model):
-      with recording_outputs(self.layers, record), tf.GradientTape() as tape:
-        per_example, _ = t.compute_loss(share, training=True)
-        scaled = t.loss_scaler.scale_loss(t.train_step.share_loss(per_example))
-      grads = tape.gradient(scaled, self.variables)
+    with forward_state_kept(t.model):  # the reference pass starts from the same state
+      grads = self._gradients(share, scaled=True, record=recorder(outputs))
+    if self.needs_reference:
+      with forward_state_kept(t.model), hooks.float32(t.model):
+        reference = self._gradients(share, scaled=False, record=recorder(outputs32))
+    else:
+      reference = grads
     scale = tf.cast(t.loss_scaler.scale, tf.float32) if t.loss_scaler.mode != 'none' else 1.0
-    grad_stats = []
-    for g, layer in zip(grads, self.owners):
+    rows = []
+    for g, r, layer in zip(grads, reference, self.owners):
       if g is None:
-        grad_stats.append(tf.zeros([4]))
+        rows.append(tf.zeros([6]))
         continue
       g = tf.convert_to_tensor(g)
-      magnitude = tf.abs(tf.cast(g, tf.float32))
+      r = tf.zeros_like(g) if r is None else tf.convert_to_tensor(r)
       tiny = smallest_normal(layer.compute_dtype if layer is not None else tf.float32)
-      finite = tf.math.is_finite(magnitude)
-      grad_stats.append(tf.stack([
-          tf.reduce_max(tf.where(finite, magnitude, 0.0)) / scale,
-          tf.reduce_sum(tf.cast(magnitude < tiny, tf.float32)),
-          tf.reduce_sum(1.0 - tf.cast(finite, tf.float32)),
-          tf.cast(tf.size(magnitude), tf.float32)]))
-    return tf.stack(grad_stats), outputs
+      rows.append(gradient_counts(g, r, tiny, scale))
+    return tf.stack(rows), {name: output_counts(layer, values, outputs32.get(name, (None, None))[1])
+                            for name, (layer, values) in outputs.items()}
+    return tf.stack(rows), outputs
 
   def next_batch(self):
     if self._iterator is None:
       self._iterator = iter(self.trainer.datasets.train)
     return next(self._iterator)
 
-  def measure(self, batch=None) -> tuple[dict[str, dict[str, float]], float]:
-    """({layer: {statistic: value}}, the underflow fraction over all gradient elements) for one
-    batch (default: the probe's next train batch)."""
-    grad_stats, output_max = self._fn(self.next_batch() if batch is None else batch)
+  def measure(self, batch=None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """({layer: {statistic: value}}, {'grad_flushed', 'grad_subnormal', 'grad_zero',
+    'grad_nonfinite': fraction of all gradient elements}) for one batch (default: the probe's
+    next train batch)."""
+    rows, output_max = self._fn(self.next_batch() if batch is None else batch)
     stats: dict[str, dict[str, float]] = {}
     sums: dict[str, np.ndarray] = {}
-    for row, layer in zip(grad_stats.numpy(), self.owners):
+    for row, layer in zip(rows.numpy().astype(np.float64), self.owners):
       name = layer_name(layer) if layer is not None else '?'
       if name not in sums:
-        sums[name] = np.zeros(4)
-      sums[name] = np.array([max(sums[name][0], row[0]), *(sums[name][1:] + row[1:])])
-    for name, (grad_max, under, nonfinite, count) in sums.items():
-      if count:
-        stats[name] = {'grad_max': float(grad_max), 'grad_underflow': under / count,
-                       'grad_nonfinite': nonfinite / count}
-    total = sum(sums.values(), np.zeros(4))
-    overall = float(total[1] / total[3]) if total[3] else 0.0
+        sums[name] = np.zeros(6)
+      sums[name] = np.concatenate([[max(sums[name][GRAD_MAX], row[GRAD_MAX])],
+                                   sums[name][1:] + row[1:]])
+    for name, row in sums.items():
+      if row[COUNT]:
+        stats[name] = {'grad_max': float(row[GRAD_MAX]),
+                       **{k: float(row[i] / row[COUNT]) for k, i in FRACTIONS.items()}}
+    total = sum(sums.values(), np.zeros(6))
+    overall = {k: float(total[i] / total[COUNT]) if total[COUNT] else 0.0
+               for k, i in FRACTIONS.items()}
     dtypes = {layer_name(layer): layer.compute_dtype for layer in self.layers}
-    for name, value in output_max.items():
-      value = float(value)
+    for name, row in output_max.items():
+      value, flushed, subnormal, count = (float(x) for x in row.numpy())
       entry = stats.setdefault(name, {})
       entry['output_max'] = value
+      if count:
+        entry['output_flushed'], entry['output_subnormal'] = flushed / count, subnormal / count
       entry['headroom_bits'] = (math.log2(largest(dtypes[name]) / value) if 0 < value < math.inf
                                 else (math.inf if value == 0 else -math.inf))
     return stats, overall
 
 
-def summary_line(step: int, stats: dict, scale: float, overall_underflow: float) -> str:
-  """One console line: the gradient underflow overall and the worst layer, the least headroom."""
-  parts = [f'numerics at step {step}: gradient underflow {100 * overall_underflow:.1f} % at '
-           f'scale {scale:g}']
-  under = [(v['grad_underflow'], k) for k, v in stats.items() if 'grad_underflow' in v]
-  if under:
-    worst, name = max(under)
-    parts.append(f'worst {name} {100 * worst:.1f} %')
+def summary_line(step: int, stats: dict, overall: dict, *, scale: float | None,
+                 dtypes) -> str:
+  """One console line: what the compute dtypes lose of the gradients (flushed to zero, overall
+  and the worst layer; subnormal; exact zeros for context) at `scale` (None: the loss is not
+  scaled), non-finite gradients, and the least headroom. `dtypes`: the low-precision compute
+  dtypes of the model's layers (empty: float32 throughout)."""
+  at = f' at loss scale {scale:g}' if scale is not None else ' (loss not scaled)'
+  zero = f'exact zeros {100 * overall["grad_zero"]:.1f} % (zero in float32 too)'
+  ranged = [d for d in dtypes if not has_float32_range(d)]
+  if not ranged and not overall['grad_flushed']:
+    what = ', '.join(dtypes) or 'float32'
+    parts = [f'numerics at step {step}: gradient range is not the issue under {what} '
+             f'(float32\'s exponent range: nothing flushed to zero); {zero}']
+  else:
+    parts = [f'numerics at step {step}: gradients flushed to zero {_pct(overall["grad_flushed"])}'
+             f'{at}, subnormal {_pct(overall["grad_subnormal"])}; {zero}']
+    flushed = [(v['grad_flushed'], k) for k, v in stats.items() if 'grad_flushed' in v]
+    if flushed and max(flushed)[0] > 0:
+      worst, name = max(flushed)
+      parts.append(f'most flushed {name} {_pct(worst)}')
   bad = [(v['grad_nonfinite'], k) for k, v in stats.items() if v.get('grad_nonfinite', 0) > 0]
   if bad:
     parts.append('non-finite gradients in ' + ', '.join(k for _, k in sorted(bad)[::-1][:3]))
@@ -174,6 +287,12 @@ def summary_line(step: int, stats: dict, scale: float, overall_underflow: float)
     bits, name = min(room)
     parts.append(f'least headroom {name} ({bits:.1f} doublings to overflow)')
   return '; '.join(parts)
+
+
+def _pct(fraction: float) -> str:
+  """A percentage with enough digits that a small non-zero fraction does not read as 0."""
+  value = 100 * fraction
+  return f'{value:.1f} %' if value >= 1 or value == 0 else f'{value:.2g} %'
 
 
 class Recorder:
@@ -186,23 +305,22 @@ class Recorder:
     self.last = None
 
   def start(self, step: int) -> None:
-    """The run (or resumed run) starts at `step`."""
-    self.last = step
+    """The run (or resumed run) starts at `step`: the first log step measures."""
+    self.last = None
 
   def due(self, step: int) -> bool:
-    """At a log step: whether a multiple of `every` was passed since the last measurement."""
+    """At a log step: the first one of the run, then whether a multiple of `every` was passed
+    since the last measurement (so any run with a log step shows the line at least once)."""
     if self.every <= 0:
       return False
-    if self.last is None:
-      self.last = 0
-    if step // self.every > self.last // self.every:
+    if self.last is None or step // self.every > self.last // self.every:
       self.last = step
       return True
     return False
 
   def record(self, step: int) -> dict:
-    """Measures, writes TensorBoard scalars numerics/<layer>/<statistic>, returns the stats and
-    the console line."""
+    """Measures, writes TensorBoard scalars numerics/<layer>/<statistic> and
+    numerics/gradient_{flushed,subnormal,zero,nonfinite}, returns the stats and the line."""
     if self.probe is None:
       self.probe = Probe(self.trainer)
     try:
@@ -213,14 +331,15 @@ class Recorder:
               f'{str(e).strip().splitlines()[-1][:200]}); numerics.every is off for this run')
       logging.warning(line)
       return {'stats': {}, 'line': line}
-    scale = float(self.trainer.loss_scaler.scale.numpy())
-    line = summary_line(step, stats, scale, overall)
+    scaler = self.trainer.loss_scaler
+    scale = float(scaler.scale.numpy()) if scaler.mode != 'none' else None
+    line = summary_line(step, stats, overall, scale=scale, dtypes=self.probe.low_precision)
     scalars = {f'{layer}/{k}': v for layer, values in stats.items() for k, v in values.items()
                if math.isfinite(v)}
-    scalars['gradient_underflow'] = overall
+    scalars.update({'gradient_' + k[len('grad_'):]: v for k, v in overall.items()})
     if self.write_scalars is not None:
       self.write_scalars('numerics', scalars, step)
-    return {'stats': stats, 'line': line}
+    return {'stats': stats, 'overall': overall, 'line': line}
 
 
 class NumericsLine:

@@ -28,12 +28,23 @@ class CausalSelfAttention(keras.layers.Layer):
 
   Input and output: [batch, time, d_model]. One fused query/key/value projection and one output
   projection, with biases. Dropout applies to the attention weights when training.
+
+  `attention='chunked'` computes the queries in chunks of `chunk` positions (`chunked_attention`):
+  the [batch, heads, time, time] weights are never held whole, nor kept for the backward pass.
+  It needs a static sequence length (else the full path runs) and no dropout.
   """
 
-  def __init__(self, num_heads: int, dropout: float = 0.0, **kwargs):
+  def __init__(self, num_heads: int, dropout: float = 0.0, attention: str = 'full',
+               chunk: int = 64, **kwargs):
     super().__init__(**kwargs)
     self.num_heads = int(num_heads)
     self.dropout = float(dropout)
+    if attention not in ('full', 'chunked'):
+      raise ValueError(f"{self.name}: attention must be 'full' or 'chunked', got {attention!r}")
+    if attention == 'chunked' and self.dropout:
+      raise ValueError(f'{self.name}: chunked attention recomputes the weights in the backward '
+                       'pass, so it takes no dropout (a fresh mask); set dropout=0')
+    self.attention, self.chunk = attention, int(chunk)
     self._dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
 
   def build(self, input_shape):
@@ -65,6 +76,9 @@ class CausalSelfAttention(keras.layers.Layer):
     q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each [batch, heads, time, depth]
 
     q = q * tf.cast(depth ** -0.5, dtype)
+    if self.attention == 'chunked' and x.shape[1] is not None:
+      out = chunked_attention(q, k, v, self.chunk)
+      return self._project(out, batch, time)
     scores = tf.matmul(q, k, transpose_b=True)  # [batch, heads, time, time], compute dtype
     # Mask and softmax in float32 (-inf and the exp/sum are where float16 overflows); the
     # [batch, heads, time, time] weights are kept for the backward pass in the compute dtype.
@@ -72,7 +86,11 @@ class CausalSelfAttention(keras.layers.Layer):
     if self.dropout:
       weights = self._dropout(weights, training=training)
 
-    out = tf.matmul(weights, v)  # [batch, heads, time, depth]
+    return self._project(tf.matmul(weights, v), batch, time)
+
+  def _project(self, out, batch, time):
+    """[batch, heads, time, depth] -> the output projection, [batch, time, d_model]."""
+    dtype = self.compute_dtype
     out = tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [-1, self.d_model])
     out = tf.matmul(out, tf.cast(self.out_kernel, dtype)) + tf.cast(self.out_bias, dtype)
     return tf.reshape(out, [batch, time, self.d_model])
@@ -81,7 +99,34 @@ class CausalSelfAttention(keras.layers.Layer):
     return input_shape
 
   def get_config(self):
-    return {**super().get_config(), 'num_heads': self.num_heads, 'dropout': self.dropout}
+    return {**super().get_config(), 'num_heads': self.num_heads, 'dropout': self.dropout,
+            'attention': self.attention, 'chunk': self.chunk}
+
+
+def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
+  """Causal attention softmax(q k^T + mask) v, `chunk` query positions at a time.
+
+  q, k, v: [batch, heads, time, depth] (q already scaled), static time. Chunk i's queries
+  attend to keys [0, end of the chunk) (the later ones are masked anyway): the scores, the
+  float32 softmax (`masked_softmax`: float32 statistics, output in q's dtype) and the product
+  with v. Each chunk goes through tf.recompute_grad with the whole q, k and v as inputs (sliced
+  inside, so nothing is copied for the tape): the backward pass keeps q, k, v and recomputes one
+  chunk's weights at a time. Each row is today's row (the same scores and softmax over the keys
+  up to the chunk's end instead of all of them, the rest being exp(-inf) = 0), so the result is
+  the full path's to float32 rounding (the sums' order). Transient memory: one chunk's
+  [batch, heads, chunk, <= time] scores instead of [batch, heads, time, time]."""
+  time = int(q.shape[2])
+  outs = []
+  for start in range(0, time, chunk):
+    end = min(start + chunk, time)
+
+    def block(q, k, v, start=start, end=end):
+      scores = tf.matmul(q[:, :, start:end], k[:, :, :end], transpose_b=True)
+      mask = tf.range(end)[None, :] <= tf.range(start, end)[:, None]  # [end - start, end]
+      return tf.matmul(masked_softmax(scores, mask), v[:, :, :end])
+
+    outs.append(tf.recompute_grad(block)(q, k, v))
+  return tf.concat(outs, axis=2)
 
 
 def causal_mask(time) -> tf.Tensor:
@@ -125,7 +170,9 @@ def _gelu_kept_as_input(x):
 
   def backward(dy):
     x32 = tf.cast(x, tf.float32)
-    cdf = 0.5 * (1.0 + tf.math.erf(x32 * _SQRT_HALF))
+    # Phi(x) = erfc(-x / sqrt 2) / 2: in the left tail 1 + erf(x / sqrt 2) cancels to a few
+    # float32 roundings of 1 (0 below x = -5.9), while erfc keeps Phi's relative accuracy.
+    cdf = 0.5 * tf.math.erfc(-x32 * _SQRT_HALF)
     pdf = _INV_SQRT_2PI * tf.exp(-0.5 * tf.square(x32))
     return tf.cast(tf.cast(dy, tf.float32) * (cdf + x32 * pdf), x.dtype)
 

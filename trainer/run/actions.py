@@ -125,7 +125,17 @@ class BestCheckpoint(_Tracker):
       return
     value = self.value(event)
     trainer = event.trainer
+    before = (self._best.numpy(), self._has_best.numpy())
     if not self.improved(value) or (event.runner is not None and not event.runner.is_chief):
+      return
+    # As every save: a non-finite weight is never written (an eval can be finite with a NaN in
+    # a weight it does not reach); the best so far stays the one on disk.
+    bad = checkpoints.nonfinite(checkpoints.variables({'model': trainer.model}))
+    if bad:
+      self._best.assign(before[0])
+      self._has_best.assign(before[1])
+      logging.warning('best eval %s %.4f at step %d not saved: the model is not finite (%s)',
+                      self.metric, value, event.step, checkpoints.describe_nonfinite(bad))
       return
     folder = os.path.join(trainer.workdir, 'best')
     if self._manager is None:

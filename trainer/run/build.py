@@ -17,10 +17,10 @@ import keras
 import tensorflow as tf
 
 from trainer import config as config_lib
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
-from trainer.step import contract, distribute, optimizers, precision
+from trainer.step import contract, distribute, low_precision, optimizers, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 
 HOOKS = ('build_model', 'build_datasets', 'compute_loss', 'build_optimizer', 'build_metrics',
@@ -72,10 +72,13 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   trainer.datasets, steps_per_epoch = epochs.prepare(trainer.build_datasets(), c.train.batch_size)
   epochs.check_length(trainer.datasets, steps_per_epoch, c)
   trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
+  _check_against_the_run(c, trainer.total_steps, trainer.strategy.num_replicas_in_sync)
 
   trainer.jit_compile = jit(c.train.jit_compile)
   with trainer.strategy.scope():
-    trainer.model = precision.build_model(trainer.build_model, c.precision.float32_layers)
+    trainer.model = precision.build_model(
+        trainer.build_model, c.precision.float32_layers,
+        bfloat16_variables=c.precision.master_weights != 'float32')
     # Two sets of the stateful metrics: one the train loop updates, one the eval loop.
     trainer.train_metrics = trainer.build_metrics()
     contract.check_metrics(trainer.train_metrics)
@@ -95,7 +98,22 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     trainer.learning_rate = optimizers.schedule(c.optimizer, trainer.total_steps)
     step = trainer.global_step
     trainer.optimizer = trainer.build_optimizer(lambda: trainer.learning_rate(step))
+    low_precision.check_optimizer(trainer.optimizer, c)
     trainer.train_step = trainer.build_train_step()
+
+
+def _check_against_the_run(c, total_steps: int, replicas: int) -> None:
+  """Keys that are valid alone but not for this run's length or replicas: one ConfigError."""
+  if c.optimizer.warmup_steps > total_steps:
+    raise ConfigError(f'config.optimizer.warmup_steps={c.optimizer.warmup_steps} is longer than '
+                      f'the run ({total_steps} steps): the learning rate would never reach '
+                      'config.optimizer.learning_rate; shorten the warm-up or train longer')
+  replica = c.debug.inject_nonfinite_replica
+  injecting = c.debug.inject_nonfinite_every or c.debug.inject_nonfinite_steps
+  if injecting and replica >= replicas:
+    raise ConfigError(f'config.debug.inject_nonfinite_replica={replica}: the run has {replicas} '
+                      f'replica(s), numbered 0 to {replicas - 1}; the injection would do '
+                      'nothing. Use -1 for every replica')
 
 
 def _base(trainer) -> Any:

@@ -13,7 +13,21 @@ candidates are those files, newest N first, with a warning: never a silent resta
 over existing checkpoints. (`repair_state` then rewrites the state file, so that a
 CheckpointManager opened for training knows them and rotates them.)
 
-Nothing here writes, except `repair_state`: restoring works on a read-only run folder.
+Checkpoint paths stay inside the run. Only ckpt-N files in the folder itself are read, listed or
+deleted: a state file naming a checkpoint by an absolute path (a run copied with `cp -r` or moved
+after TensorFlow or an older `repair_state` wrote one) or in another folder stands for the
+checkpoint of the same name in this folder, or is ignored with a warning when this folder has
+none. Before a CheckpointManager opens the folder for training, `own_state` rewrites such a state
+file with relative names, so that rotation (max_to_keep) can only delete this folder's files; the
+state file is always written with relative paths.
+
+A restored checkpoint is checked: every variable of the checkpoint items (`variables`: Keras
+and plain tf.Variables, the loss scaler's, the actions' state) must be finite. For training, a
+non-finite one is skipped with a warning and the previous one restored; read-only (eval, export,
+diagnose) it is a one-line error.
+
+Nothing here writes, except `repair_state` and `own_state`: restoring works on a read-only run
+folder.
 
 A save that cannot write (disk full, quota,
 file-size limit) is a UserError naming the checkpoint and the reason; its partial files are
@@ -26,15 +40,20 @@ import os
 import re
 import shutil
 
+import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
+from google.protobuf import text_format
 from tensorflow.core.protobuf import trackable_object_graph_pb2
+from tensorflow.python.checkpoint import checkpoint_management
 
 from trainer.errors import UserError
+from trainer.step.loss_scale import all_finite
 
 # Checkpoint items added after checkpoints were first written: a checkpoint without them still
 # restores (they keep their initial values). Any other missing item is a mismatch.
-LATER_ITEMS = ('consecutive_skips', 'actions')
+LATER_ITEMS = ('consecutive_skips', 'actions', 'lr_factor')
 
 
 class Mismatch(AssertionError):
@@ -73,28 +92,89 @@ def restore(items: dict, path: str) -> None:
       raise Mismatch(f'its {name!r} does not match this run\'s ({first[:160]})', name) from e
 
 
-def restore_newest_readable(items: dict, directory: str) -> str | None:
-  """Restores the newest checkpoint in `directory` that loads and matches `items` ({name:
-  trackable}); returns its path, or None when the folder holds none. Raises UserError when
-  there are some and none loads."""
-  candidates = find(directory, warn=True)
+def variables(items: dict) -> list[tf.Variable]:
+  """Every variable a `tf.train.Checkpoint(**items)` saves, each once: the Keras variables of
+  models and optimizers (their tf.Variable), plain tf.Variables (the global step, the loss
+  scaler's, the actions' state) and those of any tf.Module in `items`."""
+  seen, found = set(), []
+  root = tf.train.Checkpoint(**items)  # held: the view keeps only a weak reference
+  for obj in tf.train.TrackableView(root).descendants():
+    v = obj.value if isinstance(obj, keras.Variable) else obj
+    if isinstance(v, tf.Variable) and id(v) not in seen:
+      seen.add(id(v))
+      found.append(v)
+  return found
+
+
+def nonfinite(variables_: list) -> list[str]:
+  """The names of the floating variables holding inf or NaN (one reduction on the device; the
+  names are looked up only when one is not finite)."""
+  floats = [v for v in variables_ if v.dtype.is_floating]
+  if not floats or bool(_all_finite(floats)):
+    return []
+  return [getattr(v, 'path', None) or v.name for v in floats
+          if not np.isfinite(v.numpy()).all()]
+
+
+@tf.function
+def _all_finite(variables_) -> tf.Tensor:
+  return all_finite([v.read_value() for v in variables_])
+
+
+def describe_nonfinite(bad: list[str]) -> str:
+  return f'inf or NaN in {len(bad)} variable(s), first: {", ".join(bad[:3])}'
+
+
+def restore_newest_readable(items: dict, directory: str, *, read_only: bool = False) -> str | None:
+  """Restores the newest checkpoint in `directory` that loads, matches `items` ({name:
+  trackable}) and holds only finite values; returns its path, or None when the folder holds
+  none. Raises UserError when there are some and none loads. `read_only` (eval, export,
+  diagnose): a non-finite checkpoint is a UserError instead of a fallback, and a checkpoint
+  that disappears while it is read (a live run rotated it away) sends it back to the state
+  file for the newer ones, a few times."""
+  items_variables = variables(items)
   failures = []  # (path, reason, the exception)
-  for path in candidates:
-    try:
-      restore(items, path)
-    # A damaged file surfaces as OpError (DataLoss, NotFound), IndexError, ValueError, a
-    # protobuf DecodeError ...; a structure mismatch as Mismatch.
-    except Exception as e:  # pylint: disable=broad-except
-      lines = str(e).strip().splitlines()
-      reason = f'{type(e).__name__}: {lines[0][:200] if lines else ""}'.rstrip(': ')
-      what = 'does not match this run' if isinstance(e, Mismatch) else 'is unreadable'
-      logging.warning('checkpoint %s %s (%s); trying the previous one', path, what, reason)
-      failures.append((path, reason, e))
-      continue
-    if failures:
-      logging.warning('restored %s instead of the newer unreadable %s', path,
-                      ', '.join(p for p, _, _ in failures))
-    return path
+  retried = set()  # checkpoints found gone once (read_only)
+  for _ in range(5):
+    gone = False
+    for path in find(directory, warn=True):
+      if any(p == path for p, _, _ in failures):
+        continue
+      try:
+        restore(items, path)
+      # A damaged file surfaces as OpError (DataLoss, NotFound), IndexError, ValueError, a
+      # protobuf DecodeError ...; a structure mismatch as Mismatch.
+      except Exception as e:  # pylint: disable=broad-except
+        if read_only and path not in retried and (
+            not tf.io.gfile.exists(path + '.index') or path not in find(directory)):
+          retried.add(path)
+          gone = True  # deleted by rotation while we read it: read the state file again
+          logging.warning('checkpoint %s was removed while it was read (the run is training); '
+                          'trying the newest one again', path)
+          break
+        lines = str(e).strip().splitlines()
+        reason = f'{type(e).__name__}: {lines[0][:200] if lines else ""}'.rstrip(': ')
+        what = 'does not match this run' if isinstance(e, Mismatch) else 'is unreadable'
+        logging.warning('checkpoint %s %s (%s); trying the previous one', path, what, reason)
+        failures.append((path, reason, e))
+        continue
+      bad = nonfinite(items_variables)
+      if bad:
+        if read_only:
+          raise UserError(f'checkpoint {path} holds a non-finite state ({describe_nonfinite(bad)})'
+                          '; it cannot be evaluated or exported. Training from this workdir '
+                          'falls back to the newest finite checkpoint; evaluate that one once '
+                          'a save has replaced this.')
+        logging.warning('checkpoint %s holds a non-finite state (%s); trying the previous one',
+                        path, describe_nonfinite(bad))
+        failures.append((path, f'non-finite ({describe_nonfinite(bad)})', NonFinite()))
+        continue
+      if failures:
+        logging.warning('restored %s instead of the newer %s', path,
+                        ', '.join(p for p, _, _ in failures))
+      return path
+    if not gone:
+      break
   if failures:
     names = ', '.join(os.path.basename(p) for p, _, _ in failures)
     if all(isinstance(e, Mismatch) for _, _, e in failures):
@@ -108,12 +188,20 @@ def restore_newest_readable(items: dict, directory: str) -> str | None:
       hint = 'they hold ' + what.get(
           item, f"other {item or 'state'} than this run builds now (a checkpoint_items() entry "
           'changed since this run began): resume with it as it was')
+    elif all(isinstance(e, NonFinite) for _, _, e in failures):
+      hint = 'every one holds a non-finite state'
     else:
       hint = 'were they written by another model or config?'
+    # Read-only, the run may be live or archived: never advise deleting its files.
+    todo = ('Check --workdir and --config.' if read_only else
+            'Use a new --workdir, or delete that folder to start over.')
     raise UserError(f'no checkpoint in {directory} can be restored (tried {names}; '
-                    f'newest: {failures[0][1]}); {hint}. Use a new --workdir, or delete that '
-                    'folder to start over.')
+                    f'newest: {failures[0][1]}); {hint}. {todo}')
   return None
+
+
+class NonFinite(Exception):
+  """A checkpoint that reads but holds inf or NaN (a failure kind of restore_newest_readable)."""
 
 
 STATE_FILE = 'checkpoint'
@@ -148,7 +236,9 @@ def state_problem(directory: str) -> str | None:
 
 def find(directory: str, warn: bool = False) -> list[str]:
   """The checkpoints to try, newest first: those the state file names, then any others on disk;
-  only those on disk when the state file is missing, empty or garbled (`warn`: say so)."""
+  only those on disk when the state file is missing, empty or garbled (`warn`: say so). Every
+  path is in `directory` (the module docstring: a name elsewhere stands for this folder's
+  checkpoint of that name, or is left out)."""
   if not tf.io.gfile.isdir(directory):
     return []
   disk = on_disk(directory)
@@ -159,28 +249,77 @@ def find(directory: str, warn: bool = False) -> list[str]:
                       os.path.join(directory, STATE_FILE), problem,
                       ', '.join(os.path.basename(p) for p in disk))
     return disk
+  candidates, outside = _named(directory)
+  if outside and warn:
+    logging.warning('%s names checkpoints outside this run (%s); only this folder\'s own '
+                    'checkpoints are used', os.path.join(directory, STATE_FILE),
+                    ', '.join(outside[:3]))
+  return candidates + [p for p in disk if p not in candidates]
+
+
+def _named(directory: str) -> tuple[list[str], list[str]]:
+  """(the state file's checkpoints as paths in `directory`, newest first; the names it holds
+  that point elsewhere and have no checkpoint of that name here)."""
   state = tf.train.get_checkpoint_state(directory)
-  candidates = list(reversed(state.all_model_checkpoint_paths))
-  if state.model_checkpoint_path not in candidates:
-    candidates.insert(0, state.model_checkpoint_path)
-  named = {os.path.basename(p) for p in candidates}
-  return candidates + [p for p in disk if os.path.basename(p) not in named]
+  named = list(reversed(state.all_model_checkpoint_paths))
+  if state.model_checkpoint_path not in named:
+    named.insert(0, state.model_checkpoint_path)
+  here = os.path.normpath(directory)
+  candidates, outside = [], []
+  for path in named:
+    own = os.path.join(here, os.path.basename(path))
+    if os.path.normpath(os.path.dirname(path)) == here or tf.io.gfile.exists(own + '.index'):
+      if own not in candidates:
+        candidates.append(own)
+    else:
+      outside.append(path)
+  return candidates, outside
+
+
+def _write_state(directory: str, paths: list[str]) -> None:
+  """Writes the state file naming `paths` (oldest first, all in `directory`) by relative name,
+  the last as the newest; with their times the manager treats them as its own and rotates them
+  (max_to_keep)."""
+  times = [os.path.getmtime(p + '.index') for p in paths]
+  checkpoint_management.update_checkpoint_state_internal(
+      directory, paths[-1], all_model_checkpoint_paths=paths, save_relative_paths=True,
+      all_model_checkpoint_timestamps=times, last_preserved_timestamp=min(times) - 1)
 
 
 def repair_state(directory: str, restored: str) -> None:
   """Rewrites a missing, empty or garbled state file to name `restored` (newest) and the older
-  ckpt-N files on disk, so that rotation (max_to_keep) knows them. A no-op when it is fine."""
+  ckpt-N files on disk, so that rotation (max_to_keep) knows them; then `own_state`. A no-op
+  when it is fine."""
   if state_problem(directory) is None:
+    own_state(directory)
     return
   older = [p for p in reversed(on_disk(directory)) if step_of(p) < step_of(restored)]
-  paths = older + [restored]
-  # With their times the manager treats them as its own and rotates them (max_to_keep).
-  times = [os.path.getmtime(p + '.index') for p in paths]
-  tf.compat.v1.train.update_checkpoint_state(
-      directory, restored, all_model_checkpoint_paths=paths,
-      all_model_checkpoint_timestamps=times, last_preserved_timestamp=min(times) - 1)
+  _write_state(directory, older + [restored])
   logging.warning('rewrote %s naming %s', os.path.join(directory, STATE_FILE),
                   ', '.join(os.path.basename(p) for p in older + [restored]))
+
+
+def own_state(directory: str) -> None:
+  """Rewrites a state file that names a checkpoint by an absolute path or in another folder
+  (a copied or moved run) with the relative names of this folder's own checkpoints, so that a
+  CheckpointManager opened on it rotates (deletes) only this folder's files. A no-op when every
+  name is relative already, or the state file is missing or garbled."""
+  if state_problem(directory) is not None:
+    return
+  state = checkpoint_management.CheckpointState()
+  with tf.io.gfile.GFile(os.path.join(directory, STATE_FILE)) as f:
+    text_format.Merge(f.read(), state)  # the names as written (get_checkpoint_state joins)
+  names = [state.model_checkpoint_path, *state.all_model_checkpoint_paths]
+  if not any(os.path.isabs(p) or os.path.dirname(p) for p in names):
+    return  # bare relative names only: as the manager writes them
+  candidates, outside = _named(directory)
+  kept = [p for p in reversed(candidates) if tf.io.gfile.exists(p + '.index')]
+  if not kept:
+    return  # nothing of this folder's own to name; restore_for_training found none either
+  _write_state(directory, kept)
+  logging.warning('rewrote %s with relative names of this folder\'s checkpoints (%s)%s',
+                  os.path.join(directory, STATE_FILE), ', '.join(os.path.basename(p) for p in kept),
+                  f'; dropped {", ".join(outside)} (outside this run)' if outside else '')
 
 
 def step_of(path: str) -> int:
@@ -189,31 +328,54 @@ def step_of(path: str) -> int:
   return int(match.group(1)) if match else 0
 
 
-def save(manager: tf.train.CheckpointManager, step: int, *, resumed_from: bool = True) -> str:
+def save(manager: tf.train.CheckpointManager, step: int, *, resumed_from: bool = True,
+         options: tf.train.CheckpointOptions | None = None) -> str:
   """`manager.save(checkpoint_number=step)`; a failed write raises UserError (one line: the
   checkpoint, the reason, the previous checkpoint that is still the newest, and, when
   `resumed_from`, that the same command resumes from it)."""
   try:
-    return manager.save(checkpoint_number=step)
+    return manager.save(checkpoint_number=step, options=options)
   except (tf.errors.OpError, OSError) as e:
-    directory = manager.directory
-    try:
-      state = tf.train.get_checkpoint_state(directory)
-    except Exception:  # pylint: disable=broad-except  (a garbled state file: name no checkpoint)
-      state = None
-    newest = state.model_checkpoint_path if state else None
-    prefix = os.path.join(directory, f'ckpt-{step}')
-    if newest != prefix:  # never listed: remove what the failed write left behind
-      pattern = glob.escape(prefix)
-      for path in glob.glob(pattern + '_temp*') + glob.glob(pattern + '.*'):
-        if os.path.isdir(path):
-          shutil.rmtree(path, ignore_errors=True)
-        else:
-          _remove(path)
-    kept = (f'; {newest} is intact' + (' and is where the same command resumes'
-                                       if resumed_from else '')) if newest else ''
-    raise UserError(f'could not write checkpoint {prefix} at step {step} ({_reason(e)}); free '
-                    f'disk space or raise the quota{kept}') from None
+    _failed(manager, step, e, resumed_from)
+    raise  # (not reached: _failed raises)
+
+
+def sync(checkpoint: tf.train.Checkpoint, manager: tf.train.CheckpointManager, step: int) -> None:
+  """Waits for `checkpoint`'s background write of ckpt-<step> (async_checkpoint); a failed
+  write is the one-line UserError of `save`."""
+  try:
+    checkpoint.sync()
+  except (tf.errors.OpError, OSError) as e:
+    _failed(manager, step, e, True)
+
+
+def _failed(manager, step: int, e: Exception, resumed_from: bool) -> None:
+  """Removes what the failed write of ckpt-<step> left and raises its UserError."""
+  directory = manager.directory
+  try:
+    state = tf.train.get_checkpoint_state(directory)
+  except Exception:  # pylint: disable=broad-except  (a garbled state file: name no checkpoint)
+    state = None
+  newest = state.model_checkpoint_path if state else None
+  prefix = os.path.join(directory, f'ckpt-{step}')
+  if newest != prefix:  # never listed: remove what the failed write left behind
+    pattern = glob.escape(prefix)
+    for path in glob.glob(pattern + '_temp*') + glob.glob(pattern + '.*'):
+      if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        _remove(path)
+  kept = (f'; {newest} is intact' + (' and is where the same command resumes'
+                                     if resumed_from else '')) if newest else ''
+  raise UserError(f'could not write checkpoint {prefix} at step {step} ({_reason(e)}); free '
+                  f'disk space or raise the quota{kept}') from None
+
+
+def remove(prefix: str) -> None:
+  """Deletes the files of checkpoint `prefix` (ckpt-N.index, ckpt-N.data-*), nothing else."""
+  pattern = glob.escape(prefix)
+  for path in glob.glob(pattern + '.index') + glob.glob(pattern + '.data-*'):
+    _remove(path)
 
 
 def _remove(path: str) -> None:

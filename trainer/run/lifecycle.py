@@ -88,5 +88,10 @@ def init_from(trainer, source: str) -> str:
     raise ConfigError(f'config.train.init_from={source!r}: {path} is unreadable '
                       f'({type(e).__name__}: {lines[0][:200] if lines else ""}); point it at '
                       'an intact checkpoint') from None
+  bad = checkpoints.nonfinite(checkpoints.variables({'model': trainer.model}))
+  if bad:
+    raise ConfigError(f'config.train.init_from={source!r}: {path} holds non-finite weights '
+                      f'({checkpoints.describe_nonfinite(bad)}); point it at a finite '
+                      'checkpoint (an earlier ckpt-N of that run)')
   logging.info('initialized the model from %s', path)
   return path

@@ -13,7 +13,10 @@ with that pid, or a process with that pid that started at another time (the pid 
 start time is read from /proc where there is one). kill -9 leaves the file behind; the next run
 takes it over this way. Comparing the file with the stale record and removing it happen under an
 flock of the workdir, so of two processes taking over the same stale lock, the later one never
-removes the lock the earlier one has just created. A lock held by a process on another host
+removes the lock the earlier one has just created. An empty or unparsable lock file (a
+holder killed between creating the file and writing its record, or a full disk on a file system
+without hard links) is a holder being written while it is younger than `GRACE_SECONDS`, and stale
+after that: taken over with one warning line. A lock held by a process on another host
 cannot be checked from here: the error says so and names the file to delete once that process is
 known to be gone.
 
@@ -38,6 +41,8 @@ from absl import logging
 from trainer.errors import UserError
 
 NAME = 'train.lock'
+# An empty or garbled lock younger than this may be a holder writing its record; older, stale.
+GRACE_SECONDS = 10.0
 
 _held: dict[str, list] = {}  # lock path -> [our record, holders in this process]
 
@@ -72,7 +77,9 @@ def _record() -> dict:
 
 
 def _read(path: str) -> dict | None:
-  """The lock's record; None when there is no lock. UserError when it cannot be read."""
+  """The lock's record; None when there is no lock; {'unreadable': text, ...} when it is empty
+  or garbled (a holder still writing it, or a stale one: `acquire` decides by its age). UserError
+  when it cannot be opened."""
   try:
     fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NOFOLLOW', 0))
   except FileNotFoundError:
@@ -81,17 +88,15 @@ def _read(path: str) -> dict | None:
     raise UserError(f'{path} cannot be read ({e.strerror}); it should be a lock file written '
                     'by a training process: delete it if no training runs on this workdir.') \
         from None
-  with os.fdopen(fd) as f:
-    text = f.read()
-  if not text:  # created by _create_new, its record not written yet
-    return {'pid': -1, 'host': '', 'being_written': True}
+  with os.fdopen(fd, 'rb') as f:
+    data = f.read(4096)
+    age = time.time() - os.fstat(f.fileno()).st_mtime
   try:
-    record = json.loads(text)
+    record = json.loads(data.decode())
     int(record['pid']), str(record['host'])
     return record
-  except (ValueError, KeyError, TypeError):
-    raise UserError(f'{path} is not a lock file this framework wrote ({text[:60]!r}); delete it '
-                    'if no training runs on this workdir.') from None
+  except (ValueError, KeyError, TypeError, AttributeError):
+    return {'pid': -1, 'host': '', 'unreadable': data[:60], 'age': age}
 
 
 def _link_new(path: str, record: dict) -> bool:
@@ -161,14 +166,23 @@ def acquire(workdir: str) -> str:
     _held[path][1] += 1
     return path
   ours = _record()
-  for _ in range(3):  # a takeover races with another process's: retry a few times
+  for _ in range(3 + int(GRACE_SECONDS / 0.1)):  # a takeover races with another process's
     if _link_new(path, ours):
       _held[path] = [ours, 1]
       return path
     holder = _read(path)
-    if holder is None or holder.get('being_written'):
-      time.sleep(0.05)
-      continue  # released between our attempt and the read, or its record not yet written
+    if holder is None:
+      continue  # released between our attempt and the read
+    if 'unreadable' in holder:
+      if holder['age'] < GRACE_SECONDS:
+        time.sleep(0.1)  # its record may be being written (_create_new)
+        continue
+      text = holder['unreadable']
+      logging.warning('%s is %s and %.0f s old: a stale lock (its holder died before writing '
+                      'it, or the disk was full); taking it over', path,
+                      'empty' if not text else f'not a lock record ({text!r})', holder['age'])
+      _remove_if(path, holder)
+      continue
     same_host = holder['host'] == ours['host']
     if same_host and holder['pid'] == ours['pid'] and holder.get('start') == ours['start']:
       _held[path] = [holder, 1]  # our own, left by an earlier holder in this process
@@ -183,17 +197,24 @@ def acquire(workdir: str) -> str:
     raise UserError(f'workdir {workdir} is in use by another training process (pid '
                     f'{holder["pid"]} on {where}, since {holder.get("since", "?")}): wait for it '
                     f'to finish or stop it, or use another --workdir{hint}.')
-  raise UserError(f'could not take the lock {path}: other processes keep replacing it.')
+  raise UserError(f'could not take the lock {path}: other processes keep replacing it; if no '
+                  f'training runs on this workdir, delete {path}.')
 
 
 def _remove_if(path: str, record: dict) -> None:
   """Removes the lock at `path` if it still holds `record` (not a newer holder's)."""
   try:
     with _takeover_guard(path):
-      if _read(path) == record:
+      now = _read(path)
+      if now is not None and _same(now, record):
         os.remove(path)
   except (OSError, UserError):
     pass
+
+
+def _same(a: dict, b: dict) -> bool:
+  """The same lock record (an unreadable one: the same bytes; its age is not compared)."""
+  return {k: v for k, v in a.items() if k != 'age'} == {k: v for k, v in b.items() if k != 'age'}
 
 
 def release(path: str) -> None:

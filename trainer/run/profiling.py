@@ -9,7 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 from absl import logging
 
-from trainer.config import parse_profile_steps as parse
+from trainer.steps_text import profile_steps as parse
 
 
 class StepProfiler:

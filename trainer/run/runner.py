@@ -20,23 +20,24 @@ import math
 import os
 import time
 
-import numpy as np
 import tensorflow as tf
 from absl import flags, logging
 
-from trainer.errors import NonFiniteError
+from trainer.errors import CollapseError, DivergenceError, NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
-from trainer.run import actions, epochs, lifecycle, preemption, profiling, progress
+from trainer.insight.divergence import DivergenceMonitor
+from trainer.run import (actions, checkpoints, epochs, goodput, health, lifecycle, preemption,
+                         profiling, progress)
 from trainer.run.workdir import Workdir
 from trainer.step import contract
 from trainer.step.eval_step import EvalLoop
-from trainer.step.loss_scale import all_finite
+from trainer.step.loss_scale import state_variable
 
 
 class Runner:
   """Runs `trainer` (built: trainer/run/build.py). `workdir` is its run folder (a Workdir)."""
 
-  def __init__(self, trainer):
+  def __init__(self, trainer, started: float | None = None):
     if not flags.FLAGS.is_parsed():  # used from Python, not launch.py: show the progress lines
       logging.set_verbosity(logging.INFO)
     self.trainer = t = trainer
@@ -52,8 +53,23 @@ class Runner:
     self.actions = [numerics.NumericsLine(self.numerics), *config_actions, *user_actions]
     self.actions_state = actions.state(config_actions + user_actions)  # checkpointed
     self.items = {**t.checkpoint_items(), 'actions': self.actions_state}
+    # Recovery (train.recover_tries): the learning rate's factor, lowered by each recovery and
+    # checkpointed; the optimizer reads the schedule through it (traced at the first step).
+    self.lr_factor = None
+    if c.train.recover_lr_factor != 1.0:
+      with t.strategy.scope():
+        self.lr_factor = state_variable(1.0, tf.float64, 'lr_factor')
+      schedule, factor = t.learning_rate, self.lr_factor
+      # In float64: factors such as 1e-40 (taming a learning rate of 1e38) are no float32.
+      t.learning_rate = lambda step: tf.cast(tf.cast(schedule(step), tf.float64) * factor,
+                                             tf.float32)
+      self.items['lr_factor'] = self.lr_factor
+    self.recoveries = 0
+    self.health = health.Health()
+    self.clock = goodput.Clock(started)
     self.checkpoint = tf.train.Checkpoint(**self.items)
     self.forensics = forensics.RateLimiter(c.numerics.forensics_first, c.numerics.forensics_every)
+    self.divergence = DivergenceMonitor(c.numerics.divergence_factor)
     self.stop_reason: str | None = None
     self.workdir = Workdir(t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items)
     self.is_chief = self.workdir.is_chief  # writes the run folder (multi_worker)
@@ -79,35 +95,27 @@ class Runner:
     variables), so every checkpoint on disk, and the newest one rotation keeps, is finite."""
     step = int(self.trainer.global_step.numpy())
     self.check_finite_state()  # before anything is written for this save
-    return self.workdir.save(step)
+    healthy = self.health.healthy(int(self.trainer.train_step.guard.consecutive.numpy()))
+    with self.clock.timing('checkpoint'):
+      return self.workdir.save(step, healthy=healthy, loss=self.health.loss)
 
   def check_finite_state(self) -> None:
-    """Raises NonFiniteError when a checkpointed variable holds inf or NaN (one reduction on the
-    device; the names are looked up only then)."""
-    variables = [v for v in self.checkpoint_variables() if v.dtype.is_floating]
-    if bool(_all_finite(variables)):
+    """Raises NonFiniteError when a variable of the checkpoint items (model, optimizer, loss
+    scaler, counters, actions' state, a custom step's own plain tf.Variables) holds inf or NaN
+    (one reduction on the device; the names are looked up only then)."""
+    bad = checkpoints.nonfinite(self.checkpoint_variables())
+    if not bad:
       return
-    bad = [getattr(v, 'path', None) or v.name for v in variables
-           if not np.isfinite(v.numpy()).all()]
     newest = self.workdir.latest_checkpoint
     raise NonFiniteError(
-        f'step {int(self.trainer.global_step.numpy())}: the training state is not finite (inf '
-        f'or NaN in {len(bad)} variables, first: {", ".join(bad[:3])}); not saved. '
+        f'step {int(self.trainer.global_step.numpy())}: the training state is not finite '
+        f'({checkpoints.describe_nonfinite(bad)}); not saved. '
         + (f'The newest checkpoint, {newest}, is finite; ' if newest else '')
         + 'lower config.optimizer.learning_rate, use a loss scale, or check the input data.')
 
   def checkpoint_variables(self) -> list:
-    """Every tf.Variable the checkpoint items hold (what check_finite_state checks)."""
-    seen, found = set(), []
-    for item in self.items.values():
-      variables = [item] if isinstance(item, tf.Variable) else getattr(item, 'variables', [])
-      for v in variables:
-        v = getattr(v, 'value', v)  # the tf.Variable behind a Keras variable
-        # (a Keras optimizer lists a callable learning rate among its variables)
-        if isinstance(v, tf.Variable) and id(v) not in seen:
-          seen.add(id(v))
-          found.append(v)
-    return found
+    """Every variable a checkpoint saves (what check_finite_state checks)."""
+    return checkpoints.variables(self.items)
 
   def write_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
     """TensorBoard scalars `<prefix>/<name>` at `step` (the chief's run folder)."""
@@ -134,7 +142,8 @@ class Runner:
     metrics. Ends early, with a checkpoint, when an action calls `request_stop`."""
     tr, t = self.trainer, self.config.train
     audit.check_at_start(tr.model, tr.policy,  # precision hazards: one warning line each
-                         self.config.precision.allow_low_precision_variables)
+                         self.config.precision.allow_low_precision_variables,
+                         bfloat16_masters=self.config.precision.master_weights != 'float32')
     step = self.restore()
     total = tr.total_steps
     logging.info('training %s: %d steps, global batch %d, policy %s, loss scale %s, %d '
@@ -148,6 +157,8 @@ class Runner:
     self._train_iterator = iterator  # kept past train(): tearing it down waits for tf.data
     ticker = progress.Progress(total=total, log_every=t.log_every, first_step=step)
     self.numerics.start(step)
+    if self.divergence.factor > 0 and step < total:
+      self.divergence.start(self.first_loss())
     elapsed, steps_timed = 0.0, 0
     last_eval = None
     profiler = profiling.StepProfiler(t.profile_steps, os.path.join(tr.workdir, 'tensorboard'))
@@ -160,27 +171,50 @@ class Runner:
           n = min(t.steps_per_loop - step % t.steps_per_loop, total - step)
           profiler.before(step, step + n)
           start = time.perf_counter()
-          step = watcher.call(self.run_steps, iterator, n)  # Ctrl-C twice: at once
+          try:
+            step = watcher.call(self.run_steps, iterator, n)  # Ctrl-C twice: at once
+          except CollapseError as e:
+            step = self.recover(str(e), error=e)  # or raises e: no recovery left
+            continue
           elapsed += time.perf_counter() - start
+          self.clock.steps(time.perf_counter() - start, n, start)
           profiler.after(step)
           steps_timed += n
           if ticker.due(step):  # the first call, log_every, the last step, or 30 s passed
-            self.act('log', step, self.log_progress(step, steps_timed / elapsed))
+            logged = self.log_progress(step, steps_timed / elapsed)
+            line = self.check_divergence(step, logged)  # before this step's save
+            self.act('log', step, logged)
             elapsed, steps_timed = 0.0, 0
+            self.health.observe(logged.get('loss'), diverged=line is not None)
+            if line is not None:
+              if t.recover_tries:  # the last healthy checkpoint, unless no try is left
+                restored = self.recover(line)
+                if restored != step:
+                  step = restored
+                  continue
+              self.stop_on_divergence(line)  # with config.numerics.divergence_stop
           # The final eval too, before the last save: what its actions record (best eval,
           # evals without improvement) is in the checkpoint a longer run resumes from.
           if step == total or (t.eval_every and step % t.eval_every == 0):
-            last_eval = watcher.call(self.log_eval, step)
+            with self.clock.timing('eval'):
+              last_eval = watcher.call(self.log_eval, step)
           saved = (step % t.checkpoint_every == 0 or step == total or
                    self.stop_reason is not None)
           if saved:
             self.act('save', step, checkpoint=self.save())
           if watcher.should_stop(tr.strategy):  # a collective under multi_worker
-            path = self.workdir.latest_checkpoint if saved else self.save()
-            raise preemption.Preempted(watcher.reason, step, total, path)
+            path = self.save() if not saved else None
+            with self.clock.timing('checkpoint'):
+              self.workdir.sync()  # a background write completes before the process ends
+            raise preemption.Preempted(watcher.reason, step, total,
+                                       path or self.workdir.latest_checkpoint)
           ticker.draw(step)  # the live bar, on a terminal
+        with self.clock.timing('checkpoint'):
+          self.workdir.sync()  # the last background write, complete and recorded
       finally:
         profiler.stop()
+        self._sync_quietly()  # after an error too: never leave a background write running
+        self.log_goodput(step)
     if self.stop_reason is not None:
       logging.info('%s; stopped at step %d/%d', self.stop_reason, step, total)
       if last_eval is not None and last_eval['_step'] == step:
@@ -212,7 +246,8 @@ class Runner:
       ts.run(iterator, num_steps)
       step = int(tr.global_step.numpy())
       ts.guard.check(step=step, scale=tr.loss_scaler.scale,
-                     checkpoint=self.workdir.latest_checkpoint)
+                     checkpoint=self.workdir.latest_checkpoint,
+                     healthy=health.describe(self.workdir.healthy_record()))
       if step >= target:
         break
       # Stopped early, right after a skipped step: replay it, then run the rest of the call.
@@ -228,11 +263,20 @@ class Runner:
     if not self.is_chief:
       return
     tr = self.trainer
-    batch = next(iter(tr.datasets.train.skip(step)))  # the global batch of that step
+    # The step's own batch, kept on the device by the compiled loop when it stopped after the
+    # skip (trainer/step/kept_batch.py: re-reading element N of the pipeline gives another
+    # batch when it reshuffles, augments at random or is non-deterministic).
+    batch = tr.train_step.kept_batch.read() if tr.train_step.kept_batch is not None else None
+    if batch is None:
+      logging.warning('step %d: the skipped step\'s batch was not kept; replaying element %d of '
+                      'datasets.train, which differs when the pipeline reshuffles', step, step)
+      batch = next(iter(tr.datasets.train.skip(step)))
     self.workdir.open_for_writing(step)
     try:
       forensics.record(tr, batch, step,
                        loss_scale=float(tr.train_step.guard.last_scale.numpy()))
+    except UserError as e:  # a planted symlink, a full disk: refused, said in one line
+      logging.warning('step %d: %s; training goes on', step, e)
     except Exception as e:  # pylint: disable=broad-except  (diagnostics never end a run)
       logging.warning('step %d: the forensic replay failed (%s: %s); training goes on', step,
                       type(e).__name__, (str(e).strip().splitlines() or [''])[-1][:200])
@@ -256,6 +300,82 @@ class Runner:
                                  'steps_per_sec': steps_per_sec}, step)
     return outputs
 
+  def recover(self, reason: str, error: Exception | None = None) -> int:
+    """After a collapse (`error`) or a diverged loss: restores the last healthy checkpoint and
+    returns its step, the data iterator going on past the batches that failed (trainer/run/
+    health.py); at most train.recover_tries times. Then a collapse raises as without recovery
+    and a divergence is left to the collapse guard."""
+    tr, t = self.trainer, self.config.train
+    record = self.workdir.healthy_record()
+    failed = int(tr.global_step.numpy())
+    if self.recoveries >= t.recover_tries or record is None:
+      if error is None:
+        logging.warning('%s; no recovery left (%d of config.train.recover_tries=%d done, %s)',
+                        reason, self.recoveries, t.recover_tries, health.describe(record))
+        return failed
+      if self.recoveries:
+        raise CollapseError(f'{error} ({self.recoveries} recoveries of '
+                            f'config.train.recover_tries={t.recover_tries} done)') from None
+      raise error
+    factor = float(self.lr_factor.numpy()) if self.lr_factor is not None else 1.0
+    checkpoints.restore(self.items, self.workdir.healthy_path())
+    self.recoveries += 1
+    if self.lr_factor is not None:
+      factor *= t.recover_lr_factor
+      self.lr_factor.assign(factor)
+    step = int(tr.global_step.numpy())
+    self.health.bad = False
+    self.clock.redone(failed - step)
+    logging.warning('recovery %d of %d: %s; restored the checkpoint (%s) and go on from step %d '
+                    'with the data after step %d%s', self.recoveries, t.recover_tries,
+                    reason.split('. ')[0], health.describe(record), step, failed,
+                    f', learning rate x{factor:g}' if self.lr_factor is not None else '')
+    self.write_scalars('recovery', {'recoveries': self.recoveries, 'redone_steps': failed - step,
+                                    'lr_factor': factor}, failed)
+    return step
+
+  def _sync_quietly(self) -> None:
+    try:
+      self.workdir.sync()
+    except Exception as e:  # pylint: disable=broad-except  (an error is already on its way)
+      logging.warning('the last checkpoint write failed too (%s)', e)
+
+  def log_goodput(self, step: int) -> None:
+    """The goodput line and its scalars (trainer/run/goodput.py); never raises (it runs while
+    a run ends, maybe with an error that must not be masked)."""
+    try:
+      shares = self.clock.shares()
+      logging.info(self.clock.line(shares))
+      if self.workdir.latest_checkpoint is not None:  # the run folder is open for writing
+        self.write_scalars('goodput', shares, step)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning('goodput not reported (%s: %s)', type(e).__name__, e)
+  def first_loss(self) -> float:
+    """The mean loss of the first eval batch at the current weights (one forward pass): where
+    the divergence monitor's running minimum starts."""
+    tr = self.trainer
+    per_example, _ = tr.compute_loss(contract.first_eval_batch(tr.datasets), training=False)
+    return float(tf.reduce_mean(tf.cast(per_example, tf.float32)))
+
+  def check_divergence(self, step: int, logged: dict[str, float]) -> str | None:
+    """At a log step: the divergence line (trainer/insight/divergence.py), logged as a warning
+    and returned, when the logged loss diverged; else None."""
+    if 'loss' not in logged:
+      return None
+    line = self.divergence.update(step, logged['loss'], float(self.trainer.learning_rate(step)))
+    if line is not None:
+      logging.warning(line)
+    return line
+
+  def stop_on_divergence(self, line: str) -> None:
+    """With config.numerics.divergence_stop: DivergenceError (the newest checkpoint on disk,
+    written before the divergence was seen, stays the newest)."""
+    if self.config.numerics.divergence_stop:
+      newest = self.workdir.latest_checkpoint
+      raise DivergenceError(line + '. Stopped (config.numerics.divergence_stop=True); ' + (
+          f'the newest checkpoint, {newest}, was written before it' if newest else
+          'no checkpoint was written yet'))
+
   def log_eval(self, step: int) -> dict[str, float]:
     """One eval, its line, its scalars and an 'eval' event; the metrics with '_step'."""
     metrics = self.evaluate()
@@ -265,7 +385,3 @@ class Runner:
     self.act('eval', step, metrics)
     return {**metrics, '_step': step}
 
-
-@tf.function
-def _all_finite(variables) -> tf.Tensor:
-  return all_finite([v.read_value() for v in variables])

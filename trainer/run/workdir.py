@@ -45,13 +45,14 @@ from collections.abc import Callable
 import tensorflow as tf
 from absl import logging
 
-from trainer.run import checkpoints
+from trainer.run import async_copy, checkpoints
 from trainer.step import distribute
 from trainer.run import lock as workdir_lock
 from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
 
 CONFIG = 'config.json'
+HEALTHY = 'healthy.json'  # in checkpoints/: the last healthy checkpoint (trainer/run/health.py)
 CHECKPOINTS = 'checkpoints'
 TENSORBOARD = 'tensorboard'
 ACCEPT_KEY = 'train.accept_config_change'
@@ -61,7 +62,9 @@ ACCEPT_KEY = 'train.accept_config_change'
 # are run, not what a step computes.
 RESUMABLE = frozenset({
     'train.steps', 'train.epochs', 'train.steps_per_loop', 'train.log_every', 'train.eval_every',
-    'train.checkpoint_every', 'train.max_to_keep', 'train.profile_steps', 'train.jit_compile',
+    'train.checkpoint_every', 'train.max_to_keep', 'train.recover_tries', 'train.profile_steps',
+    'train.async_checkpoint',
+    'train.jit_compile',
     'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
 
 
@@ -160,12 +163,13 @@ class Workdir:
     self._manager = None
     self._writer = None
     self._lock = None
+    self._pending = None  # a save not yet recorded: its background write may be running (sync)
 
   # ---- reading ---------------------------------------------------------------------------------
   def restore_read_only(self) -> str | None:
     """Restores the newest readable checkpoint (eval, export, sampling); writes nothing. Returns
     its path, or None when there is none."""
-    return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir)
+    return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir, read_only=True)
 
   # ---- training --------------------------------------------------------------------------------
   def restore_for_training(self, init: Callable[[], object] | None = None) -> str | None:
@@ -186,17 +190,77 @@ class Workdir:
       raise
     return restored
 
-  def save(self, step: int) -> str:
+  def save(self, step: int, *, healthy: bool = False, loss: float | None = None) -> str:
     """Saves the checkpoint as ckpt-<step>; returns its path (a non-chief: a removed scratch
-    path). Callers run their pre-save checks (Trainer.save) before this: nothing is written
-    before this call."""
+    path). Callers run their pre-save checks (Runner.save) before this: nothing is written
+    before this call. `healthy` (trainer/run/health.py, with the training `loss`): it becomes
+    the last healthy checkpoint, which rotation never removes until a newer one is healthy.
+
+    With config.train.async_checkpoint (TensorFlow's CheckpointOptions(
+    experimental_enable_async_checkpoint=True)), the variables are copied now and written by
+    TensorFlow's background thread: temporary files renamed into place, then the state file and
+    the rotation, as a synchronous save does, so a kill -9 mid-write leaves the previous
+    checkpoint named. This returns once the copy is made. The previous background write is
+    waited for first (`sync`), and a save's healthy record and log line come only once its files
+    are complete. (trainer/run/async_copy.py: what makes TensorFlow's copy work with Keras 3
+    variables.)"""
     self.open_for_writing(step)
-    path = checkpoints.save(self._manager, step)  # a failed write: one line, partial files gone
+    self.sync()  # the previous background write: done, recorded, or its error raised here
+    keep = None if self.scratch else self.healthy_path()
+    manager = self._manager
+    # pylint: disable=protected-access  (CheckpointManager offers no way to keep one checkpoint)
+    pending = list(manager._maybe_delete)  # oldest first; the save removes the oldest ones
+    if keep in pending[:max(0, len(pending) + 1 - manager._max_to_keep)]:
+      manager._maybe_delete.pop(keep)  # out of rotation (and of the state file; `find` lists it)
+    asynchronous = bool(self.config.train.async_checkpoint) and not self.scratch
+    if asynchronous:
+      async_copy.keras_variables_copy_once()
+      options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+      path = checkpoints.save(manager, step, options=options)  # returns after the copy
+    else:
+      path = checkpoints.save(manager, step)  # a failed write: one line, partial files gone
     if self.scratch:
       distribute.remove_scratch(self.scratch)
       return path
-    logging.info('saved checkpoint %s', path)
+    self._pending = (path, step, healthy, loss, keep, asynchronous)
+    if not asynchronous:
+      self.sync()
     return path
+
+  def sync(self) -> None:
+    """Waits for a background checkpoint write (async_checkpoint) and records the save: the log
+    line, the healthy record. A failed background write is the same one-line UserError as a
+    failed synchronous one. A no-op when no save is pending."""
+    pending, self._pending = self._pending, None
+    if pending is None:
+      return
+    path, step, healthy, loss, keep, asynchronous = pending
+    if asynchronous:
+      checkpoints.sync(self.checkpoint, self._manager, step)
+    logging.info('saved checkpoint %s', path)
+    if healthy:
+      write_json(os.path.join(self.checkpoint_dir, HEALTHY),
+                 {'checkpoint': os.path.basename(path), 'step': step, 'loss': loss})
+      if keep and keep != path and keep not in self._manager.checkpoints:
+        checkpoints.remove(keep)  # the previous healthy one, kept out of rotation until now
+
+  def healthy_record(self) -> dict | None:
+    """{'checkpoint': 'ckpt-N', 'step', 'loss'} of the last healthy checkpoint, None when there
+    is none (or its files are gone). Reads only."""
+    try:
+      with open(os.path.join(self.checkpoint_dir, HEALTHY)) as f:
+        record = json.load(f)
+      name = str(record['checkpoint'])
+    except (OSError, ValueError, KeyError, TypeError):
+      return None
+    if not re.fullmatch(r'ckpt-\d+', name) or not os.path.isfile(
+        os.path.join(self.checkpoint_dir, name + '.index')):
+      return None
+    return record
+
+  def healthy_path(self) -> str | None:
+    record = self.healthy_record()
+    return os.path.join(self.checkpoint_dir, record['checkpoint']) if record else None
 
   def write_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
     self.open_for_writing(step)
@@ -211,7 +275,10 @@ class Workdir:
     return self._manager.latest_checkpoint if self._manager is not None else None
 
   def close(self) -> None:
-    """Flushes the summaries and releases the lock (also done at exit)."""
+    """Waits for a background checkpoint write, flushes the summaries and releases the lock
+    (the lock is also released at exit)."""
+    if self._manager is not None:
+      self.sync()
     if self._writer is not None:
       self._writer.close()
       self._writer = None
@@ -239,6 +306,10 @@ class Workdir:
       if os.path.lexists(sub) and not os.path.isdir(sub):
         raise UserError(f'{sub} is a file, not a folder; move it out of the workdir or use a '
                         'new --workdir.')
+    state = os.path.join(self.checkpoint_dir, checkpoints.STATE_FILE)
+    if os.path.isdir(state):  # the manager rewrites it by a rename, which a folder refuses
+      raise UserError(f'{state} is a folder, not the checkpoint state file; move it out of the '
+                      'workdir (the ckpt-N files next to it are kept and resumed from).')
     saved = read_config(self.path)
     if saved is None or not checkpoints.find(self.checkpoint_dir):
       return  # nothing to resume: the current config starts (or restarts) the run
@@ -289,6 +360,9 @@ class Workdir:
     except OSError as e:
       raise ConfigError(f'workdir {self.path}: cannot write the config record ({e.strerror}); '
                         'free some space or pass another --workdir.') from None
+    # A copied or moved run's state file may name checkpoints by absolute path: rotation must
+    # delete this run's files only (checkpoints.own_state).
+    checkpoints.own_state(self.checkpoint_dir)
     self._manager = tf.train.CheckpointManager(self.checkpoint, self.checkpoint_dir,
                                                max_to_keep=self.config.train.max_to_keep)
     self._writer = tf.summary.create_file_writer(os.path.join(self.path, TENSORBOARD))

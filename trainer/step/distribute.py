@@ -144,8 +144,22 @@ def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
     raise UserError(f'TF_CONFIG: task index {index} is not in the cluster: {task_type!r} has '
                     f'{len(workers[task_type])} address(es), so the index must be in '
                     f'[0, {len(workers[task_type])}).')
+  for kind, addresses in workers.items():
+    for address in addresses if isinstance(addresses, list) else [addresses]:
+      if not _is_address(address):
+        raise UserError(f'TF_CONFIG: {address!r} in cluster.{kind} is not an address; each '
+                        'is a string "host:port" with a port in [1, 65535], such as '
+                        '"10.0.0.2:2222".')
   logging.info('multi_worker: cluster %s, this task %s:%s', workers, task_type, index)
   return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def _is_address(address) -> bool:
+  """'host:port' (an IPv6 host in brackets) with a port in [1, 65535]."""
+  if not isinstance(address, str):
+    return False
+  host, _, port = address.rpartition(':')
+  return bool(host.strip('[]')) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _tpu(tpu: str) -> tf.distribute.TPUStrategy:

@@ -141,8 +141,11 @@ class LossScaler(tf.Module):
     inverse = 1.0 / self.scale  # read once; x (1/S) is exact for a power-of-two S
     return [g if g is None or k else g * inverse for g, k in zip(grads, keep)]
 
-  def update(self, finite: tf.Tensor) -> None:
-    """Applies the rules in the module docstring for one step. Cross-replica context."""
+  def update(self, finite: tf.Tensor, active=True) -> None:
+    """Applies the rules in the module docstring for one step. Cross-replica context. When
+    `active` is False (the step was skipped for another reason than its gradients, such as a
+    non-finite learning rate) the state is left as it is: the scale answers to the gradients'
+    range only."""
     if self.mode != 'dynamic':
       return
     finite = tf.convert_to_tensor(finite)
@@ -163,6 +166,26 @@ class LossScaler(tf.Module):
     # Both outcomes are a few scalar ops: select with tf.where rather than branch with tf.cond
     # (a cond per step costs more than the arithmetic on CPU).
     scale, good, left = (tf.where(finite, x, y) for x, y in zip(on_finite(), on_nonfinite()))
+    if active is not True:
+      active = tf.convert_to_tensor(active)
+      scale, good, left = (tf.where(active, new, old) for new, old in
+                           zip((scale, good, left), (self.scale, self.good_steps,
+                                                     self.hysteresis_left)))
     self.scale.assign(scale)
     self.good_steps.assign(good)
     self.hysteresis_left.assign(left)
+
+
+def update_scalers(groups, flags) -> None:
+  """Cross-replica, once per step: each distinct loss scaler of `groups` (update groups: each
+  has .optimizer and .loss_scaler) updates once, with the AND of its groups' finite `flags`, and
+  only when each of those groups' learning rates is finite: a non-finite rate skips the update,
+  but the scale answers to the gradients' range alone, so it neither backs off nor grows."""
+  scalers: dict[int, tuple] = {}
+  for group, flag in zip(groups, flags):
+    rate = tf.math.is_finite(tf.cast(group.optimizer.learning_rate, tf.float32))
+    scaler, before, active = scalers.get(id(group.loss_scaler), (group.loss_scaler, True, True))
+    scalers[id(group.loss_scaler)] = (scaler, tf.logical_and(before, flag),
+                                      tf.logical_and(active, rate))
+  for scaler, flag, active in scalers.values():
+    scaler.update(flag, active)

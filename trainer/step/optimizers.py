@@ -17,10 +17,25 @@ from __future__ import annotations
 import math
 import keras
 import tensorflow as tf
+from absl import logging
 
 from trainer import registry
 from trainer.errors import ConfigError
 from trainer.step import fused_optimizers
+
+def reset_loss_scale_factor(optimizer) -> None:
+  """A Keras 3 optimizer given `loss_scale_factor=F` multiplies the loss by F in its own
+  `scale_loss` and divides every gradient by F in `apply`: on top of the trainer's loss scaling
+  (which never calls the optimizer's `scale_loss`) each update would be F times too small. Reset
+  to None, as Keras's LossScaleOptimizer does with its inner optimizer, with one warning line."""
+  factor = getattr(optimizer, 'loss_scale_factor', None)
+  if factor is not None:
+    name = getattr(optimizer, 'name', type(optimizer).__name__)
+    logging.warning('optimizer %s: loss_scale_factor=%g reset to None: the trainer scales the '
+                    'loss itself (config.precision.loss_scale), and the optimizer would divide '
+                    'every gradient by %g again', name, factor, factor)
+    optimizer.loss_scale_factor = None
+
 
 def schedule(opt_config, total_steps: int):
   """step (a scalar tensor) -> learning rate (float32): linear warm-up from 0 over
@@ -49,14 +64,28 @@ def schedule(opt_config, total_steps: int):
   return learning_rate
 
 
-def build(opt_config, learning_rate) -> keras.optimizers.Optimizer:
+def build(opt_config, learning_rate, *, master_weights: str = 'float32', seed: int = 0,
+          step=None) -> keras.optimizers.Optimizer:
   """The registered builder of `opt_config.name`, called with (opt_config, learning_rate);
-  `learning_rate` is a float or a no-argument callable (Keras 3 calls it every update)."""
+  `learning_rate` is a float or a no-argument callable (Keras 3 calls it every update).
+
+  With bfloat16 `master_weights` (config.precision.master_weights) or
+  `opt_config.state_bits=8`, adam, adamw and sgd are trainer/step/low_precision.py's classes
+  instead, seeded by (`seed`, `step`: the trainer's global step variable)."""
   found = registry.builder(opt_config.name)
   if found is None:
     raise ConfigError(f'config.optimizer.name={opt_config.name!r}: '
                       f'{registry.check_name(opt_config.name)}')
-  return found(opt_config, learning_rate)
+  state_bits = int(opt_config.get('state_bits', 32))
+  if master_weights == 'float32' and state_bits == 32:
+    return found(opt_config, learning_rate)
+  from trainer.step import low_precision  # pylint: disable=import-outside-toplevel
+  kwargs = dict(learning_rate=learning_rate, master_weights=master_weights,
+                state_bits=state_bits, seed=seed, step=step,
+                weight_decay=float(opt_config.weight_decay) or None)
+  if opt_config.name == 'sgd':
+    kwargs['momentum'] = opt_config.momentum
+  return low_precision.CLASSES[opt_config.name](**kwargs)
 
 
 def _classes(opt_config):

@@ -91,7 +91,7 @@ def parse_layer_names(text: str) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def float32_layers(names):
+def float32_layers(names, bfloat16_variables: bool = False):
   """Layers constructed inside this scope whose name is in `names` (and every layer nested in
   them) compute in float32 under a mixed global policy; the others keep the global policy.
 
@@ -100,13 +100,21 @@ def float32_layers(names):
   float32. A layer built with no explicit `dtype` holds the map and looks its policy up by its
   path when it is built, so the choice is made before any weight exists; a layer given an
   explicit dtype (such as float32 logits) keeps it. Outside the scope the global policy is the
-  plain one again; no-op without names or under a non-mixed policy."""
+  plain one again; no-op without names or under a non-mixed policy.
+
+  `bfloat16_variables` (config.precision.master_weights bfloat16_*, under mixed_bfloat16): the
+  other layers get Keras's 'bfloat16' policy instead: bfloat16 variables, the same bfloat16
+  compute as mixed_bfloat16."""
   names = parse_layer_names(names) if isinstance(names, str) else tuple(names)
   base = keras.config.dtype_policy()
-  if not names or not base.name.startswith('mixed_'):
+  if bfloat16_variables and base.name != 'mixed_bfloat16':
+    raise ConfigError('config.precision.master_weights bfloat16_* needs '
+                      f"config.precision.policy='mixed_bfloat16', the policy is {base.name!r}")
+  if not (names or bfloat16_variables) or not base.name.startswith('mixed_'):
     yield
     return
-  policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=base)
+  default = keras.DTypePolicy('bfloat16') if bfloat16_variables else base
+  policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=default)
   for name in names:
     policy_map[f'(.*/)?{re.escape(name)}(/.*)?'] = keras.DTypePolicy('float32')
   keras.config.set_dtype_policy(policy_map)
@@ -116,11 +124,12 @@ def float32_layers(names):
     keras.config.set_dtype_policy(base)
 
 
-def build_model(build, names_text: str) -> keras.Model:
+def build_model(build, names_text: str, bfloat16_variables: bool = False) -> keras.Model:
   """`build()` (a Trainer's build_model) with the layers named in `names_text` (the value of
-  config.precision.float32_layers) kept in float32; ConfigError when a name matches no layer."""
+  config.precision.float32_layers) kept in float32; ConfigError when a name matches no layer.
+  `bfloat16_variables`: the other layers store bfloat16 variables (see float32_layers)."""
   names = parse_layer_names(names_text)
-  with float32_layers(names):
+  with float32_layers(names, bfloat16_variables):
     model = build()
   contract.check_model(model)
   if names:

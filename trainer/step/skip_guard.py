@@ -78,9 +78,11 @@ class SkipGuard(tf.Module):
     """Host side: the variables whose gradients were non-finite at the last skipped step."""
     return [n for n, c in zip(self.names, self.nonfinite.numpy()) if c > 0]
 
-  def check(self, *, step: int, scale: tf.Variable, checkpoint: str | None) -> None:
+  def check(self, *, step: int, scale: tf.Variable, checkpoint: str | None,
+            healthy: str | None = None) -> None:
     """Host side, between compiled calls: raises CollapseError once the limit is reached.
-    `scale` (the loss scale variable) is read only then."""
+    `scale` (the loss scale variable) is read only then; `healthy` names the last healthy
+    checkpoint ('last healthy: ckpt-100, step 100, loss 0.29')."""
     limit = self.max_consecutive_skips
     if limit <= 0:
       return
@@ -91,8 +93,8 @@ class SkipGuard(tf.Module):
     shown = ', '.join(bad[:SHOWN]) + (f' and {len(bad) - SHOWN} more' if len(bad) > SHOWN else '')
     where = (f'first non-finite gradients in: {shown}' if shown else
              'the gradients were finite but the loss was not')
-    kept = (f'The newest checkpoint, {checkpoint}, was verified finite when saved' if checkpoint
-            else 'No checkpoint was written yet')
+    kept = (f'The newest checkpoint, {checkpoint}, is finite (checked when saved)' if checkpoint
+            else 'No checkpoint was written yet') + (f'; {healthy}' if healthy else '')
     raise CollapseError(
         f'training collapsed at step {step}: {run} steps in a row (steps {step - run} to '
         f'{step - 1}) were skipped for non-finite gradients or had a non-finite loss; loss scale '

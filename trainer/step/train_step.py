@@ -38,7 +38,7 @@ One `step` (cross-replica context, inside the compiled loop):
      back, so weights, optimizer slots and that state are bit-identical to before the step; the
      collapse guard records which variables had non-finite gradients.
   4. `end_step`: the collapse guard counts, each loss scaler updates once with its all-replica
-     flag, the global step advances (skipped or not).
+     flag (not when the rate was non-finite), the global step advances (skipped or not).
   5. the outputs summed over replicas, plus the counters 'steps' (1), 'skipped' (0/1) and
      'nonfinite_loss' (0/1); every other output is zero on a step whose loss is not finite, so
      the host's means are over the steps whose loss was finite. Stateful metrics
@@ -54,10 +54,10 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from trainer.config import parse_steps
+from trainer.steps_text import steps as parse_steps
 from trainer.errors import ConfigError
-from trainer.step.loss_scale import all_finite, overwritten, state_variable
-from trainer.step import inject
+from trainer.step.loss_scale import all_finite, overwritten, state_variable, update_scalers
+from trainer.step import inject, kept_batch, optimizers
 from trainer.step import outputs as step_outputs
 from trainer.step.forward_state import forward_state, forward_state_kept  # noqa: F401
 from trainer.step.skip_guard import SkipGuard
@@ -110,10 +110,11 @@ class TrainStep:
                            max_consecutive_skips=c.precision.max_consecutive_skips)
     self._forward_state = forward_state(self.model)
     # Forensics: the loop stops right after the skip that brings skipped_steps to this count
-    # (the host sets it; 0 = never), so the host sees that step's pre-step weights.
+    # (the host sets it; 0 = never): the host sees that step's pre-step weights and its batch.
     self.forensics = c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0
     self.stop_at_skip = state_variable(0, tf.int64, 'stop_at_skip')
     self._totals = None  # {output name: variable}, created on the first call (host side)
+    self.kept_batch = None  # with forensics: the skipped step's batch (trainer/step/kept_batch.py)
 
     replica_core = self._replica_core
     if trainer.jit_compile:
@@ -162,6 +163,7 @@ class TrainStep:
   def build_optimizers(self) -> None:
     """Creates each group's optimizer slots for its variables (before any restore)."""
     for group in self.groups:
+      optimizers.reset_loss_scale_factor(group.optimizer)  # the loss is scaled here, not there
       group.optimizer.build(group.variables)
 
   def compute_gradients(self, batch):
@@ -285,14 +287,8 @@ class TrainStep:
     """Cross-replica, once per step: collapse-guard count, each loss scaler's update with its
     groups' flag (`finite`: one flag, or one per group), global step + 1."""
     flags = list(finite) if isinstance(finite, (list, tuple)) else [finite] * len(self.groups)
-    scalers: dict[int, tuple[Any, tf.Tensor]] = {}  # a scaler shared by groups updates once
-    for group, flag in zip(self.groups, flags):
-      scaler, before = scalers.get(id(group.loss_scaler), (group.loss_scaler, True))
-      scalers[id(group.loss_scaler)] = (scaler, tf.logical_and(before, flag))
-    all_flags = tf.reduce_all(tf.stack(flags))
-    self.guard.count(tf.logical_and(all_flags, loss_finite))
-    for scaler, flag in scalers.values():
-      scaler.update(flag)
+    self.guard.count(tf.logical_and(tf.reduce_all(tf.stack(flags)), loss_finite))
+    update_scalers(self.groups, flags)
     self.global_step.assign_add(1)
 
   # ---- one step -----------------------------------------------------------------------------
@@ -371,14 +367,16 @@ class TrainStep:
   # ---- the compiled loop and the host's reads ----------------------------------------------
   def _train_loop(self, iterator, num_steps):
     totals = {k: tf.zeros_like(v) for k, v in self._totals.items()}
+    batches = kept_batch.Recording(iterator) if self.forensics else iterator
     for _ in tf.range(num_steps):
-      outputs = self.step(iterator)
+      outputs = self.step(batches)
       totals = {k: totals[k] + outputs[k] for k in totals}
       if self.guard.collapsed():  # stops early; the trainer raises CollapseError
         break
       if self.forensics and tf.logical_and(self.stop_at_skip > 0,
                                            tf.equal(self.skipped_steps, self.stop_at_skip)):
-        break  # the trainer replays the skipped step (trainer/insight/forensics.py), then goes on
+        self.kept_batch.keep(self.strategy, batches.last)  # the replay's batch, bit for bit
+        break  # the runner replays the skipped step (trainer/insight/forensics.py), goes on
     for k, v in totals.items():
       self._totals[k].assign_add(v)
 
@@ -389,6 +387,8 @@ class TrainStep:
       spec = tf.function(self.step).get_concrete_function(iterator).structured_outputs
       with self.strategy.scope():
         self._totals = {k: state_variable(0.0, tf.float32, f'sum_{k}') for k in sorted(spec)}
+        if self.forensics:
+          self.kept_batch = kept_batch.KeptBatch(self.trainer.datasets.train.element_spec)
     self.train_loop(iterator, tf.constant(num_steps, tf.int64))
 
   def read_outputs(self) -> dict[str, float]:

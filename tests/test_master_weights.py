@@ -1,0 +1,233 @@
+"""16-bit master weights (config.precision.master_weights, trainer/low_precision.py): the
+rounding against NumPy references, the optimizers' updates against a float64 Adam/SGD, skipped
+steps, resumes, MirroredStrategy and the config errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import low_precision_runs as runs
+from tiny import TinyTrainer, tiny_config
+from trainer.step import low_precision
+from trainer.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bf16_neighbours(x: np.ndarray):
+  """(down, up): the bfloat16 values either side of float32 x, towards and away from zero, by
+  bit arithmetic on the float32 pattern (up == down when x is a bfloat16 value)."""
+  bits = np.asarray(x, np.float32).view(np.uint32)
+  down = bits & np.uint32(0xFFFF0000)
+  up = np.where(bits == down, down, down + np.uint32(0x10000))
+  return down.view(np.float32), up.view(np.float32)
+
+
+def as_f64(t) -> np.ndarray:
+  return tf.cast(t, tf.float64).numpy()
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
+  rng = np.random.default_rng(0)
+  values = np.concatenate([rng.normal(size=6), [1 + 2**-10, -3.0 - 2**-9, 1e-20, 0.999]])
+  values = values.astype(np.float32)
+  draws = 4000
+  x = np.repeat(values[:, None], draws, axis=1)  # each value rounded `draws` times
+  out = as_f64(low_precision.stochastic_round(tf.constant(x), tf.constant([1, 2], tf.int64)))
+  down, up = bf16_neighbours(x)
+  assert np.all((out == down) | (out == up))
+  mean = out.mean(axis=1)
+  gap = np.abs(up[:, 0].astype(np.float64) - down[:, 0])
+  p = np.abs(values.astype(np.float64) - down[:, 0]) / np.where(gap > 0, gap, 1)
+  sigma = gap * np.sqrt(p * (1 - p) / draws)
+  # the mean of the draws is the float32 value within 5 standard errors (and a float32 ulp)
+  assert np.all(np.abs(mean - values) <= 5 * sigma + np.abs(values) * 2**-23)
+  # and the rounding is stochastic: both neighbours occur for a value in between
+  assert len(set(out[-1])) == 2
+
+
+def test_stochastic_rounding_depends_on_the_seed_only():
+  x = tf.constant(np.linspace(1, 2, 1000, dtype=np.float32))
+  a = low_precision.stochastic_round(x, tf.constant([5, 7], tf.int64)).numpy()
+  b = low_precision.stochastic_round(x, tf.constant([5, 7], tf.int64)).numpy()
+  c = low_precision.stochastic_round(x, tf.constant([5, 8], tf.int64)).numpy()
+  assert a.tobytes() == b.tobytes()
+  assert a.tobytes() != c.tobytes()
+
+
+def test_kahan_error_stays_below_plain_bfloat16_rounding():
+  rng = np.random.default_rng(1)
+  updates = rng.uniform(0, 2e-4, size=(5000, 64)).astype(np.float32)  # << bfloat16 ulp of 1
+  exact = 1.0 + updates.astype(np.float64).sum(axis=0)
+  w = tf.ones([64], tf.bfloat16)
+  c = tf.zeros([64], tf.bfloat16)
+  plain = tf.ones([64], tf.bfloat16)
+  for u in updates:
+    w, c = low_precision.kahan_add(w, c, tf.constant(u))
+    plain = tf.cast(tf.cast(plain, tf.float32) + u, tf.bfloat16)  # round to nearest
+  kahan_error = np.abs(as_f64(w) + as_f64(c) - exact).max()
+  plain_error = np.abs(as_f64(plain) - exact).max()
+  assert plain_error > 0.4  # every update rounds away: plain bfloat16 stays at 1.0
+  # the compensation's own bfloat16 rounding (<= 2^-9 of |c| <= 2^-9) adds up as a random walk
+  assert kahan_error < 1e-2 * plain_error
+  # the weight alone is the exact sum rounded to bfloat16, within one bfloat16 ulp (2^-7 at 2)
+  assert np.abs(as_f64(w) - exact).max() <= 2**-7
+
+
+def adam_reference(w, g, m, v, t, lr, b1=0.9, b2=0.999, eps=1e-7, wd=0.0):
+  """Keras's AdamW formula in float64."""
+  m = m + (g - m) * (1 - b1)
+  v = v + (g * g - v) * (1 - b2)
+  alpha = lr * np.sqrt(1 - b2**t) / (1 - b1**t)
+  return w - w * wd * lr - m * alpha / (np.sqrt(v) + eps), m, v
+
+
+def one_update(cls, master_weights, w0, grads, **kwargs):
+  variable = keras.Variable(w0, dtype='bfloat16')
+  optimizer = cls(learning_rate=1e-3, master_weights=master_weights, seed=3, **kwargs)
+  optimizer.build([variable])
+  for g in grads:
+    optimizer.apply_gradients([(tf.constant(g), variable)])
+  return variable, optimizer
+
+
+@pytest.mark.parametrize('cls', [low_precision.LowPrecisionAdam, low_precision.LowPrecisionAdamW])
+def test_adam_sr_update_equals_float64_adam_in_expectation(cls):
+  n = 8192
+  w0 = np.full(n, 1.0, np.float32)
+  g = np.full(n, 0.5, np.float32)
+  variable, optimizer = one_update(cls, 'bfloat16_sr', w0, [g], weight_decay=0.1)
+  ref_w, ref_m, ref_v = adam_reference(1.0, 0.5, 0.0, 0.0, 1, 1e-3, wd=0.1)
+  out = as_f64(variable)
+  down, up = bf16_neighbours(np.float32(ref_w))
+  assert set(np.unique(out)) <= {float(down), float(up)}
+  p = (ref_w - down) / (up - down)
+  assert abs(out.mean() - ref_w) <= 5 * (up - down) * np.sqrt(p * (1 - p) / n)
+  for slot, ref in ((optimizer._momentums[0], ref_m), (optimizer._velocities[0], ref_v)):
+    assert slot.dtype == 'bfloat16'
+    values = as_f64(slot)
+    lo, hi = bf16_neighbours(np.float32(ref))
+    assert set(np.unique(values)) <= {float(lo), float(hi)}
+    assert abs(values.mean() - ref) <= 0.02 * (hi - lo) + 5 * (hi - lo) / np.sqrt(n)
+
+
+def test_adam_kahan_tracks_float64_adam_over_many_steps():
+  rng = np.random.default_rng(2)
+  n, steps = 256, 200
+  w0 = rng.uniform(1, 2, n).astype(np.float32)  # bfloat16 ulp 2^-7: lr 1e-3 steps round away
+  w0 = as_f64(tf.cast(w0, tf.bfloat16)).astype(np.float32)
+  grads = rng.normal(size=(steps, n)).astype(np.float32)
+  variable, optimizer = one_update(low_precision.LowPrecisionAdam, 'bfloat16_kahan', w0, grads)
+  w, m, v = w0.astype(np.float64), 0.0, 0.0
+  for t, g in enumerate(grads, 1):
+    w, m, v = adam_reference(w, g.astype(np.float64), m, v, t, 1e-3)
+  comp = as_f64(optimizer._compensations[0])
+  kahan_error = np.abs(as_f64(variable) + comp - w).max()
+  # plain bfloat16 (round to nearest every step) from the same start, for comparison
+  plain, pm, pv = w0.astype(np.float64), 0.0, 0.0
+  for t, g in enumerate(grads, 1):
+    plain, pm, pv = adam_reference(plain, g.astype(np.float64), pm, pv, t, 1e-3)
+    plain = as_f64(tf.cast(plain, tf.bfloat16))
+  plain_error = np.abs(plain - w).max()
+  assert kahan_error < 0.1 * plain_error
+  assert np.abs(as_f64(variable) - w).max() <= 2**-7  # within one bfloat16 ulp in [1, 2)
+
+
+@pytest.mark.parametrize('nesterov', [False, True])
+def test_sgd_sr_update_equals_float64_sgd_in_expectation(nesterov):
+  n = 8192
+  w0, g = np.full(n, 1.0, np.float32), np.full(n, 0.3, np.float32)
+  variable, _ = one_update(low_precision.LowPrecisionSGD, 'bfloat16_sr', w0, [g, g],
+                           momentum=0.9, nesterov=nesterov)
+  # Keras's SGD: m = momentum * m - lr * g; w += m (nesterov: w += momentum * m - lr * g)
+  w, m = 1.0, 0.0
+  for _ in range(2):
+    m = 0.9 * m - 1e-3 * 0.3
+    w += (0.9 * m - 1e-3 * 0.3) if nesterov else m
+  out = as_f64(variable)
+  # two stochastic roundings of the weight (and the momentum's): within 5 standard errors of
+  # one bfloat16 gap at 1.0
+  assert abs(out.mean() - w) <= 5 * 2**-8 / np.sqrt(n) * 2
+  assert abs(out.mean() - w) < 0.1 * (1.0 - w)  # and far closer than the update itself
+
+
+def test_model_variables_are_bfloat16_and_logits_stay_float32(tiny_trainer):
+  trainer = tiny_trainer(**runs.overrides('bfloat16_sr'))
+  hidden, logits = trainer.model.layers
+  assert hidden.kernel.dtype == 'bfloat16' and hidden.bias.dtype == 'bfloat16'
+  assert hidden.compute_dtype == 'bfloat16'
+  assert logits.kernel.dtype == 'float32'  # the layer built with dtype='float32'
+
+
+@pytest.mark.parametrize('setting', ['bfloat16_sr', 'bfloat16_kahan'])
+@pytest.mark.parametrize('optimizer', ['adamw', 'sgd'])
+def test_skipped_step_leaves_every_stored_tensor_bit_identical(tmp_path, setting, optimizer):
+  result = runs.skip_check(str(tmp_path), setting, optimizer)
+  assert result['skipped'] == 1
+  assert result['changed_by_skip'] == []
+  assert result['changed_by_next']  # the comparison can fail: an applied step changes them
+  assert 'bfloat16' in result['dtypes']
+
+
+@pytest.mark.parametrize('setting', ['bfloat16_sr', 'bfloat16_kahan'])
+def test_resume_is_bit_identical(tmp_path, setting):
+  assert runs.resume_check(str(tmp_path), setting) == []
+
+
+def test_grad_accumulation_equals_one_batch(tmp_path):
+  """Accumulated micro-batch gradients give the update of the whole batch (same random bits);
+  compared to 1e-6, as the summation order of the gradients differs."""
+  out = []
+  for k in (1, 2):
+    config = tiny_config(**runs.overrides('bfloat16_kahan', 'sgd',
+                                          **{'train.grad_accum_steps': k}))
+    trainer = TinyTrainer(config, str(tmp_path / f'k{k}'))
+    runs.run_steps(trainer, 3)
+    out.append([as_f64(v) + as_f64(c) for v, c in zip(
+        [v for v in trainer.model.trainable_variables if v.dtype == 'bfloat16'],
+        trainer.optimizer._compensations)])
+  for a, b in zip(*out):
+    np.testing.assert_allclose(a, b, atol=2e-3)
+
+
+def test_master_weights_needs_mixed_bfloat16():
+  with pytest.raises(ConfigError, match=r"^config.precision.master_weights='bfloat16_sr' needs "
+                                        r"config.precision.policy='mixed_bfloat16'"):
+    TinyTrainer(tiny_config(**{'precision.master_weights': 'bfloat16_sr',
+                               'precision.policy': 'mixed_float16'}), '/nonexistent')
+
+
+def test_master_weights_needs_the_default_optimizer(tmp_path):
+
+  class Custom(TinyTrainer):
+    def build_optimizer(self, learning_rate):
+      return keras.optimizers.Adam(learning_rate)
+
+  with pytest.raises(ConfigError, match='build_optimizer returned Adam'):
+    Custom(tiny_config(**runs.overrides('bfloat16_sr')), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_mirrored_skip_and_resume(tmp_path):
+  """Two logical CPU devices (a subprocess): skips bit-identical, replicas identical, resume
+  bit-identical, for bfloat16_sr, bfloat16_kahan and state_bits=8."""
+  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'low_precision_runs.py'),
+                         str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True,
+                        timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  results = json.loads((tmp_path / 'results.json').read_text())
+  for setting, r in results.items():
+    assert r['replicas'] == 2, setting
+    assert r['skipped'] == 1, setting
+    assert r['changed_by_skip'] == [], setting
+    assert r['changed_by_next'], setting
+    assert r['replicas_differ'] == [], setting
+    assert r['resume_differs'] == [], setting

@@ -1,0 +1,72 @@
+"""The batch of a skipped step, kept on the device for the forensic replay.
+
+The replay (trainer/insight/forensics.py) must see the skipped step's own batch, bit for bit,
+whatever the input pipeline does: a shuffle that reshuffles on every new iterator, random
+augmentation, `tf.data`'s non-deterministic parallel map. Re-reading "element N" from a new
+iterator gives another batch under any of these. Two ways keep the right one:
+
+  * checkpoint the iterator before each compiled call (tf.train.Checkpoint(iterator=...)) and
+    re-read from there: that writes the shuffle buffer every call (the MNIST pipeline's is the
+    whole training set, ~190 MB), and a non-deterministic map still gives other elements;
+  * keep the batch the step consumed: chosen. The compiled loop already stops right after a
+    skip that gets forensics (`TrainStep.stop_at_skip`); on that branch only it gathers the
+    step's batch (every local replica's share, in replica order: the global batch on one host)
+    into variables the host reads. A finite step pays nothing; a recorded skip, one copy.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+class Recording:
+  """Wraps the loop's iterator: `next(...)` / `get_next()` are the wrapped iterator's, and the
+  last element (a tensor of the graph being traced) is kept in `last`."""
+
+  def __init__(self, iterator):
+    self.iterator, self.last = iterator, None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.last = next(self.iterator)
+    return self.last
+
+  def get_next(self):
+    self.last = self.iterator.get_next()
+    return self.last
+
+  def __getattr__(self, name):  # element_spec and the rest
+    return getattr(self.iterator, name)
+
+
+class KeptBatch:
+  """Variables shaped like one (global) batch of `element_spec` (any batch size); `keep` in the
+  compiled loop (cross-replica context), `read` on the host."""
+
+  def __init__(self, element_spec):
+    def variable(spec):
+      rank = len(spec.shape)
+      return tf.Variable(tf.zeros([0] * rank, spec.dtype), shape=tf.TensorShape([None] * rank),
+                         trainable=False, name='kept_batch')
+
+    self.element_spec = element_spec
+    self.variables = tf.nest.map_structure(variable, element_spec)
+    self.kept = tf.Variable(False, trainable=False, name='batch_kept')
+
+  def keep(self, strategy, batch) -> None:
+    def whole(value):
+      parts = strategy.experimental_local_results(value)
+      return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+    for variable, value in zip(tf.nest.flatten(self.variables), tf.nest.flatten(batch)):
+      variable.assign(whole(value))
+    self.kept.assign(True)
+
+  def read(self):
+    """The kept batch as NumPy arrays (the dataset's structure), then forgotten; None when no
+    batch was kept since the last read."""
+    if not bool(self.kept.numpy()):
+      return None
+    self.kept.assign(False)
+    return tf.nest.map_structure(lambda v: v.numpy(), self.variables)
