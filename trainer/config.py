@@ -222,6 +222,8 @@ def load_file(path: str) -> ml_collections.ConfigDict:
   import importlib.util
   spec = importlib.util.spec_from_file_location(
       f'_config_{os.path.splitext(os.path.basename(path))[0]}', path)
+  if spec is None or spec.loader is None:
+    raise ConfigError(f'--config={path}: not a Python file (a config file is a .py module)')
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()

@@ -31,7 +31,7 @@ FILES = {  # name: (sha256, magic, expected shape; None = any count)
 }
 
 
-def read_idx(path: str, magic: int, shape: tuple[int, ...]) -> np.ndarray:
+def read_idx(path: str, magic: int, shape: tuple[int | None, ...]) -> np.ndarray:
   """Reads one gzipped IDX file of unsigned bytes and checks it against `magic` and `shape`."""
   name = os.path.basename(path)
   try:

@@ -215,7 +215,7 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
           s.rel_error_n += 1
       if forensics.sublayers(layer):
         continue  # a container: its weights are counted with the layers inside it
-      tiny = _finfo(layer.compute_dtype)[1] or 0.0
+      tiny = _finfo(s.compute_dtype)[1] or 0.0
       for vt, vr in zip(forensics.trainable(layer), forensics.trainable(cr.layer)):
         gt, gr = grads_t.get(id(vt)), grads_r.get(id(vr))
         if gt is None or gr is None:

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing import event_file_loader
 
 
 def read_scalars(workdir: str) -> dict[str, list[tuple[int, float]]]:
-  scalars = collections.defaultdict(dict)
+  scalars: dict[str, dict[int, float]] = collections.defaultdict(dict)
   pattern = os.path.join(workdir, 'tensorboard', 'events.out.tfevents.*')
   for path in sorted(glob.glob(pattern)):
     for event in event_file_loader.EventFileLoader(path).Load():

@@ -153,7 +153,7 @@ class BestCheckpoint(_Tracker):
 def state(actions: list) -> tf.Module:
   """The checkpoint item of `actions`: the ones that are tf.Modules, by class name (and a
   number after the first of a class)."""
-  module, counts = tf.Module(name='actions'), {}
+  module, counts = tf.Module(name='actions'), {}  # type: tuple[tf.Module, dict[str, int]]
   for action in actions:
     if isinstance(action, tf.Module):
       name = type(action).__name__

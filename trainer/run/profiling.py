@@ -29,7 +29,7 @@ class StepProfiler:
       self.active = True
 
   def after(self, step: int):
-    if self.active and step >= self.window[1]:
+    if self.active and self.window and step >= self.window[1]:
       self.stop()
 
   def stop(self):
