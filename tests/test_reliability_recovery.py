@@ -81,8 +81,9 @@ def test_with_recovery_the_run_finishes(tmp_path, caplog):
   assert all(np.isfinite(w).all() for w in weights(trainer))
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('goodput ')]
   assert len(lines) == 2  # the healthy run's and this one's
-  redone = float(lines[1].split('redone ')[1].split('%')[0])
-  assert redone > 0  # steps 21 to 30 and 21 to 25 ran twice
+  assert 'redone ' in lines[1]
+  # Each recovery ran the steps from 21 to where it was detected (a log step) again.
+  assert trainer.runner.clock.redone_steps >= 10 and trainer.runner.clock.shares()['redone'] > 0
   # The recoveries are in TensorBoard.
   from tensorboard.backend.event_processing import event_accumulator
   events = event_accumulator.EventAccumulator(str(tmp_path / 'tensorboard'),
