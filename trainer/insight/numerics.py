@@ -48,6 +48,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.insight import hooks
+from trainer.step import contract
 from trainer.step.forward_state import forward_state_kept
 from trainer.step.loss_scale import overwritten
 
@@ -173,7 +174,7 @@ class Probe:
     self.needs_reference = bool(self.low_precision) or any(
         getattr(layer, 'quantization_mode', None) for layer in self.layers)
     self._fn = tf.function(self._stats)
-    self._iterator = None
+    self._batch = None
 
   def _gradients(self, share, scaled: bool, record=None):
     t = self.trainer
@@ -220,12 +221,16 @@ class Probe:
       rows.append(gradient_counts(g, r, tiny, scale))
     return tf.stack(rows), {name: output_counts(layer, values, outputs32.get(name, (None, None))[1])
                             for name, (layer, values) in outputs.items()}
-    return tf.stack(rows), outputs
 
   def next_batch(self):
-    if self._iterator is None:
-      self._iterator = iter(self.trainer.datasets.train)
-    return next(self._iterator)
+    """The first eval batch, every time: measurements at different steps compare the same
+    examples, and the train pipeline is never read here. A second iterator over
+    `datasets.train` made resumed runs differ from uninterrupted ones: a shuffled dataset's
+    iterators share one seed generator, so the probe's iterator changed the order the training
+    iterator saw (tests/test_numerics.py)."""
+    if self._batch is None:
+      self._batch = contract.first_eval_batch(self.trainer.datasets)
+    return self._batch
 
   def measure(self, batch=None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """({layer: {statistic: value}}, {'grad_flushed', 'grad_subnormal', 'grad_zero',
