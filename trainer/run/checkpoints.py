@@ -133,7 +133,7 @@ def restore_newest_readable(items: dict, directory: str, *, read_only: bool = Fa
   that disappears while it is read (a live run rotated it away) sends it back to the state
   file for the newer ones, a few times."""
   items_variables = variables(items)
-  failures = []  # (path, reason, the exception)
+  failures: list[tuple[str, str, Exception]] = []  # (path, reason, the exception)
   retried = set()  # checkpoints found gone once (read_only)
   for _ in range(5):
     gone = False
@@ -178,16 +178,16 @@ def restore_newest_readable(items: dict, directory: str, *, read_only: bool = Fa
   if failures:
     names = ', '.join(os.path.basename(p) for p, _, _ in failures)
     if all(isinstance(e, Mismatch) for _, _, e in failures):
-      item = failures[0][2].item
-      what = {'model': "another model than the one build_model() makes now (its layers or "
+      item = getattr(failures[0][2], 'item', None)
+      held = {'model': "another model than the one build_model() makes now (its layers or "
                        "their sizes changed since this run began): resume with the model as it "
                        "was",
               'optimizer': 'another optimizer state than config.optimizer builds now (its '
                            'name or kind changed since this run began): resume with the '
                            'optimizer as it was'}
-      hint = 'they hold ' + what.get(
-          item, f"other {item or 'state'} than this run builds now (a checkpoint_items() entry "
-          'changed since this run began): resume with it as it was')
+      hint = 'they hold ' + held.get(
+          str(item), f"other {item or 'state'} than this run builds now (a checkpoint_items() "
+          'entry changed since this run began): resume with it as it was')
     elif all(isinstance(e, NonFinite) for _, _, e in failures):
       hint = 'every one holds a non-finite state'
     else:

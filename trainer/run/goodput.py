@@ -52,7 +52,7 @@ class Clock:
     wall = max(time.perf_counter() - self.started, 1e-9)
     spent = dict(self.spent)
     if self.first_call is not None:
-      spent['startup'] += self._first_start - self.started
+      spent['startup'] += (self._first_start or self.started) - self.started
       first, n = self.first_call
       rate = self.later[0] / self.later[1] if self.later[1] else None
       compile_time = max(0.0, first - n * rate) if rate is not None else 0.0

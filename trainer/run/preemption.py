@@ -41,7 +41,7 @@ _POLL_SECONDS = 0.2  # how often the waiting main thread runs pending signal han
 class Preempted(Exception):
   """Training stopped on a signal after saving a checkpoint; run the same command to resume."""
 
-  def __init__(self, signal_name: str, step: int, total: int, checkpoint: str):
+  def __init__(self, signal_name: str | None, step: int, total: int, checkpoint: str | None):
     super().__init__(f'stopped by {signal_name} at step {step}/{total}; checkpoint saved to '
                      f'{checkpoint}; run the same command again to resume')
     self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint

@@ -318,7 +318,9 @@ class Runner:
                             f'config.train.recover_tries={t.recover_tries} done)') from None
       raise error
     factor = float(self.lr_factor.numpy()) if self.lr_factor is not None else 1.0
-    checkpoints.restore(self.items, self.workdir.healthy_path())
+    path = self.workdir.healthy_path()
+    assert path is not None  # a record names it (checked above)
+    checkpoints.restore(self.items, path)
     self.recoveries += 1
     if self.lr_factor is not None:
       factor *= t.recover_lr_factor

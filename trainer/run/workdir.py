@@ -40,6 +40,7 @@ import json
 import os
 import re
 import tempfile
+from typing import Any
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -159,11 +160,13 @@ class Workdir:
     self.strategy = strategy
     self.is_chief = distribute.is_chief(strategy)
     self.checkpoint_dir = os.path.join(self.path, CHECKPOINTS)
-    self.scratch = None  # a non-chief worker's temporary checkpoint folder
-    self._manager = None
-    self._writer = None
-    self._lock = None
-    self._pending = None  # a save not yet recorded: its background write may be running (sync)
+    self.scratch: str | None = None  # a non-chief worker's temporary checkpoint folder
+    # TensorFlow's CheckpointManager and summary writer, and the lock (untyped: Any).
+    self._manager: Any = None
+    self._writer: Any = None
+    self._lock: Any = None
+    # A save not yet recorded: its background write may be running (sync).
+    self._pending: tuple | None = None
 
   # ---- reading ---------------------------------------------------------------------------------
   def restore_read_only(self) -> str | None:
