@@ -4,53 +4,34 @@ stateful metric and resumes bit-identically; a subclass redefining a framework n
 """
 import importlib
 import re
-import sys
 
 import numpy as np
 import pytest
 
 import docblocks
-from conftest import MNIST_DIR
+import test_readme_beyond as beyond
+from test_readme_beyond import package  # noqa: F401  (the fixture)
 from tiny import TinyTrainer, tiny_config
 from trainer import UserError
-from trainer import config as config_lib
 
 
 @pytest.fixture
-def gan2(tmp_path, monkeypatch):
-  folder = tmp_path / 'src' / 'my_project'
-  folder.mkdir(parents=True)
-  (folder / '__init__.py').write_text('')
+def gan2(package):  # noqa: F811  (the fixture imported above)
+  """The two-loss-scale GAN block as my_project/gan2.py (test_readme_beyond's package)."""
   block = docblocks.block('runs this block as my_project/gan2.py')
   # No private name: no attribute or import starting with an underscore but __init__.
   assert not re.search(r'\._(?!_init__)', block)
   assert 'from trainer.' not in block.replace('from trainer.data', '')
-  (folder / 'gan2.py').write_text(block)
-  monkeypatch.syspath_prepend(str(tmp_path / 'src'))
-  for name in [m for m in sys.modules if m == 'my_project' or m.startswith('my_project.')]:
-    del sys.modules[name]
+  folder = package('my_project').__path__[0]
+  with open(f'{folder}/gan2.py', 'w') as f:
+    f.write(block)
   importlib.invalidate_caches()
-  yield importlib.import_module('my_project.gan2')
-  for name in [m for m in sys.modules if m == 'my_project' or m.startswith('my_project.')]:
-    del sys.modules[name]
+  return package('my_project.gan2')
 
 
 def gan_config(**overrides):
-  config = config_lib.defaults()
-  config.model = 'my_project.gan2'
-  config.data.dir = MNIST_DIR
-  config.train.batch_size = 32
-  config.train.steps = 8
-  config.train.steps_per_loop = 2
-  config.train.log_every = 2
-  config.train.checkpoint_every = 4
-  config.train.deterministic = True
-  config.precision.policy = 'mixed_float16'
-  config.precision.loss_scale = 'dynamic'
-  config.precision.initial_scale = 1024.0
-  for key, value in overrides.items():
-    config_lib.set_dotted(config, key, value)
-  return config
+  """test_readme_beyond's GAN config (batch 32, 8 steps, mixed_float16, dynamic from 1024)."""
+  return beyond.gan_config(model='my_project.gan2', **overrides)
 
 
 def arrays(variables):
