@@ -14,9 +14,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny import TinyTrainer, tiny_config, weights  # noqa: E402
 
 
-def trained(workdir, steps=15):
-  """A run with checkpoints at 5, 10 and 15; returns {step: weights at that step}."""
-  trainer = TinyTrainer(tiny_config(**{'train.steps': steps}), str(workdir))
+def trained(workdir, steps=15, **overrides):
+  """A run with checkpoints every 5 steps; returns {step: weights at that step}."""
+  trainer = TinyTrainer(tiny_config(**{'train.steps': steps, **overrides}), str(workdir))
   snapshots = {}
   original = trainer.runner.save
 

@@ -25,6 +25,7 @@ from trainer.run import actions, checkpoints, lifecycle
 from trainer.errors import ConfigError, NonFiniteError, UserError
 
 sys.path.insert(0, os.path.dirname(__file__))
+import test_reliability_checkpoints as checkpoint_tests  # noqa: E402
 from tiny import TinyTrainer, tiny_config, weights  # noqa: E402
 
 
@@ -60,18 +61,9 @@ def config(**overrides):
 
 
 def trained(workdir, steps=15):
-  """A run with checkpoints every 5 steps (max_to_keep 3); returns {step: weights there}."""
-  trainer = TinyTrainer(config(**{'train.steps': steps}), str(workdir))
-  snapshots = {}
-  original = trainer.runner.save
-
-  def save():
-    snapshots[int(trainer.global_step.numpy())] = weights(trainer)
-    return original()
-
-  trainer.runner.save = save
-  trainer.train()
-  return snapshots
+  """A deterministic run with checkpoints every 5 steps (max_to_keep 3); returns {step: weights
+  there} (test_reliability_checkpoints.trained)."""
+  return checkpoint_tests.trained(workdir, steps, **{'train.deterministic': True})
 
 
 # ---- 1. paths inside the run -------------------------------------------------------------------

@@ -71,8 +71,8 @@ class Trainer:
     # The config validated, then strategy, policy, datasets, model, metrics, optimizer, loss
     # scaler and step, the hook contract checked on the first eval batch before anything is
     # written (trainer/run/build.py).
-    build.build(self, config, workdir, strategy)
-    self.runner = Runner(self, started=started)
+    batch = build.build(self, config, workdir, strategy)
+    self.runner = Runner(self, started=started, first_eval_batch=batch)
 
   # ---- hooks -------------------------------------------------------------------------------
   def build_model(self) -> keras.Model:

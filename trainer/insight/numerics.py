@@ -154,7 +154,7 @@ def output_counts(layer, values, reference) -> tf.Tensor:
 class Probe:
   """The compiled statistics pass for one trainer (built on first use)."""
 
-  def __init__(self, trainer):
+  def __init__(self, trainer, batch=None):
     self.trainer = trainer
     model = trainer.model
     self.layers = leaf_layers(model)
@@ -174,7 +174,7 @@ class Probe:
     self.needs_reference = bool(self.low_precision) or any(
         getattr(layer, 'quantization_mode', None) for layer in self.layers)
     self._fn = tf.function(self._stats)
-    self._batch = None
+    self._batch = batch  # measured by default; None: the first eval batch, read on first use
 
   def _gradients(self, share, scaled: bool, record=None):
     t = self.trainer
@@ -303,8 +303,9 @@ def _pct(fraction: float) -> str:
 class Recorder:
   """The trainer's side: when to measure, and where the numbers go."""
 
-  def __init__(self, trainer, every: int, write_scalars=None):
+  def __init__(self, trainer, every: int, write_scalars=None, batch=None):
     self.trainer, self.every = trainer, int(every)
+    self.batch = batch  # what the probe measures (None: it reads the first eval batch)
     self.write_scalars = write_scalars  # (prefix, {name: value}, step); None: no TensorBoard
     self.probe: Probe | None = None
     self.last: int | None = None
@@ -327,7 +328,7 @@ class Recorder:
     """Measures, writes TensorBoard scalars numerics/<layer>/<statistic> and
     numerics/gradient_{flushed,subnormal,zero,nonfinite}, returns the stats and the line."""
     if self.probe is None:
-      self.probe = Probe(self.trainer)
+      self.probe = Probe(self.trainer, self.batch)
     try:
       stats, overall = self.probe.measure()
     except Exception as e:  # pylint: disable=broad-except  (diagnostics never end a run)

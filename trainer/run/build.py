@@ -23,8 +23,7 @@ from trainer.run.workdir import local_path
 from trainer.step import contract, distribute, low_precision, optimizers, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 
-HOOKS = ('build_model', 'build_datasets', 'compute_loss', 'build_optimizer', 'build_metrics',
-         'build_train_step', 'checkpoint_items', 'build_actions')
+HOOKS = tuple(contract.HOOK_CALLS)  # the hooks the contract checks, the one list of them
 # What the framework sets on a Trainer and the methods it owns. The last line holds names that
 # moved to the Runner: a subclass defining one would read as overriding the framework.
 FRAMEWORK_NAMES = frozenset((
@@ -53,8 +52,10 @@ def jit(setting: str) -> bool:
   return setting == 'true'
 
 
-def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None) -> None:
-  """Sets the trainer's parts (the module docstring lists them)."""
+def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None) -> Any:
+  """Sets the trainer's parts (the module docstring lists them); returns the first eval batch
+  it checked the hooks on (read once: the runner's start-of-run loss and the numerics probe use
+  it too)."""
   contract.check_hooks(trainer, _base(trainer))  # before any hook runs
   trainer.config = c = config_lib.validate(config)
   trainer.workdir = local_path(workdir)
@@ -100,6 +101,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     trainer.optimizer = trainer.build_optimizer(lambda: trainer.learning_rate(step))
     low_precision.check_optimizer(trainer.optimizer, c)
     trainer.train_step = trainer.build_train_step()
+  return batch
 
 
 def _check_against_the_run(c, total_steps: int, replicas: int) -> None:

@@ -37,7 +37,7 @@ from trainer.step.loss_scale import state_variable
 class Runner:
   """Runs `trainer` (built: trainer/run/build.py). `workdir` is its run folder (a Workdir)."""
 
-  def __init__(self, trainer, started: float | None = None):
+  def __init__(self, trainer, started: float | None = None, first_eval_batch=None):
     if not flags.FLAGS.is_parsed():  # used from Python, not launch.py: show the progress lines
       logging.set_verbosity(logging.INFO)
     self.trainer = t = trainer
@@ -46,7 +46,11 @@ class Runner:
     with t.strategy.scope():
       self.eval_loop = EvalLoop(strategy=t.strategy, compute_loss=t.compute_loss,
                                 metric_names=t.metric_names, metrics=t.eval_metrics)
-    self.numerics = numerics.Recorder(t, c.numerics.every, self.write_scalars)
+    # The first eval batch (read by build unless given): the start-of-run loss, the probe's.
+    self.first_eval_batch = (contract.first_eval_batch(t.datasets) if first_eval_batch is None
+                             else first_eval_batch)
+    self.numerics = numerics.Recorder(t, c.numerics.every, self.write_scalars,
+                                      batch=self.first_eval_batch)
     user_actions = list(t.build_actions())
     contract.check_actions(user_actions)
     config_actions = actions.from_config(c)
@@ -356,7 +360,7 @@ class Runner:
     """The mean loss of the first eval batch at the current weights (one forward pass): where
     the divergence monitor's running minimum starts."""
     tr = self.trainer
-    per_example, _ = tr.compute_loss(contract.first_eval_batch(tr.datasets), training=False)
+    per_example, _ = tr.compute_loss(self.first_eval_batch, training=False)
     return float(tf.reduce_mean(tf.cast(per_example, tf.float32)))
 
   def check_divergence(self, step: int, logged: dict[str, float]) -> str | None:

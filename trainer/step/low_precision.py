@@ -179,6 +179,13 @@ class _LowPrecision:
       return 0.0
     return -(weight32 * tf.cast(self.weight_decay, tf.float32)) * learning_rate
 
+  def _weight32(self, index, var):
+    """The weight in float32: with Kahan compensation, the true weight w + c."""
+    weight = tf.cast(var, tf.float32)
+    if index in self._comp_index:
+      weight += tf.cast(self._compensations[self._comp_index[index]], tf.float32)
+    return weight
+
   def _store_weight(self, index, var, weight32, update):
     """weight32 + update, stored in var's format (bfloat16: stochastic or Kahan)."""
     if var.dtype == tf.float32:
@@ -262,9 +269,7 @@ class _LowPrecisionAdam(_LowPrecision):
     # Keras's Adam, term for term, in float32.
     m = m + (grad - m) * (1 - self.beta_1)
     v = v + (tf.square(grad) - v) * (1 - self.beta_2)
-    weight = tf.cast(var, tf.float32)
-    if index in getattr(self, '_comp_index', {}):  # Kahan: the true weight is w + c
-      weight += tf.cast(self._compensations[self._comp_index[index]], tf.float32)
+    weight = self._weight32(index, var)
     decay = self._decay(variable, weight, lr)
     adam = (m * alpha) / (tf.sqrt(v) + self.epsilon)
     if var.dtype == tf.float32:  # Keras's order: decay first, then the Adam step
@@ -302,9 +307,7 @@ class _LowPrecisionSGD(_LowPrecision):
     var = _tf(variable)
     grad = fused_optimizers._dense(gradient, tf.float32)
     lr = tf.cast(learning_rate, tf.float32)
-    weight = tf.cast(var, tf.float32)
-    if index in self._comp_index:
-      weight += tf.cast(self._compensations[self._comp_index[index]], tf.float32)
+    weight = self._weight32(index, var)
     update = self._decay(variable, weight, lr)
     if self.momentum == 0:
       update -= lr * grad
