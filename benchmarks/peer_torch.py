@@ -28,7 +28,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,8 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
+
+from benchmarks import child  # noqa: E402
 
 SHAPES = {  # name: (config file, steps, quick steps)
     'nanogpt_cpu': ('configs/nanogpt_cpu.py', 2000, 30),
@@ -130,29 +131,10 @@ def tf_child(settings: dict) -> dict:
 
 
 def run_child(command: list[str]) -> dict:
-  """Runs a child, tried twice (see benchmarks/references.py: an intermittent failure of our
-  final eval); adds its whole-life wall and CPU-seconds (getrusage of the child)."""
-  try:
-    return _run_child(command)
-  except RuntimeError as e:
-    print(f'{e}; trying once more', file=sys.stderr, flush=True)
-    return {**_run_child(command), 'retried': str(e)}
-
-
-def _run_child(command):
-  before = resource.getrusage(resource.RUSAGE_CHILDREN)
-  start = time.perf_counter()
-  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False,
-                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
-  wall = time.perf_counter() - start
-  after = resource.getrusage(resource.RUSAGE_CHILDREN)
-  if done.returncode:
-    raise RuntimeError(f'{command[0]} {command[2][:40]}... failed (exit {done.returncode}): '
-                       f'{done.stderr.strip().splitlines()[-3:]}')
-  result = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith('{')][-1])
-  result['process_wall_s'] = wall
-  result['process_cpu_s'] = ((after.ru_utime - before.ru_utime) +
-                             (after.ru_stime - before.ru_stime))
+  """Runs a child (benchmarks/child.py: tried twice); adds its whole-life wall and CPU-seconds
+  (getrusage of the child)."""
+  result, wall, cpu = child.run(command, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  result['process_wall_s'], result['process_cpu_s'] = wall, cpu
   return result
 
 

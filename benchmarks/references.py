@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,8 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from absl import app, flags, logging  # noqa: E402
+
+from benchmarks import child  # noqa: E402
 
 POLICIES = ('float32', 'mixed_bfloat16', 'mixed_float16')
 # name: config file, data folder under --data_root, the published figure and its metric.
@@ -130,32 +130,13 @@ def run_cell(name: str, policy: str, data_root: str, quick: bool, overrides=()) 
 
 
 def run_subprocess(name: str, policy: str, data_root: str, overrides=()) -> dict:
-  """run_cell in a fresh Python, tried twice (an intermittent TypeError from the final eval,
-  `tf___log_eval() missing 1 required positional argument`, ended some runs; a retry is a fresh
-  run, reported as such); wall and CPU-seconds are the successful child's whole life."""
-  try:
-    return _run_subprocess(name, policy, data_root, overrides)
-  except RuntimeError as e:
-    logging.warning('%s; trying once more', e)
-    return {**_run_subprocess(name, policy, data_root, overrides), 'retried': str(e)}
-
-
-def _run_subprocess(name, policy, data_root, overrides):
-  before = resource.getrusage(resource.RUSAGE_CHILDREN)
-  start = time.perf_counter()
+  """run_cell in a fresh Python (benchmarks/child.py: tried twice); wall and CPU-seconds are the
+  successful child's whole life."""
   command = [sys.executable, '-m', 'benchmarks.references', f'--cell={name}:{policy}',
              f'--data_root={data_root}', *(f'--set={s}' for s in overrides)]
-  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-  wall = time.perf_counter() - start
-  after = resource.getrusage(resource.RUSAGE_CHILDREN)
-  if done.returncode:
-    raise RuntimeError(f'cell {name}:{policy} failed (exit {done.returncode}): '
-                       f'{done.stderr.strip().splitlines()[-1:]}')
-  line = [ln for ln in done.stdout.splitlines() if ln.startswith('{')][-1]
-  result = json.loads(line)
+  result, wall, cpu = child.run(command)
   result['in_process_wall_s'], result['in_process_cpu_s'] = result['wall_s'], result['cpu_s']
-  result['wall_s'] = wall
-  result['cpu_s'] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+  result['wall_s'], result['cpu_s'] = wall, cpu
   return result
 
 
