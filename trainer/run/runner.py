@@ -236,28 +236,33 @@ class Runner:
 
   def run_steps(self, iterator, num_steps: int) -> int:
     """The inner loop: `num_steps` steps from `iterator` (a distributed iterator over
-    `datasets.train`) in one compiled call; returns the global step after them. Between calls
-    the host reads the global step (with the collapse guard on, its counter; with forensics on,
-    the skip counter) and raises CollapseError when the guard stopped the loop. With forensics
+    `datasets.train`) in one compiled call; returns the global step after them. The call
+    returns its counters (TrainStep.run); the host raises CollapseError when the guard stopped
+    the loop. With forensics
     on, a skipped step that gets forensics ends the compiled call early: it is replayed, and a
     second call runs the rest."""
     tr = self.trainer
     ts = tr.train_step
     target = int(tr.global_step.numpy()) + num_steps
+    skipped = int(ts.skipped_steps.numpy()) if ts.forensics else 0
     while True:
+      # The compiled call returns the counters (one read, not one eager op per variable).
       if ts.forensics:  # the compiled loop stops after the next skip that gets forensics
-        ts.stop_at_skip.assign(self.forensics.next_after(int(ts.skipped_steps.numpy())))
-      ts.run(iterator, num_steps)
-      step = int(tr.global_step.numpy())
-      ts.guard.check(step=step, scale=tr.loss_scaler.scale,
-                     checkpoint=self.workdir.latest_checkpoint,
-                     healthy=health.describe(self.workdir.healthy_record()))
+        stop_at = self.forensics.next_after(skipped)
+        ts.stop_at_skip.assign(stop_at)
+      counters = ts.run(iterator, num_steps)
+      skipped = counters.skipped_steps
+      step = counters.global_step
+      if counters.consecutive >= ts.guard.max_consecutive_skips > 0:
+        ts.guard.check(step=step, scale=tr.loss_scaler.scale,
+                       checkpoint=self.workdir.latest_checkpoint,
+                       healthy=health.describe(self.workdir.healthy_record()))
       if step >= target:
         break
       # Stopped early, right after a skipped step: replay it, then run the rest of the call.
       self.record_forensics(step - 1)
       num_steps = target - step
-    if ts.forensics and int(ts.skipped_steps.numpy()) == int(ts.stop_at_skip.numpy()):
+    if ts.forensics and skipped == stop_at:
       self.record_forensics(step - 1)  # the skip was the call's last step
     return step
 

@@ -44,9 +44,7 @@ One `step` (cross-replica context, inside the compiled loop):
      the host's means are over the steps whose loss was finite. Stateful metrics
      (`build_metrics`) are updated per replica, only when that replica's loss is finite.
 
-The compiled loop (`train_loop`, `steps_per_loop` steps a call) sums the step outputs into one
-variable per output; nothing in a call reads a value back to the host. Between calls the host
-reads `global_step` (and the collapse guard's counter), at log time `read_outputs()`.
+The compiled loop that runs `step` (`train_loop`) is trainer/step/loop.py.
 """
 from __future__ import annotations
 
@@ -57,7 +55,8 @@ import tensorflow as tf
 from trainer.steps_text import steps as parse_steps
 from trainer.errors import ConfigError
 from trainer.step.loss_scale import all_finite, overwritten, state_variable, update_scalers
-from trainer.step import inject, kept_batch, optimizers
+from trainer.step import inject, optimizers
+from trainer.step.loop import CompiledLoop
 from trainer.step import outputs as step_outputs
 from trainer.step.forward_state import forward_state, forward_state_kept  # noqa: F401
 from trainer.step.skip_guard import SkipGuard
@@ -74,7 +73,7 @@ class UpdateGroup(NamedTuple):
 SKIP_SCOPE = 'skipped_step_only'  # name scope of the skip branch (benchmarks/run.py looks for it)
 
 
-class TrainStep:
+class TrainStep(CompiledLoop):
   """The default step and the pieces a custom step reuses. Built by the trainer under the
   strategy's scope (it owns variables: the skip counter, the collapse guard, the output sums)."""
 
@@ -115,6 +114,8 @@ class TrainStep:
     self.stop_at_skip = state_variable(0, tf.int64, 'stop_at_skip')
     self._totals = None  # {output name: variable}, created on the first call (host side)
     self.kept_batch = None  # with forensics: the skipped step's batch (trainer/step/kept_batch.py)
+    self._recording = None  # while the loop traces, with forensics: its iterator, recording
+    self._batch_kept_on_skip = False  # ... and whether apply_or_skip's skip branch keeps it
 
     replica_core = self._replica_core
     if trainer.jit_compile:
@@ -261,6 +262,12 @@ class TrainStep:
           for variable, value in zip(self._forward_state, saved_state):
             self.strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,))
         self.guard.record(grads, self.global_step, self.groups[0].loss_scaler.scale)
+        if self._recording is not None and self._recording.last is not None:
+          # The skip the host stops at (skipped_steps counts it after this branch): its batch
+          # is kept here, on the skip branch only, so a finite step pays nothing.
+          self._batch_kept_on_skip = True
+          tf.cond(tf.equal(self.skipped_steps + 1, self.stop_at_skip),
+                  lambda: self._keep_batch(self._recording.last), lambda: tf.constant(True))
         return tf.constant(1, tf.int64)
 
     if not isinstance(finite, (list, tuple)):
@@ -363,38 +370,3 @@ class TrainStep:
       outputs[name] = (tuple(value) if name in self.metrics else
                        tf.reduce_sum(tf.cast(value, tf.float32)) / self.global_batch_size)
     return outputs, grads
-
-  # ---- the compiled loop and the host's reads ----------------------------------------------
-  def _train_loop(self, iterator, num_steps):
-    totals = {k: tf.zeros_like(v) for k, v in self._totals.items()}
-    batches = kept_batch.Recording(iterator) if self.forensics else iterator
-    for _ in tf.range(num_steps):
-      outputs = self.step(batches)
-      totals = {k: totals[k] + outputs[k] for k in totals}
-      if self.guard.collapsed():  # stops early; the trainer raises CollapseError
-        break
-      if self.forensics and tf.logical_and(self.stop_at_skip > 0,
-                                           tf.equal(self.skipped_steps, self.stop_at_skip)):
-        self.kept_batch.keep(self.strategy, batches.last)  # the replay's batch, bit for bit
-        break  # the runner replays the skipped step (trainer/insight/forensics.py), goes on
-    for k, v in totals.items():
-      self._totals[k].assign_add(v)
-
-  def run(self, iterator, num_steps) -> None:
-    """Host side: one compiled call of `num_steps` steps. The first call finds the step's
-    output names (by tracing `step` once) and creates one sum variable per output."""
-    if self._totals is None:
-      spec = tf.function(self.step).get_concrete_function(iterator).structured_outputs
-      with self.strategy.scope():
-        self._totals = {k: state_variable(0.0, tf.float32, f'sum_{k}') for k in sorted(spec)}
-        if self.forensics:
-          self.kept_batch = kept_batch.KeptBatch(self.trainer.datasets.train.element_spec)
-    self.train_loop(iterator, tf.constant(num_steps, tf.int64))
-
-  def read_outputs(self) -> dict[str, float]:
-    """Host side: the counters as counts, every other output as its mean over the steps whose
-    loss was finite (NaN when there were none), since the last read; resets the sums. Then
-    the stateful metrics' results (reset too)."""
-    if self._totals is None:
-      return {}
-    return step_outputs.read(self._totals, self.metrics)
