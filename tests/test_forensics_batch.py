@@ -1,6 +1,7 @@
 """The forensic replay sees the skipped step's own batch, whatever the pipeline does: a shuffle
 that reshuffles on every new iterator (as the shipped MNIST pipeline does) with one corrupt
 example; and a replay on request of a healthy step does not claim that the step differed."""
+import glob
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import tensorflow as tf
 
 from conftest import MNIST_DIR, ROOT
 from tiny import TinyTrainer, tiny_config
+from trainer import TrainStep
 from trainer.insight import forensics
 
 CORRUPT = 137  # the example whose first feature is inf
@@ -70,3 +72,46 @@ def test_diagnose_on_a_healthy_run_does_not_claim_the_step_differed(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'replay finite' in result.stdout, result.stdout
   assert 'differed' not in result.stdout + result.stderr
+
+
+class OwnSkipStep(TrainStep):
+  """A custom step that skips on its own (no `apply_or_skip`): the compiled loop, not the skip
+  branch, keeps the skipped step's batch."""
+
+  def step(self, iterator):
+    outputs, grads, nonfinite, _ = self.strategy.run(self.replica_step, args=(next(iterator),))
+    finite = self.all_replicas_finite(nonfinite)
+    outputs = {k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
+               for k, v in outputs.items()}
+
+    def apply():
+      self.strategy.run(self.apply_gradients, args=(grads,))
+      return tf.constant(0, tf.int64)
+
+    skipped = tf.cond(finite, apply, lambda: tf.constant(1, tf.int64))
+    self.skipped_steps.assign_add(skipped)
+    self.end_step(finite)
+    return self.with_counters(outputs, skipped, tf.math.is_finite(outputs['loss']))
+
+
+class ReshuffledOwnSkip(Reshuffled):
+
+  def build_train_step(self):
+    return OwnSkipStep(self)
+
+
+def test_a_custom_step_without_apply_or_skip_still_keeps_the_skipped_batch(tmp_path):
+  config = tiny_config(**{'precision.policy': 'mixed_float16', 'train.steps': 48,
+                          'train.steps_per_loop': 8, 'train.log_every': 8,
+                          'train.checkpoint_every': 48, 'numerics.forensics_first': 3,
+                          'numerics.forensics_every': 0, 'precision.max_consecutive_skips': 0})
+  trainer = ReshuffledOwnSkip(config, str(tmp_path / 'w'))
+  try:
+    trainer.train()
+  except Exception:  # pylint: disable=broad-except  (an inf input may leave a NaN eval)
+    pass
+  folders = sorted(glob.glob(os.path.join(str(tmp_path / 'w'), 'forensics', 'step-*')))
+  assert len(folders) == 3, folders  # one corrupt example per 16-step epoch
+  assert int(trainer.train_step.skipped_steps.numpy()) == 3
+  for folder in folders:  # each is its own step's batch, with the corrupt example in it
+    assert np.isinf(forensics.load(folder).batch[0]).sum() == 1, folder
