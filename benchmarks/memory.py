@@ -59,8 +59,8 @@ from absl import app, flags, logging  # noqa: E402
 from benchmarks import run  # noqa: E402  (its flags --data_root, --data_dir apply here too)
 
 _MODEL = flags.DEFINE_string('model', 'transformer_lm', 'Model (module in models/).')
-_CONFIG = flags.DEFINE_string('config', '', 'Config file (default: the first configs/*.py '
-                              'whose model is --model).')
+_CONFIG = flags.DEFINE_string('config', '', 'Config file (default: the one benchmarks/run.py '
+                              'measures --model with).')
 _POLICY_LIST = flags.DEFINE_list('policy', ['float32', 'mixed_bfloat16'], 'Policies.')
 _REMAT = flags.DEFINE_list('remat', ['false', 'true'], 'train.remat settings.')
 _SET = flags.DEFINE_multi_string('set', [], 'dotted=value config overrides, e.g. '

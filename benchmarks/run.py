@@ -122,12 +122,20 @@ def machine() -> dict:
 
 
 # ---- models and configs ------------------------------------------------------------------------
+# The config a model is measured with when it is not the first configs/*.py naming the model
+# (configs/nanogpt_cpu.py, a reference recipe at a much smaller shape, sorts first).
+MODEL_CONFIGS = {'transformer_lm': 'shakespeare'}
+
+
 def model_config(name: str):
-  """configs/<file>.py whose `config.model == name` (else the schema defaults), with data.dir
-  pointed at the local data."""
+  """configs/<file>.py whose `config.model == name` (MODEL_CONFIGS first; else the schema
+  defaults), with data.dir pointed at the local data."""
   from trainer import config as config_lib
   config, config_file = None, ''
-  for path in sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py'))):
+  paths = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
+  if name in MODEL_CONFIGS:  # the model's own config first, before reference recipes
+    paths.insert(0, os.path.join(ROOT, 'configs', MODEL_CONFIGS[name] + '.py'))
+  for path in paths:
     candidate = config_lib.load_file(path)
     if candidate.get('model') == name:
       config, config_file = candidate, os.path.splitext(os.path.basename(path))[0]
