@@ -238,15 +238,13 @@ class Runner:
     """The inner loop: `num_steps` steps from `iterator` (a distributed iterator over
     `datasets.train`) in one compiled call; returns the global step after them. The call
     returns its counters (TrainStep.run); the host raises CollapseError when the guard stopped
-    the loop. With forensics
-    on, a skipped step that gets forensics ends the compiled call early: it is replayed, and a
-    second call runs the rest."""
+    the loop. With forensics on, a skipped step that gets forensics ends the compiled call
+    early: it is replayed, and a second call runs the rest."""
     tr = self.trainer
     ts = tr.train_step
     target = int(tr.global_step.numpy()) + num_steps
     skipped = int(ts.skipped_steps.numpy()) if ts.forensics else 0
     while True:
-      # The compiled call returns the counters (one read, not one eager op per variable).
       if ts.forensics:  # the compiled loop stops after the next skip that gets forensics
         stop_at = self.forensics.next_after(skipped)
         ts.stop_at_skip.assign(stop_at)

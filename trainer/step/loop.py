@@ -53,8 +53,8 @@ class CompiledLoop:
     batches = self._recording or iterator
     done, stop = tf.constant(0, tf.int64), tf.constant(False)
     # Stopping early is part of the loop's condition, not a `break`: autograph turns each
-    # `if ...: break` into tf.conds in every step (benchmarks/ablate_step.py measured them at
-    # 8-11 % of an MNIST MLP step).
+    # `if ...: break` into tf.conds that run in every step (benchmarks/ablate_step.py measures
+    # what the checks cost).
     while tf.logical_and(done < num_steps, tf.logical_not(stop)):
       outputs = self.step(batches)
       totals = {k: totals[k] + outputs[k] for k in totals}
