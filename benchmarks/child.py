@@ -1,6 +1,7 @@
-"""A benchmark cell in a fresh Python: its JSON result line, with its whole-life wall and
-CPU-seconds, tried twice (an intermittent failure of our final eval, `tf___log_eval() missing 1
-required positional argument`, ended some long runs; a retry is a fresh run, reported as such).
+"""What references.py and peer_torch.py share: a benchmark cell in a fresh Python (its JSON
+result line, with its whole-life wall and CPU-seconds, tried twice: an intermittent failure of
+our final eval, `tf___log_eval() missing 1 required positional argument`, ended some long runs;
+a retry is a fresh run, reported as such), and the table and raw results they print and save.
 """
 from __future__ import annotations
 
@@ -36,3 +37,15 @@ def _run(command, env):
                        f'{done.stderr.strip().splitlines()[-3:]}')
   result = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith('{')][-1])
   return result, wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def report(out: str, stem: str, text: str, results: list) -> None:
+  """Prints the markdown `text`; with `out`, writes it to <out>/<stem>.md and `results` to
+  <out>/<stem>.json."""
+  print(text, flush=True)
+  if out:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f'{stem}.md'), 'w') as f:
+      f.write(text + '\n')
+    with open(os.path.join(out, f'{stem}.json'), 'w') as f:
+      json.dump(results, f, indent=1)

@@ -56,6 +56,7 @@ if ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
+from benchmarks import overrides as config_overrides  # noqa: E402
 from benchmarks import run  # noqa: E402  (its flags --data_root, --data_dir apply here too)
 
 _MODEL = flags.DEFINE_string('model', 'transformer_lm', 'Model (module in models/).')
@@ -120,23 +121,11 @@ def build_config(model: str, config_file: str, overrides: list[str], *, policy: 
     base = run.model_config(model)
   config = run.variant(base, policy=policy, steps_per_loop=steps_per_loop)
   config.train.remat = remat
-  apply_overrides(config, overrides)  # after `variant`: e.g. train.jit_compile=true applies
+  # After `variant`, so that e.g. train.jit_compile=true applies.
+  config_overrides.apply(config, overrides)
   if batch_size:
     config.train.batch_size = batch_size
   return config
-
-
-def apply_overrides(config, items) -> None:
-  """dotted=value items, each value of the type of the key's current value (str when new)."""
-  for item in items:
-    key, value = item.split('=', 1)
-    current = config
-    *path, last = key.split('.')
-    for part in path:
-      current = current[part]
-    old = current.get(last)
-    current[last] = (value.lower() in ('1', 'true') if isinstance(old, bool)
-                     else type(old)(value) if old is not None else value)
 
 
 def kept_bytes(trainer) -> int:

@@ -39,6 +39,7 @@ if ROOT not in sys.path:
 from absl import app, flags  # noqa: E402
 
 from benchmarks import child  # noqa: E402
+from benchmarks import overrides as config_overrides  # noqa: E402
 
 SHAPES = {  # name: (config file, steps, quick steps)
     'nanogpt_cpu': ('configs/nanogpt_cpu.py', 2000, 30),
@@ -79,13 +80,7 @@ def config_for(shape: str, precision: str, steps: int, overrides=()):
   loop = min(config.train.steps_per_loop, steps)
   config.train.steps_per_loop = loop
   config.train.log_every = config.train.checkpoint_every = loop * max(steps // loop, 1)
-  for item in overrides:
-    key, value = item.split('=', 1)
-    node = config
-    *parents, leaf = key.split('.')
-    for part in parents:
-      node = node[part]
-    node[leaf] = type(node[leaf])(value) if leaf in node else value
+  config_overrides.apply(config, overrides)
   return config_lib.validate(config)
 
 
@@ -200,14 +195,7 @@ def main(argv):
           result.update(shape=shape, precision=precision, round=round_)
           print(json.dumps(result), flush=True)
           runs.append(result)
-  text = tables(cells)
-  print(text, flush=True)
-  if _OUT.value:
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, 'peer.md'), 'w') as f:
-      f.write(text + '\n')
-    with open(os.path.join(_OUT.value, 'peer.json'), 'w') as f:
-      json.dump([r for runs in cells.values() for r in runs], f, indent=1)
+  child.report(_OUT.value, 'peer', tables(cells), [r for runs in cells.values() for r in runs])
 
 
 if __name__ == '__main__':

@@ -34,6 +34,7 @@ if ROOT not in sys.path:
 from absl import app, flags, logging  # noqa: E402
 
 from benchmarks import child  # noqa: E402
+from benchmarks import overrides as config_overrides  # noqa: E402
 
 POLICIES = ('float32', 'mixed_bfloat16', 'mixed_float16')
 # name: config file, data folder under --data_root, the published figure and its metric.
@@ -75,17 +76,8 @@ def build_config(name: str, policy: str, data_root: str, quick: bool, overrides=
     config.train.checkpoint_every = 20
     # The recipe's warm-up (nanoGPT: 100 steps) within the 20: a longer one is refused.
     config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, 10)
-  for item in overrides:
-    key, value = item.split('=', 1)
-    config_lib.set_dotted(config, key, type(_lookup(config, key))(value))
+  config_overrides.apply(config, overrides)
   return config
-
-
-def _lookup(config, dotted):
-  node = config
-  for part in dotted.split('.'):
-    node = node[part]
-  return node
 
 
 def nanogpt_estimate(trainer, iters: int = NANOGPT_EVAL_ITERS, seed: int = 1337) -> float:
@@ -180,14 +172,7 @@ def main(argv):
         result = run_subprocess(name, policy, _DATA_ROOT.value, _SET.value)
       logging.info('%s', json.dumps(result))
       results.append(result)
-  text = table(results)
-  print(text, flush=True)
-  if _OUT.value:
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, 'references.md'), 'w') as f:
-      f.write(text + '\n')
-    with open(os.path.join(_OUT.value, 'references.json'), 'w') as f:
-      json.dump(results, f, indent=1)
+  child.report(_OUT.value, 'references', table(results), results)
 
 
 if __name__ == '__main__':

@@ -10,8 +10,21 @@ import importlib
 import inspect
 import pkgutil
 
+import ml_collections
+
 from trainer.errors import ConfigError
 from trainer.trainer import Trainer
+
+
+def model_section(config, defaults: dict, model: str) -> ml_collections.ConfigDict:
+  """config.model_config (the model's own section, which the schema does not check) with
+  `defaults` filled in; a ConfigError names the first key `defaults` lacks."""
+  given = config.get('model_config', ml_collections.ConfigDict()).to_dict()
+  unknown = sorted(set(given) - set(defaults))
+  if unknown:
+    raise ConfigError(f'config.model_config.{unknown[0]} is not a key of {model}; '
+                      f'known: {", ".join(defaults)}')
+  return ml_collections.ConfigDict({**defaults, **given})
 
 
 def available() -> list[str]:

@@ -18,6 +18,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
+from models import model_section
 from trainer import Datasets, Trainer
 from trainer.data import mnist
 from trainer.errors import ConfigError
@@ -27,12 +28,7 @@ MODEL_DEFAULTS = dict(validation_split=0.1)
 
 
 def model_config(config) -> ml_collections.ConfigDict:
-  given = config.get('model_config', ml_collections.ConfigDict()).to_dict()
-  unknown = sorted(set(given) - set(MODEL_DEFAULTS))
-  if unknown:
-    raise ConfigError(f'config.model_config.{unknown[0]} is not a key of keras_mnist_convnet; '
-                      f'known: {", ".join(MODEL_DEFAULTS)}')
-  m = ml_collections.ConfigDict({**MODEL_DEFAULTS, **given})
+  m = model_section(config, MODEL_DEFAULTS, 'keras_mnist_convnet')
   if not 0 <= m.validation_split < 1:
     raise ConfigError(f'config.model_config.validation_split={m.validation_split}: must be in '
                       '[0, 1)')

@@ -26,6 +26,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
+from models import model_section
 from trainer import Datasets, Trainer
 from trainer.nn import remat
 from trainer.data import shakespeare
@@ -38,12 +39,7 @@ MODEL_DEFAULTS = dict(context=128, d_model=128, num_heads=4, num_layers=4, mlp_r
 
 def model_config(config) -> ml_collections.ConfigDict:
   """config.model_config with the defaults above filled in."""
-  given = config.get('model_config', ml_collections.ConfigDict()).to_dict()
-  unknown = sorted(set(given) - set(MODEL_DEFAULTS))
-  if unknown:
-    raise ConfigError(f'config.model_config.{unknown[0]} is not a key of the Transformer LM; '
-                      f'known: {", ".join(MODEL_DEFAULTS)}')
-  return ml_collections.ConfigDict({**MODEL_DEFAULTS, **given})
+  return model_section(config, MODEL_DEFAULTS, 'the Transformer LM')
 
 
 @keras.saving.register_keras_serializable(package='models')

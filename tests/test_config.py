@@ -4,6 +4,8 @@ import pytest
 
 from trainer import ConfigError
 from trainer import config as config_lib
+import models
+from benchmarks import overrides
 
 
 def test_config_file_matches_schema():
@@ -46,3 +48,26 @@ def test_diff_names_changed_keys():
   b = config_lib.defaults()
   b.train.steps = 7
   assert config_lib.diff(a, b.to_dict()) == ['train.steps']
+
+
+def test_model_section_fills_defaults_and_names_an_unknown_key():
+  config = config_lib.defaults()
+  config.model_config = ml_collections.ConfigDict({'d_model': 64})
+  m = models.model_section(config, {'d_model': 128, 'layers': 2}, 'the test model')
+  assert m.to_dict() == {'d_model': 64, 'layers': 2}
+  config.model_config.dmodel = 32
+  with pytest.raises(ConfigError, match=r'^config\.model_config\.dmodel is not a key of the test '
+                     r'model; known: d_model, layers$'):
+    models.model_section(config, {'d_model': 128, 'layers': 2}, 'the test model')
+
+
+def test_benchmark_overrides_convert_to_the_current_type():
+  config = config_lib.defaults()
+  overrides.apply(config, ['train.remat=false', 'train.steps=7',
+                                      'optimizer.learning_rate=0.5', 'train.jit_compile=true',
+                                      'model_config.attention=chunked'])
+  assert config.train.remat is False  # bool('false') would be True
+  assert config.train.steps == 7 and config.optimizer.learning_rate == 0.5
+  assert config.train.jit_compile == 'true' and config.model_config.attention == 'chunked'
+  overrides.apply(config, ['train.remat=1'])
+  assert config.train.remat is True
