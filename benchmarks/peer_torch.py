@@ -76,6 +76,9 @@ def config_for(shape: str, precision: str, steps: int, overrides=()):
   config.data.dir = _DATA.value
   config.precision.policy = PRECISIONS[precision]
   config.train.steps = steps
+  # A cut run (--quick, --steps) needs a warm-up no longer than itself (the trainer refuses one).
+  if config.optimizer.warmup_steps > steps:
+    config.optimizer.warmup_steps = steps // 2
   config.train.eval_every = 0
   loop = min(config.train.steps_per_loop, steps)
   config.train.steps_per_loop = loop
