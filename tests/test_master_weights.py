@@ -1,6 +1,6 @@
-"""16-bit master weights (config.precision.master_weights, trainer/low_precision.py): the
-rounding against NumPy references, the optimizers' updates against a float64 Adam/SGD, skipped
-steps, resumes, MirroredStrategy and the config errors."""
+"""16-bit master weights (config.precision.master_weights; trainer/step/low_precision.py and
+rounding.py): the rounding against NumPy references, the optimizers' updates against a float64
+Adam/SGD, skipped steps, resumes, MirroredStrategy and the config errors."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import low_precision_runs as runs
 from tiny import TinyTrainer, tiny_config
-from trainer.step import low_precision
+from trainer.step import low_precision, rounding
 from trainer.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +30,12 @@ def bf16_neighbours(x: np.ndarray):
   return down.view(np.float32), up.view(np.float32)
 
 
+def stochastic_round(x: np.ndarray, seed) -> tf.Tensor:
+  """rounding.stochastic_round with 16-bit noise drawn from `seed`, as the optimizer draws it."""
+  bits = rounding.random_bits(tf.constant(seed, tf.int64), x.size, 1)
+  return rounding.stochastic_round(tf.constant(x), tf.reshape(rounding.noise(bits, 0), x.shape))
+
+
 def as_f64(t) -> np.ndarray:
   return tf.cast(t, tf.float64).numpy()
 
@@ -40,7 +46,7 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
   values = values.astype(np.float32)
   draws = 4000
   x = np.repeat(values[:, None], draws, axis=1)  # each value rounded `draws` times
-  out = as_f64(low_precision.stochastic_round(tf.constant(x), tf.constant([1, 2], tf.int64)))
+  out = as_f64(stochastic_round(x, [1, 2]))
   down, up = bf16_neighbours(x)
   assert np.all((out == down) | (out == up))
   mean = out.mean(axis=1)
@@ -53,13 +59,19 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
   assert len(set(out[-1])) == 2
 
 
-def test_stochastic_rounding_depends_on_the_seed_only():
-  x = tf.constant(np.linspace(1, 2, 1000, dtype=np.float32))
-  a = low_precision.stochastic_round(x, tf.constant([5, 7], tf.int64)).numpy()
-  b = low_precision.stochastic_round(x, tf.constant([5, 7], tf.int64)).numpy()
-  c = low_precision.stochastic_round(x, tf.constant([5, 8], tf.int64)).numpy()
-  assert a.tobytes() == b.tobytes()
-  assert a.tobytes() != c.tobytes()
+def test_random_bits_depend_on_the_seed_only_and_each_chunk_is_uniform():
+  draws = {seed: rounding.random_bits(tf.constant(seed, tf.int64), 20000, 3)
+           for seed in ((5, 7), (5, 8))}
+  again = rounding.random_bits(tf.constant((5, 7), tf.int64), 20000, 3)
+  assert draws[(5, 7)].numpy().tobytes() == again.numpy().tobytes()
+  assert draws[(5, 7)].numpy().tobytes() != draws[(5, 8)].numpy().tobytes()
+  chunks = [rounding.noise(draws[(5, 7)], j).numpy() for j in range(3)]
+  for chunk in chunks:  # uniform on [0, 2^16): mean 32767.5, sd 18918 / sqrt(n)
+    assert chunk.min() >= 0 and chunk.max() < 2**16
+    assert abs(chunk.mean() - 32767.5) < 5 * 18918 / np.sqrt(chunk.size)
+  # the chunks are different bits of the draw, not copies
+  assert abs(np.corrcoef(chunks[0], chunks[1])[0, 1]) < 0.05
+  assert abs(np.corrcoef(chunks[1], chunks[2])[0, 1]) < 0.05
 
 
 def test_kahan_error_stays_below_plain_bfloat16_rounding():
@@ -70,7 +82,7 @@ def test_kahan_error_stays_below_plain_bfloat16_rounding():
   c = tf.zeros([64], tf.bfloat16)
   plain = tf.ones([64], tf.bfloat16)
   for u in updates:
-    w, c = low_precision.kahan_add(w, c, tf.constant(u))
+    w, c = rounding.kahan_add(w, c, tf.constant(u))
     plain = tf.cast(tf.cast(plain, tf.float32) + u, tf.bfloat16)  # round to nearest
   kahan_error = np.abs(as_f64(w) + as_f64(c) - exact).max()
   plain_error = np.abs(as_f64(plain) - exact).max()

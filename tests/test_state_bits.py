@@ -1,6 +1,6 @@
-"""8-bit Adam state (config.optimizer.state_bits=8, trainer/low_precision.py): the block-wise
-logarithmic code against NumPy, the update against a float64 Adam, the bytes, skipped steps and
-resumes."""
+"""8-bit Adam state (config.optimizer.state_bits=8; trainer/step/low_precision.py and
+rounding.py): the block-wise logarithmic code against NumPy, the update against a float64 Adam,
+the bytes, skipped steps and resumes."""
 from __future__ import annotations
 
 import keras
@@ -10,8 +10,15 @@ import tensorflow as tf
 
 import low_precision_runs as runs
 from tiny import TinyTrainer, tiny_config
-from trainer.step import low_precision
+from trainer.step import low_precision, rounding
 from trainer.errors import ConfigError
+
+
+def quantize(x: np.ndarray, seed, signed: bool):
+  """rounding.quantize with 16-bit noise drawn from `seed`, as the optimizer draws it."""
+  size = rounding.blocks(x.size) * rounding.BLOCK
+  noise = rounding.noise(rounding.random_bits(tf.constant(seed, tf.int64), size, 1), 0)
+  return rounding.quantize(tf.constant(x), noise, signed)
 
 
 def magnitudes(signed: bool) -> np.ndarray:
@@ -44,7 +51,7 @@ def test_quantize_lands_on_a_neighbouring_code_within_the_bound(signed):
   x = 10.0 ** rng.uniform(-12, 0, size=1000) * (rng.choice([-1, 1], 1000) if signed else 1)
   x[::97] = 0.0
   x = x.astype(np.float32)
-  codes, absmax = low_precision.quantize(tf.constant(x), tf.constant([1, 2], tf.int64), signed)
+  codes, absmax = quantize(x, [1, 2], signed)
   assert codes.dtype == tf.uint8 and codes.shape == (4 * 256,) and absmax.shape == (4,)
   padded = np.pad(x, (0, 24)).reshape(4, 256).astype(np.float64)
   np.testing.assert_array_equal(absmax.numpy(), np.abs(padded).max(axis=1).astype(np.float32))
@@ -74,7 +81,7 @@ def test_quantize_is_unbiased(signed):
   draws = 256 * 64
   x = np.concatenate([np.append(np.full(255, v, np.float32), 1.0) for v in values
                       for _ in range(draws // 256)])  # each block: 255 copies and absmax 1
-  codes, absmax = low_precision.quantize(tf.constant(x), tf.constant([3, 4], tf.int64), signed)
+  codes, absmax = quantize(x, [3, 4], signed)
   out = decode(codes.numpy(), absmax.numpy(), signed).reshape(len(values), -1, 256)[:, :, :255]
   for v, got in zip(values, out):
     lo, hi = neighbours(np.float64(v), signed)
@@ -85,8 +92,8 @@ def test_quantize_is_unbiased(signed):
 def test_dequantize_inverts_exactly_representable_values():
   x = np.zeros(300, np.float32)
   x[:5] = [2.0, -1.0, 0.5, -2.0 ** -30, 0.0]  # on the signed code (absmax 2)
-  codes, absmax = low_precision.quantize(tf.constant(x), tf.constant([0, 0], tf.int64), True)
-  back = low_precision.dequantize(codes, absmax, [300], signed=True).numpy()
+  codes, absmax = quantize(x, [0, 0], True)
+  back = rounding.dequantize(codes, absmax, [300], signed=True).numpy()
   np.testing.assert_array_equal(back, x)
 
 
@@ -118,6 +125,38 @@ def test_adam_update_uses_the_dequantized_state():
     # the stored state is the float64 state within the codes' relative steps
     assert np.all(np.abs(m - m_new) <= (2 ** 0.25 - 1) * np.abs(m_new) * 1.001 + 1e-9)
     assert np.all(np.abs(v - v_new) <= (2 ** 0.125 - 1) * v_new * 1.001 + 1e-12)
+
+
+@pytest.mark.parametrize('master_weights', ['float32', 'bfloat16_sr'])
+def test_an_embedding_gradient_updates_as_its_dense_equal(master_weights):
+  """An embedding's gradient (IndexedSlices whose dense shape is known only at run time, so that
+  made dense it has no static shape) updates as the same gradient made dense by the caller."""
+  dtype = 'float32' if master_weights == 'float32' else 'bfloat16'
+  table = np.random.default_rng(5).normal(size=(50, 8)).astype(np.float32)
+  ids = tf.constant([[3, 7, 3], [49, 0, 7]])
+  results = []
+  for sparse in (True, False):
+    embedding = keras.Variable(table, dtype=dtype)
+    optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-2, state_bits=8, seed=2,
+                                               master_weights=master_weights)
+    optimizer.build([embedding])
+
+    def make_step(embedding, optimizer, sparse):
+      # dense_shape known only at run time, as after the trainer's unscaling and clipping
+      @tf.function(input_signature=[tf.TensorSpec([2], tf.int64)])
+      def step(dense_shape):
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_sum(tf.square(tf.cast(tf.gather(embedding.value, ids), tf.float32)))
+        grad = tape.gradient(loss, embedding.value)
+        grad = tf.IndexedSlices(grad.values, grad.indices, dense_shape)
+        optimizer.apply_gradients([(grad if sparse else tf.convert_to_tensor(grad), embedding)])
+      return step
+
+    step = make_step(embedding, optimizer, sparse)
+    for _ in range(3):
+      step(tf.constant(table.shape, tf.int64))
+    results.append([v.numpy().tobytes() for v in [embedding] + optimizer.variables])
+  assert results[0] == results[1]
 
 
 def test_state_is_at_most_0_3x_of_float32_moments(tiny_trainer):
