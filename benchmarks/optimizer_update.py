@@ -5,8 +5,9 @@
 Times `--updates` compiled `apply_gradients` calls (one tf.function looping over them) on
 variables of the given shapes (default: the MNIST MLP's), the contenders interleaved in rounds
 in one process; prints the median time per update and each contender's speed relative to
-Keras's Adam. bfloat16_sr, bfloat16_kahan (bfloat16 variables) and state_bits_8 are
-trainer/step/low_precision.py's Adam updates (`--low_precision`, default on). `tf_kernel` is
+Keras's Adam. bfloat16_sr, bfloat16_kahan (bfloat16 variables), state_bits_8 and the two
+combinations (bfloat16_sr_8, bfloat16_kahan_8) are trainer/step/low_precision.py's Adam updates
+(`--low_precision`, default on). `tf_kernel` is
 the one-kernel update trainer/step/fused_optimizers.py used before
 it was made bit-identical to Keras (its `1 - beta` rounds differently); it is here as the speed
 bound.
@@ -57,7 +58,10 @@ def contenders():
     from trainer.step import low_precision
     for name, kwargs in (('bfloat16_sr', dict(master_weights='bfloat16_sr')),
                          ('bfloat16_kahan', dict(master_weights='bfloat16_kahan')),
-                         ('state_bits_8', dict(state_bits=8))):
+                         ('state_bits_8', dict(state_bits=8)),
+                         ('bfloat16_sr_8', dict(master_weights='bfloat16_sr', state_bits=8)),
+                         ('bfloat16_kahan_8', dict(master_weights='bfloat16_kahan',
+                                                   state_bits=8))):
       out[name] = functools.partial(low_precision.LowPrecisionAdam, **kwargs)
   return out
 

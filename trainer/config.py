@@ -143,7 +143,7 @@ SCHEMA: dict[str, Key] = {
     'optimizer.fused': Key(bool, True, "fused TF kernels in the update (Keras's results); "
                            "False = Keras's own element-wise update"),
     'optimizer.state_bits': Key(int, 32, 'bits per Adam/AdamW moment element: 32, or 8 (block-'
-                                'wise quantized, trainer/step/low_precision.py)', lambda v: None
+                                'wise quantized codes, trainer/step/rounding.py)', lambda v: None
                                 if v in STATE_BITS else 'must be 32 or 8'),
     'precision.policy': Key(str, 'auto', 'dtype policy', _one_of(*POLICIES)),
     'precision.loss_scale': Key(str, 'auto', "'auto', 'none', 'dynamic' or a static number",
