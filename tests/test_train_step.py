@@ -100,21 +100,3 @@ def test_train_resumes_at_saved_step(tiny_trainer):
   second.train()
   assert int(second.global_step.numpy()) == 20
   assert int(second.optimizer.iterations.numpy()) == 20
-
-
-@pytest.mark.parametrize('forensics', [False, True])
-def test_the_step_is_traced_once(tiny_trainer, monkeypatch, forensics):
-  """The first call traces `step` for its output names; the compiled loop reuses that trace
-  rather than tracing the step again, with forensics (which records the batch) or without, and
-  later calls trace nothing."""
-  from trainer.step.train_step import TrainStep
-  trainer = tiny_trainer(**({} if forensics else {'numerics.forensics_first': 0,
-                                                   'numerics.forensics_every': 0}))
-  assert trainer.train_step.forensics == forensics
-  traces = []
-  step = TrainStep.step
-  monkeypatch.setattr(TrainStep, 'step', lambda self, it: traces.append(1) or step(self, it))
-  run_steps(trainer, 3)
-  assert len(traces) == 1
-  run_steps(trainer, 3)
-  assert len(traces) == 1

@@ -45,44 +45,31 @@ class CompiledLoop:
   _totals: Any
   _recording: Any
   _batch_kept_on_skip: bool
-  _traced_step: Any  # tf.function of `_step_and_stop`, traced by the first `run`
 
   def _train_loop(self, iterator, num_steps):
     totals = {k: tf.zeros_like(v) for k, v in self._totals.items()}
+    self._recording = kept_batch.Recording(iterator) if self.forensics else None
+    self._batch_kept_on_skip = False
+    batches = self._recording or iterator
     done, stop = tf.constant(0, tf.int64), tf.constant(False)
-    # The step as `run` traced it (for its output names), not traced again: autograph would
-    # convert the call and trace the Python function inline.
-    step = tf.autograph.experimental.do_not_convert(self._traced_step)
     # Stopping early is part of the loop's condition, not a `break`: autograph turns each
     # `if ...: break` into tf.conds that run in every step (benchmarks/ablate_step.py measures
     # what the checks cost).
     while tf.logical_and(done < num_steps, tf.logical_not(stop)):
-      outputs, stop = step(iterator)
+      outputs = self.step(batches)
       totals = {k: totals[k] + outputs[k] for k in totals}
       done += 1
+      stop = tf.convert_to_tensor(self.guard.collapsed())  # the trainer raises CollapseError
+      if self.forensics:  # the runner replays the skipped step (trainer/insight/forensics.py)
+        at_skip = self.forensic_stop()
+        if not self._batch_kept_on_skip:  # a custom step without apply_or_skip: keep it here
+          tf.cond(at_skip, lambda: self._keep_batch(batches.last), lambda: tf.constant(True))
+        stop = tf.logical_or(stop, at_skip)
+    self._recording = None
     for k, v in totals.items():
       self._totals[k].assign_add(v)
     return tf.stack([self.global_step.read_value(), self.skipped_steps.read_value(),
                      self.guard.consecutive.read_value()])
-
-  def _step_and_stop(self, iterator):
-    """One step, and whether the loop stops after it: the collapse guard's limit (the trainer
-    raises CollapseError) or, with forensics, the skip the runner replays
-    (trainer/insight/forensics.py), whose batch is kept for it."""
-    self._recording = kept_batch.Recording(iterator) if self.forensics else None
-    self._batch_kept_on_skip = False
-    try:
-      outputs = self.step(self._recording or iterator)
-      stop = tf.convert_to_tensor(self.guard.collapsed())
-      if self.forensics:
-        at_skip = self.forensic_stop()
-        if not self._batch_kept_on_skip:  # a custom step without apply_or_skip: keep it here
-          tf.cond(at_skip, lambda: self._keep_batch(self._recording.last),
-                  lambda: tf.constant(True))
-        stop = tf.logical_or(stop, at_skip)
-    finally:
-      self._recording = None
-    return outputs, stop
 
   def forensic_stop(self) -> tf.Tensor:
     """True right after the skip the host asked to stop at (stop_at_skip; 0 = never)."""
@@ -94,16 +81,14 @@ class CompiledLoop:
 
   def run(self, iterator, num_steps) -> Counters:
     """Host side: one compiled call of `num_steps` steps; the counters after it. The first call
-    traces the step (for its output names: one sum variable per output), and the compiled loop
-    calls that trace."""
+    finds the step's output names (by tracing `step` once) and creates one sum variable per
+    output."""
     if self._totals is None:
-      if self.forensics:  # before the trace: the skip branch keeps the batch in it
-        with self.strategy.scope():
-          self.kept_batch = kept_batch.KeptBatch(self.trainer.datasets.train.element_spec)
-      self._traced_step = tf.function(self._step_and_stop)
-      spec = self._traced_step.get_concrete_function(iterator).structured_outputs[0]
+      spec = tf.function(self.step).get_concrete_function(iterator).structured_outputs
       with self.strategy.scope():
         self._totals = {k: state_variable(0.0, tf.float32, f'sum_{k}') for k in sorted(spec)}
+        if self.forensics:
+          self.kept_batch = kept_batch.KeptBatch(self.trainer.datasets.train.element_spec)
     return Counters(*(int(v) for v in self.train_loop(
         iterator, tf.constant(num_steps, tf.int64)).numpy()))
 
