@@ -130,6 +130,58 @@ def test_adam_sr_update_equals_float64_adam_in_expectation(cls):
     assert abs(values.mean() - ref) <= 0.02 * (hi - lo) + 5 * (hi - lo) / np.sqrt(n)
 
 
+def sr_check(variable, ref_w):
+  """Every element of `variable` is one of float64 `ref_w`'s bfloat16 neighbours, and the mean is
+  `ref_w` within 5 standard errors."""
+  out = as_f64(variable).reshape(-1)
+  down, up = bf16_neighbours(np.float32(ref_w))
+  assert set(np.unique(out)) <= {float(down), float(up)}
+  p = (ref_w - down) / (up - down)
+  assert abs(out.mean() - ref_w) <= 5 * (up - down) * np.sqrt(p * (1 - p) / out.size) + 1e-12
+
+
+def test_updates_in_several_calls_give_each_variable_its_own_bits():
+  """With fewer elements per compiled call than the model has, the variables are updated in
+  several calls; each is still Adam's update rounded stochastically, and two identical
+  variables in different calls round with different bits."""
+  variables = [keras.Variable(np.ones((30, 10), np.float32), dtype='bfloat16') for _ in range(4)]
+  optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-3, master_weights='bfloat16_sr',
+                                             seed=3)
+  optimizer.CALL_ELEMENTS = 512  # 300 elements pad to 512: one variable per call
+  optimizer.build(variables)
+  g = tf.constant(np.full((30, 10), 0.5, np.float32))
+  optimizer.apply_gradients([(g, v) for v in variables])
+  ref_w, _, _ = adam_reference(1.0, 0.5, 0.0, 0.0, 1, 1e-3)
+  for v in variables:
+    sr_check(v, ref_w)
+  outputs = {as_f64(v).tobytes() for v in variables}
+  assert len(outputs) == 4
+
+
+def test_update_step_called_directly_gives_each_variable_its_own_bits():
+  variables = [keras.Variable(np.ones(4096, np.float32), dtype='bfloat16') for _ in range(2)]
+  optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-3, master_weights='bfloat16_sr',
+                                             seed=3)
+  optimizer.build(variables)
+  for v in variables:
+    optimizer.update_step(tf.constant(np.full(4096, 0.5, np.float32)), v,
+                          tf.constant(1e-3, tf.float32))
+  ref_w, _, _ = adam_reference(1.0, 0.5, 0.0, 0.0, 1, 1e-3)
+  for v in variables:
+    sr_check(v, ref_w)
+  assert as_f64(variables[0]).tobytes() != as_f64(variables[1]).tobytes()
+
+
+def test_a_bfloat16_layer_under_float32_masters_with_8_bit_state_rounds_stochastically():
+  """A variable built in bfloat16 (precision.allow_low_precision_variables) under float32
+  masters and 8-bit state: its update is rounded stochastically, as under bfloat16_sr."""
+  variable = keras.Variable(np.ones(8192, np.float32), dtype='bfloat16')
+  optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-3, state_bits=8, seed=3)
+  optimizer.build([variable])
+  optimizer.apply_gradients([(tf.constant(np.full(8192, 0.5, np.float32)), variable)])
+  sr_check(variable, adam_reference(1.0, 0.5, 0.0, 0.0, 1, 1e-3)[0])
+
+
 def test_adam_kahan_tracks_float64_adam_over_many_steps():
   rng = np.random.default_rng(2)
   n, steps = 256, 200

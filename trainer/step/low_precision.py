@@ -18,10 +18,12 @@ rounding.py's 8-bit block codes (1 + 4/256 bytes per element, against 4): m sign
 with the finer code, since v is what the update divides by. The update dequantizes, computes in
 float32 exactly as Keras's Adam, and requantizes.
 
-The random bits of an update come from one stateless draw seeded by (config.seed, the trainer's
-global step): a resumed run draws the same bits as an uninterrupted one, every replica draws the
-same bits (mirrored copies stay identical), and a skipped step draws none. Each variable reads
-its own slice of the draw, and each tensor (weight, m, v, momentum) its own 16-bit chunk.
+The managed variables are updated together, in compiled calls of up to CALL_ELEMENTS elements
+(trainer/step/low_precision_updates.py). Each call's random bits are one stateless draw seeded by
+(config.seed, the trainer's global step, the call's number): a resumed run draws the same bits
+as an uninterrupted one, every replica draws the same bits (mirrored copies stay identical), and
+a skipped step draws none. Each variable reads its own slice of the draw, and each tensor
+(weight, m, v, momentum) its own 16-bit chunk.
 
 Skipped steps never call the optimizer (trainer/step/train_step.py): weights, slots, compensation
 buffers and codes stay bit-identical. Clipping and gradient accumulation happen before the
@@ -35,9 +37,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer.step import fused_optimizers
-from trainer.step.rounding import (BLOCK, blocks, dequantize, kahan_add, noise, quantize,
-                                   random_bits, stochastic_round)
+from trainer.step import fused_optimizers, low_precision_updates
+from trainer.step.rounding import BLOCK, blocks, random_bits
 
 
 def _tf(variable) -> tf.Variable:
@@ -57,6 +58,8 @@ class _LowPrecision:
   iterations: tf.Variable
   weight_decay: Any
   _use_weight_decay: Any
+  _get_variable_index: Any
+  _low_managed: bool  # set by build: some managed variable is bfloat16
 
   def __init__(self, *args, master_weights: str = 'float32', state_bits: int = 32,
                seed: int = 0, step=None, **kwargs):
@@ -86,7 +89,7 @@ class _LowPrecision:
 
   def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
     # Keras updates one variable at a time; the managed ones are updated together, in one
-    # compiled call per device (see the comment above _adam_updates), the others by the fused
+    # compiled call per device (trainer/step/low_precision_updates.py), the others by the fused
     # update.
     managed = [self._managed[self._get_variable_index(v)] for _, v in grads_and_vars]
     super()._distributed_tf_update_step(
@@ -100,31 +103,63 @@ class _LowPrecision:
           args=([g for g, _ in mine], [v for _, v in mine], learning_rate), group=False)
 
   def update_step(self, gradient, variable, learning_rate):
-    if not self._managed[self._get_variable_index(variable)]:
+    index = self._get_variable_index(variable)
+    if not self._managed[index]:
       return super().update_step(gradient, variable, learning_rate)
-    return self._update([gradient], [variable], learning_rate)
+    return self._update([gradient], [variable], learning_rate, variable_index=index)
 
-  def _update(self, grads, variables, learning_rate):
-    """Reads every stored tensor of `variables`, draws the random bits, computes the updates in
-    one compiled call and assigns the results."""
+  # Elements per compiled call: the random bits (4 or 8 bytes per element) and the new values
+  # of one call's variables are live at once, so a large model is updated in several calls.
+  CALL_ELEMENTS = 1 << 22
+
+  def _update(self, grads, variables, learning_rate, variable_index=None):
+    """Updates `variables` in compiled calls of at most CALL_ELEMENTS (padded) elements each,
+    one after another. Call k draws its bits from (config.seed, step) folded with (0, k); a
+    single variable updated by update_step, with (1, its index)."""
     variables = [_tf(v) for v in variables]
+    sizes = [blocks(int(np.prod(v.shape))) * BLOCK for v in variables]
+    calls, total = [[]], 0
+    for i, size in enumerate(sizes):
+      if calls[-1] and total + size > self.CALL_ELEMENTS:
+        calls.append([])
+        total = 0
+      calls[-1].append(i)
+      total += size
+    step = self.iterations if self._step is None else self._step
+    seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(step, tf.int64)])
+    lr = tf.cast(learning_rate, tf.float32)
+    assigns: list = []
+    for k, call in enumerate(calls):
+      kind, n = (0, k) if variable_index is None else (1, variable_index)
+      call_seed = tf.random.experimental.stateless_fold_in(
+          tf.random.experimental.stateless_fold_in(seed, kind), n)
+      with tf.control_dependencies(assigns):  # one call's tensors at a time
+        assigns = self._update_call([grads[i] for i in call], [variables[i] for i in call],
+                                    lr, call_seed, sum(sizes[i] for i in call))
+
+  def _update_call(self, grads, variables, lr, seed, size) -> list:
+    """Reads every stored tensor of `variables`, draws the random bits, computes the updates in
+    one compiled call and assigns the results; returns the assign ops."""
     stores = [self._stores(self._get_variable_index(v), v) for v in variables]
     # (A dense gradient of an embedding can lose its static shape; the kernel needs it.)
     items = tuple((tf.ensure_shape(fused_optimizers._dense(g, tf.float32), v.shape),
                    tuple(tuple(tf.convert_to_tensor(_tf(p)) for p in part) for part in store))
                   for g, v, store in zip(grads, variables, stores))
     rules = tuple(self._weight_decay(v) for v in variables)
-    sizes = [blocks(int(np.prod(v.shape))) * BLOCK for v in variables]
-    step = self.iterations if self._step is None else self._step
-    seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(step, tf.int64)])
     streams = self._streams()
-    bits = (random_bits(seed, sum(sizes), len(streams)) if streams
-            else tf.zeros([0], tf.uint32))
-    new = self._kernel(items, tf.cast(learning_rate, tf.float32), bits, rules, streams)
+    bits = random_bits(seed, size, len(streams)) if streams else tf.zeros([0], tf.uint32)
+    new = self._kernel(items, lr, bits, rules, streams)
+    assigns = []
     for store, values in zip(stores, new):
       for part, part_values in zip(store, values):
         for v, value in zip(part, part_values):
-          _tf(v).assign(value)
+          assigns.append(_tf(v).assign(value))
+    return assigns
+
+  def _rounds_weights(self) -> bool:
+    """Whether some managed bfloat16 weight is stored by stochastic rounding (every mode but
+    Kahan's: under float32 masters a layer built in bfloat16 is rounded so too)."""
+    return self.master_weights != 'bfloat16_kahan' and self._low_managed
 
   def _stores(self, index, var):
     """The variable's stored parts, in the kernel's order: ((weight[, compensation]), *state)."""
@@ -166,6 +201,7 @@ class _LowPrecisionAdam(_LowPrecision):
       raise ValueError('amsgrad is not supported with 16-bit master weights or 8-bit state')
     keras.optimizers.Optimizer.build(self, variables)  # iterations, the variable index
     self._managed = [self._managed_variable(v) for v in variables]
+    self._low_managed = any(_low(v) for v in variables if self._managed_variable(v))
     momentums, velocities, m_scales, v_scales = [], [], [], []
     for v in variables:
       if self.state_bits == 8:
@@ -192,13 +228,13 @@ class _LowPrecisionAdam(_LowPrecision):
     return (self._momentums[index],), (self._velocities[index],)
 
   def _streams(self) -> tuple:
-    return ('weight',) * (self.master_weights == 'bfloat16_sr') + ('m', 'v')
+    return ('weight',) * self._rounds_weights() + ('m', 'v')
 
   def _kernel(self, items, lr, bits, rules, streams):
     step = tf.cast(self.iterations + 1, tf.float32)
     alpha = lr * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, tf.float32), step)) / (
         1 - tf.pow(tf.cast(self.beta_1, tf.float32), step))
-    return _adam_updates(items, lr, alpha, bits, rules, streams, (
+    return low_precision_updates.adam_updates(items, lr, alpha, bits, rules, streams, (
         float(self.beta_1), float(self.beta_2), float(self.epsilon), self.master_weights))
 
 
@@ -215,123 +251,18 @@ class _LowPrecisionSGD(_LowPrecision):
       return
     super().build(variables)  # momentums in each variable's dtype
     self._managed = [self._managed_variable(v) for v in variables]
+    self._low_managed = any(_low(v) for v in variables if self._managed_variable(v))
     self._build_compensations(variables)
 
   def _state(self, index) -> tuple:
     return () if self.momentum == 0 else ((self.momentums[index],),)
 
   def _streams(self) -> tuple:
-    return (('weight',) * (self.master_weights == 'bfloat16_sr')
-            + ('momentum',) * (self.momentum != 0))
+    return ('weight',) * self._rounds_weights() + ('momentum',) * (self.momentum != 0)
 
   def _kernel(self, items, lr, bits, rules, streams):
-    return _sgd_updates(items, lr, bits, rules, streams, (
+    return low_precision_updates.sgd_updates(items, lr, bits, rules, streams, (
         float(self.momentum), bool(self.nesterov), self.master_weights))
-
-
-# The updates are pure functions of the stored tensors, compiled by XLA: one call for every
-# managed variable of the model. Unfused, each element-wise op of an update (casts, bit masks; a
-# log and gathers per 8-bit moment) is its own pass over memory, and with one compiled call per
-# variable the launches would cost more than the math (most variables are small). The random
-# bits are drawn before the call (rounding.py says why). The optimizer reads the variables
-# before and assigns them after, so a trace depends only on the shapes and the static rules
-# (decay rates, hyperparameters).
-
-
-def _slices(bits, items, streams):
-  """Per item, {stream: its 16-bit noise}, each [blocks * BLOCK] (the variable's slice of the
-  draw, padded to whole blocks as the 8-bit codes are)."""
-  if not streams:
-    return [{} for _ in items]
-  offset, out = 0, []
-  for grad, _ in items:
-    size = blocks(int(np.prod(grad.shape))) * BLOCK
-    piece = bits[offset:offset + size]
-    out.append({name: noise(piece, j) for j, name in enumerate(streams)})
-    offset += size
-  return out
-
-
-def _shaped(noise16, like):
-  """The first elements of a padded noise slice, in `like`'s shape."""
-  return tf.reshape(noise16[:int(np.prod(like.shape))], like.shape)
-
-
-def _weight32(weight_parts) -> tf.Tensor:
-  """The weight in float32: with Kahan compensation, the true weight w + c."""
-  weight = tf.cast(weight_parts[0], tf.float32)
-  return weight if len(weight_parts) == 1 else weight + tf.cast(weight_parts[1], tf.float32)
-
-
-def _weight_out(weight_parts, update, noise16, master_weights: str) -> tuple:
-  """The new bfloat16 weight parts from the stored ones and a float32 `update`: Kahan's sum, or
-  stochastic rounding."""
-  if master_weights == 'bfloat16_kahan':
-    return kahan_add(weight_parts[0], weight_parts[1], update)
-  weight = weight_parts[0]
-  return (stochastic_round(tf.cast(weight, tf.float32) + update, _shaped(noise16, weight)),)
-
-
-def _slot_out(value, like, noise16) -> tf.Tensor:
-  """A 32-bit-state slot: float32 as is, bfloat16 rounded stochastically."""
-  if like.dtype == tf.bfloat16:
-    return stochastic_round(value, _shaped(noise16, like))
-  return tf.cast(value, like.dtype)
-
-
-@tf.function(jit_compile=True, autograph=False)
-def _adam_updates(items, lr, alpha, bits, rules, streams, hyper):
-  """Adam/AdamW (Keras's formula, term for term, in float32) for each (gradient, (weight parts,
-  m parts, v parts)) of `items`: m and v are (codes, absmax) with 8-bit state, else (slot,).
-  Returns the new parts in the same structure, without the gradient."""
-  beta_1, beta_2, epsilon, master_weights = hyper
-  out = []
-  for (grad, (weight_parts, m_in, v_in)), weight_decay, rand in zip(
-      items, rules, _slices(bits, items, streams)):
-    shape = weight_parts[0].shape
-    if len(m_in) == 2:
-      m = dequantize(*m_in, shape, signed=True)
-      v = dequantize(*v_in, shape, signed=False)
-    else:
-      m, v = tf.cast(m_in[0], tf.float32), tf.cast(v_in[0], tf.float32)
-    m = m + (grad - m) * (1 - beta_1)
-    v = v + (tf.square(grad) - v) * (1 - beta_2)
-    w32 = _weight32(weight_parts)
-    decay = -(w32 * weight_decay) * lr if weight_decay else 0.0
-    adam = (m * alpha) / (tf.sqrt(v) + epsilon)
-    if weight_parts[0].dtype == tf.float32:  # Keras's order: decay first, then the Adam step
-      new_weight = ((w32 + decay) - adam,)
-    else:
-      new_weight = _weight_out(weight_parts, decay - adam, rand.get('weight'), master_weights)
-    if len(m_in) == 2:
-      moments = (quantize(m, rand['m'], signed=True), quantize(v, rand['v'], signed=False))
-    else:
-      moments = ((_slot_out(m, m_in[0], rand['m']),), (_slot_out(v, v_in[0], rand['v']),))
-    out.append((new_weight,) + moments)
-  return tuple(out)
-
-
-@tf.function(jit_compile=True, autograph=False)
-def _sgd_updates(items, lr, bits, rules, streams, hyper):
-  """SGD (Keras's formula, in float32) for each (gradient, (weight parts[, (momentum,)])) of
-  `items` (bfloat16 weights). Returns the new parts in the same structure."""
-  momentum_rate, nesterov, master_weights = hyper
-  out = []
-  for (grad, parts), weight_decay, rand in zip(
-      items, rules, _slices(bits, items, streams)):
-    weight_parts = parts[0]
-    w32 = _weight32(weight_parts)
-    update = -(w32 * weight_decay) * lr if weight_decay else 0.0
-    state = ()
-    if len(parts) == 1:
-      update -= lr * grad
-    else:  # Keras: m = -g * lr + m * momentum; w += m (nesterov: w += -g * lr + m * momentum)
-      slot = parts[1][0]
-      m = -grad * lr + tf.cast(slot, tf.float32) * momentum_rate
-      update += (-grad * lr + m * momentum_rate) if nesterov else m
-      state = ((_slot_out(m, slot, rand['momentum']),),)
-    out.append((_weight_out(weight_parts, update, rand.get('weight'), master_weights),) + state)
-  return tuple(out)
 
 
 @keras.saving.register_keras_serializable(package='trainer')

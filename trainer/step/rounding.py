@@ -24,10 +24,10 @@
                     decay.
 
 Random bits: `random_bits` draws one unsigned integer per element with TF's stateless Philox
-kernel, 32 bits when two 16-bit chunks are needed, 64 bits for three or four; `noise(bits, j)` is
-chunk j. The rounding functions take these 16-bit chunks, not seeds, so that a caller compiled
-by XLA can take bits drawn outside it: XLA's own random-number generator on a CPU is tens of
-times slower than TF's kernel.
+kernel, 32 bits when one or two 16-bit chunks are needed, 64 bits for three or four;
+`noise(bits, j)` is chunk j. The rounding functions take these 16-bit chunks, not seeds, so that
+a caller compiled by XLA can take bits drawn outside it: XLA's own random-number generator on a
+CPU is tens of times slower than TF's kernel.
 """
 from __future__ import annotations
 
