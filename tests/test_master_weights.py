@@ -140,17 +140,20 @@ def sr_check(variable, ref_w):
   assert abs(out.mean() - ref_w) <= 5 * (up - down) * np.sqrt(p * (1 - p) / out.size) + 1e-12
 
 
-def test_updates_in_several_calls_give_each_variable_its_own_bits():
+@pytest.mark.parametrize('compiled', [False, True])
+def test_updates_in_several_calls_give_each_variable_its_own_bits(compiled):
   """With fewer elements per compiled call than the model has, the variables are updated in
-  several calls; each is still Adam's update rounded stochastically, and two identical
-  variables in different calls round with different bits."""
+  several calls (in a tf.function: each after the previous one's assigns); each is still Adam's
+  update rounded stochastically, and identical variables in different calls round with
+  different bits."""
   variables = [keras.Variable(np.ones((30, 10), np.float32), dtype='bfloat16') for _ in range(4)]
   optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-3, master_weights='bfloat16_sr',
                                              seed=3)
   optimizer.CALL_ELEMENTS = 512  # 300 elements pad to 512: one variable per call
   optimizer.build(variables)
   g = tf.constant(np.full((30, 10), 0.5, np.float32))
-  optimizer.apply_gradients([(g, v) for v in variables])
+  apply = lambda: optimizer.apply_gradients([(g, v) for v in variables])
+  (tf.function(apply) if compiled else apply)()
   ref_w, _, _ = adam_reference(1.0, 0.5, 0.0, 0.0, 1, 1e-3)
   for v in variables:
     sr_check(v, ref_w)

@@ -153,7 +153,7 @@ class _LowPrecision:
     for store, values in zip(stores, new):
       for part, part_values in zip(store, values):
         for v, value in zip(part, part_values):
-          assigns.append(_tf(v).assign(value))
+          assigns.append(_tf(v).assign(value, read_value=False))
     return assigns
 
   def _rounds_weights(self) -> bool:
