@@ -101,6 +101,16 @@ def adam_reference(w, g, m, v, t, lr, b1=0.9, b2=0.999, eps=1e-7, wd=0.0):
   return w - w * wd * lr - m * alpha / (np.sqrt(v) + eps), m, v
 
 
+def sr_check(variable, ref_w):
+  """Every element of `variable` is one of float64 `ref_w`'s bfloat16 neighbours, and the mean is
+  `ref_w` within 5 standard errors."""
+  out = as_f64(variable).reshape(-1)
+  down, up = bf16_neighbours(np.float32(ref_w))
+  assert set(np.unique(out)) <= {float(down), float(up)}
+  p = (ref_w - down) / (up - down)
+  assert abs(out.mean() - ref_w) <= 5 * (up - down) * np.sqrt(p * (1 - p) / out.size)
+
+
 def one_update(cls, master_weights, w0, grads, **kwargs):
   variable = keras.Variable(w0, dtype='bfloat16')
   optimizer = cls(learning_rate=1e-3, master_weights=master_weights, seed=3, **kwargs)
@@ -117,27 +127,13 @@ def test_adam_sr_update_equals_float64_adam_in_expectation(cls):
   g = np.full(n, 0.5, np.float32)
   variable, optimizer = one_update(cls, 'bfloat16_sr', w0, [g], weight_decay=0.1)
   ref_w, ref_m, ref_v = adam_reference(1.0, 0.5, 0.0, 0.0, 1, 1e-3, wd=0.1)
-  out = as_f64(variable)
-  down, up = bf16_neighbours(np.float32(ref_w))
-  assert set(np.unique(out)) <= {float(down), float(up)}
-  p = (ref_w - down) / (up - down)
-  assert abs(out.mean() - ref_w) <= 5 * (up - down) * np.sqrt(p * (1 - p) / n)
+  sr_check(variable, ref_w)
   for slot, ref in ((optimizer._momentums[0], ref_m), (optimizer._velocities[0], ref_v)):
     assert slot.dtype == 'bfloat16'
     values = as_f64(slot)
     lo, hi = bf16_neighbours(np.float32(ref))
     assert set(np.unique(values)) <= {float(lo), float(hi)}
     assert abs(values.mean() - ref) <= 0.02 * (hi - lo) + 5 * (hi - lo) / np.sqrt(n)
-
-
-def sr_check(variable, ref_w):
-  """Every element of `variable` is one of float64 `ref_w`'s bfloat16 neighbours, and the mean is
-  `ref_w` within 5 standard errors."""
-  out = as_f64(variable).reshape(-1)
-  down, up = bf16_neighbours(np.float32(ref_w))
-  assert set(np.unique(out)) <= {float(down), float(up)}
-  p = (ref_w - down) / (up - down)
-  assert abs(out.mean() - ref_w) <= 5 * (up - down) * np.sqrt(p * (1 - p) / out.size) + 1e-12
 
 
 @pytest.mark.parametrize('compiled', [False, True])

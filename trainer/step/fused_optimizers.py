@@ -66,6 +66,15 @@ def check_keras(kind: str) -> None:
         'config.optimizer.fused=False to use Keras\'s own update.')
 
 
+def adam_step_size(optimizer, learning_rate, dtype) -> tf.Tensor:
+  """Keras Adam's alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t), t = iterations + 1, in
+  `dtype`."""
+  step = tf.cast(optimizer.iterations + 1, dtype)
+  beta_1_power = tf.pow(tf.cast(optimizer.beta_1, dtype), step)
+  beta_2_power = tf.pow(tf.cast(optimizer.beta_2, dtype), step)
+  return tf.cast(learning_rate, dtype) * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+
+
 def _resource(variable):
   """The tf.Variable behind a Keras variable (or the variable itself), or None when the fused
   kernels cannot take it."""
@@ -97,10 +106,7 @@ class _FusedAdamUpdate:
     m, v = _resource(self._momentums[index]), _resource(self._velocities[index])
     dtype = var.dtype
     grad = _dense(gradient, dtype)
-    step = tf.cast(self.iterations + 1, dtype)
-    beta_1_power = tf.pow(tf.cast(self.beta_1, dtype), step)
-    beta_2_power = tf.pow(tf.cast(self.beta_2, dtype), step)
-    alpha = tf.cast(learning_rate, dtype) * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    alpha = adam_step_size(self, learning_rate, dtype)
     # `1 - beta` is a Python float here, rounded to the variable's dtype once, as in Keras.
     m.assign_add((grad - m) * (1 - self.beta_1), read_value=False)
     v.assign_add((tf.square(grad) - v) * (1 - self.beta_2), read_value=False)

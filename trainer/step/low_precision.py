@@ -231,9 +231,7 @@ class _LowPrecisionAdam(_LowPrecision):
     return ('weight',) * self._rounds_weights() + ('m', 'v')
 
   def _kernel(self, items, lr, bits, rules, streams):
-    step = tf.cast(self.iterations + 1, tf.float32)
-    alpha = lr * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, tf.float32), step)) / (
-        1 - tf.pow(tf.cast(self.beta_1, tf.float32), step))
+    alpha = fused_optimizers.adam_step_size(self, lr, tf.float32)
     return low_precision_updates.adam_updates(items, lr, alpha, bits, rules, streams, (
         float(self.beta_1), float(self.beta_2), float(self.epsilon), self.master_weights))
 
