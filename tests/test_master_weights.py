@@ -267,6 +267,23 @@ def test_master_weights_needs_mixed_bfloat16():
                                'precision.policy': 'mixed_float16'}), '/nonexistent')
 
 
+@pytest.mark.parametrize('resolved', ['mixed_bfloat16', 'float32'])
+def test_master_weights_under_auto_follow_what_auto_resolves_to(tmp_path, monkeypatch, resolved):
+  """policy='auto' is checked once resolved: it trains with bfloat16 masters where it resolves
+  to mixed_bfloat16 (a CPU with AVX512_BF16, a TPU) and is a one-line error elsewhere."""
+  from trainer.step import precision
+  monkeypatch.setattr(precision, 'resolve', lambda name: (resolved, 'test'))
+  config = tiny_config(**{'precision.master_weights': 'bfloat16_sr', 'precision.policy': 'auto'})
+  if resolved == 'float32':
+    with pytest.raises(ConfigError, match=r"needs config.precision.policy='mixed_bfloat16' "
+                                          r"\(got 'auto', which resolved to 'float32' on this "
+                                          r"machine\); or set master_weights='float32'\.$"):
+      TinyTrainer(config, str(tmp_path / 'work'))
+    return
+  trainer = TinyTrainer(config, str(tmp_path / 'work'))
+  assert trainer.model.layers[0].kernel.dtype == 'bfloat16'
+
+
 def test_master_weights_needs_the_default_optimizer(tmp_path):
 
   class Custom(TinyTrainer):

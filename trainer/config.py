@@ -165,7 +165,7 @@ SCHEMA: dict[str, Key] = {
                                     "under a mixed policy (and the layers inside them); '' = "
                                     'none (launch.py --advise suggests a value)'),
     'precision.master_weights': Key(str, 'float32', "the weights the optimizer updates: "
-                                    "'float32', or bfloat16 (mixed_bfloat16 only) rounded "
+                                    "'float32', or bfloat16 (mixed_bfloat16 or 'auto') rounded "
                                     "stochastically ('bfloat16_sr') or Kahan-compensated "
                                     "('bfloat16_kahan'); trainer/step/low_precision.py",
                                     _one_of(*MASTER_WEIGHTS)),
@@ -371,13 +371,21 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return config
 
 
-def _check_low_precision(config) -> None:
-  """precision.master_weights and optimizer.state_bits: what they need (one-line errors)."""
-  p, o = config.precision, config.optimizer
-  if p.master_weights != 'float32' and p.policy != 'mixed_bfloat16':
+def check_master_weights_policy(config, policy: str) -> None:
+  """ConfigError: master_weights is not float32 and `policy` (the config's, or what 'auto'
+  resolved to) is not mixed_bfloat16."""
+  if (p := config.precision).master_weights != 'float32' and policy != 'mixed_bfloat16':
+    resolved = f", which resolved to {policy!r} on this machine" if p.policy != policy else ''
     raise ConfigError(f'config.precision.master_weights={p.master_weights!r} needs '
-                      f"config.precision.policy='mixed_bfloat16' (got {p.policy!r}); or set "
-                      "master_weights='float32'.")
+                      f"config.precision.policy='mixed_bfloat16' (got {p.policy!r}{resolved}); "
+                      "or set master_weights='float32'.")
+
+
+def _check_low_precision(config) -> None:
+  """master_weights and state_bits: what they need ('auto' checked once resolved, by build)."""
+  p, o = config.precision, config.optimizer
+  if p.policy != 'auto':
+    check_master_weights_policy(config, p.policy)
   if p.master_weights != 'float32' and o.name not in LOW_PRECISION_OPTIMIZERS:
     raise ConfigError(f'config.precision.master_weights={p.master_weights!r} works with '
                       f'config.optimizer.name adam, adamw or sgd, not {o.name!r}.')

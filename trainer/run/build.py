@@ -68,6 +68,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     tf.config.experimental.enable_op_determinism()
   keras.utils.set_random_seed(c.seed)
   trainer.policy = precision.apply(c.precision.policy)
+  config_lib.check_master_weights_policy(c, trainer.policy)  # 'auto', now resolved
 
   # A finite train dataset is repeated; one epoch is its cardinality when known.
   trainer.datasets, steps_per_epoch = epochs.prepare(trainer.build_datasets(), c.train.batch_size)

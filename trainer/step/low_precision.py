@@ -1,6 +1,6 @@
 """Training below mixed precision: 16-bit master weights and 8-bit Adam state.
 
-`config.precision.master_weights` (mixed_bfloat16 only; Adam, AdamW, SGD):
+`config.precision.master_weights` (mixed_bfloat16, or auto resolving to it; Adam, AdamW, SGD):
   'float32'         the model's variables are float32 (every other policy's behaviour).
   'bfloat16_sr'     the model's variables and the optimizer's slots are bfloat16. Each update is
                     computed in float32 from the stored values and stored with stochastic
