@@ -4,7 +4,7 @@ class, or a TensorFlow Datasets name.
 Every helper builds the same pipelines from single (features, label) examples:
   train: cache, shuffle the whole set with config.seed (a new order each epoch), repeat, batch
          with config.train.batch_size (drop_remainder=True), `prepare`, prefetch;
-  eval:  batch (the remainder kept: every example counted once), `prepare`, cache, prefetch.
+  eval:  batch (the remainder kept: every example counted once), `prepare`, prefetch, cache.
 Both carry AutoShardPolicy.DATA, so with several workers (multi_worker) each takes its share of
 every batch's examples: in-memory and generated data have no files to shard by.
 `prepare(features, labels)` runs on whole batches (vectorised; e.g. scale pixels to [0, 1]);
@@ -61,10 +61,13 @@ def pipelines(config, train: tf.data.Dataset, eval_: tf.data.Dataset, train_exam
            .map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
            .prefetch(tf.data.AUTOTUNE)
            .with_options(_options()))
+  # The prefetch comes before the cache, not after: an iterator dropped after a partial read
+  # (take(k)) while a prefetch after the cache is still reading can finalize the cache truncated
+  # (trainer/step/contract.py: first_eval_batch). Reading a finished cache needs no prefetch.
   eval_ = (eval_.batch(batch)
            .map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-           .cache()
            .prefetch(tf.data.AUTOTUNE)
+           .cache()
            .with_options(_options()))
   return Datasets(train=train, eval=eval_, train_examples=int(train_examples))
 

@@ -280,15 +280,32 @@ def check_outputs(batch, outputs, stateful=()) -> dict:
   return dict(metrics)
 
 
+_FIRST_BATCH = '_trainer_first_batch'  # an attribute of the eval dataset
+
+
 def first_eval_batch(datasets):
   """The first batch of `datasets.eval` (checked by check_datasets), which the checks below
-  run on; an error when the eval set is empty."""
-  batch = next(iter(datasets.eval.take(1)), None)
+  run on; an error when the eval set is empty. Read once per eval dataset: later calls return
+  the same batch."""
+  # The batch is kept on the dataset with the iterator that read it. Why the iterator is kept:
+  # dropping an iterator that read part of a `.cache()` while a consumer after it (a prefetch, a
+  # parallel map) is still reading can leave the cache finalized with what was read so far (TF's
+  # memory cache takes the end of input that its cancelled upstream reports for the true end),
+  # so every later evaluation would see a truncated set. Seen with
+  # `batch().map().cache().prefetch()` on a loaded machine: 4 or 5 of 6 images. A live iterator
+  # never ends; the first full evaluation completes the cache on its own. Both go with the
+  # dataset (the iterator refers to it: a cycle the garbage collector frees).
+  kept = getattr(datasets.eval, _FIRST_BATCH, None)
+  if kept is not None:
+    return kept[0]
+  iterator = iter(datasets.eval)
+  batch = next(iterator, None)
   if batch is None:
     raise UserError('build_datasets returned an empty Datasets.eval (it yields no batch: an empty '
                     'source, a filter, or drop_remainder=True on fewer examples than a batch; '
                     f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
                     'one example')
+  setattr(datasets.eval, _FIRST_BATCH, (batch, iterator))
   return batch
 
 
