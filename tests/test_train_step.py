@@ -1,6 +1,11 @@
 """The compiled step: skip semantics, the global step, clipping, checkpoints."""
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+
+from tiny import TinyTrainer, tiny_config
+from trainer import Datasets
 
 
 def snapshot(trainer):
@@ -69,6 +74,48 @@ def test_clipping_acts_on_unscaled_gradients(tiny_trainer):
     assert norm == pytest.approx(0.01, rel=1e-3)  # the tiny model's raw gradient norm is >> 0.01
   for a, b in zip(*results):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+
+
+class EmbeddingTrainer(TinyTrainer):
+  """Embedding(10, 4) -> mean -> Dense 4 over sequences that repeat token 0: the embedding's
+  gradient is an IndexedSlices with one row per lookup, many at the same index."""
+
+  def build_model(self):
+    return keras.Sequential([keras.Input((6,), dtype='int32'), keras.layers.Embedding(10, 4),
+                             keras.layers.GlobalAveragePooling1D(),
+                             keras.layers.Dense(4, dtype='float32')], name='embedding')
+
+  def build_datasets(self):
+    rng = np.random.default_rng(7)
+    x = np.where(rng.random((64, 6)) < 0.7, 0, rng.integers(1, 10, (64, 6))).astype(np.int32)
+    y = (x.sum(1) % 4).astype(np.int32)
+    ds = tf.data.Dataset.from_tensor_slices((x, y))
+    return Datasets(train=ds.repeat().batch(32, drop_remainder=True), eval=ds.batch(32),
+                    train_examples=64)
+
+
+def test_clipping_takes_an_embedding_gradient_at_its_dense_norm(tmp_path):
+  """The clipped update's norm is clip_norm, also when the embedding's rows repeat an index:
+  the norm of the IndexedSlices' rows as they are (tf.linalg.global_norm) is smaller than the
+  dense gradient's, and clipping by it let a larger update through."""
+  config = tiny_config(**{'optimizer.name': 'sgd', 'optimizer.momentum': 0.0,
+                          'optimizer.clip_norm': 0.01, 'optimizer.learning_rate': 1.0,
+                          'train.batch_size': 32, 'train.steps': 1})
+  trainer = EmbeddingTrainer(config, str(tmp_path / 'work'))
+  batch = next(iter(trainer.datasets.train))
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_mean(trainer.compute_loss(batch, training=True)[0])
+  grads = tape.gradient(loss, trainer.model.trainable_variables)
+  assert isinstance(grads[0], tf.IndexedSlices)
+  dense = float(tf.linalg.global_norm([tf.convert_to_tensor(g) for g in grads]))
+  assert float(tf.linalg.global_norm(grads)) < 0.9 * dense  # the rows' norm under-reports
+  w0 = [v.numpy().copy() for v in trainer.model.trainable_variables]
+  run_steps(trainer, 1)
+  delta = [v.numpy() - a for v, a in zip(trainer.model.trainable_variables, w0)]
+  assert np.sqrt(sum((d.astype('float64') ** 2).sum() for d in delta)) == pytest.approx(
+      0.01, rel=1e-4)  # lr = 1: the update is the clipped gradient
+  np.testing.assert_allclose(delta[0], -0.01 / dense * tf.convert_to_tensor(grads[0]).numpy(),
+                             rtol=1e-4, atol=1e-9)
 
 
 def test_checkpoint_round_trip_restores_scale_counter_and_step(tiny_trainer, tmp_path):

@@ -73,6 +73,21 @@ class UpdateGroup(NamedTuple):
 SKIP_SCOPE = 'skipped_step_only'  # name scope of the skip branch (benchmarks/run.py looks for it)
 
 
+def global_norm(grads) -> tf.Tensor:
+  """The L2 norm (float32) of all of `grads` as the dense gradients they stand for. An
+  IndexedSlices (an embedding's gradient) holds one row per lookup: a token seen twice in the
+  batch has two rows that its dense gradient sums, so they are summed per index first.
+  tf.linalg.global_norm takes the rows as they are, which under-reports such a gradient: the
+  clipped gradients were then larger than `clip_norm` (tests/test_train_step.py)."""
+  squares = []
+  for g in grads:
+    if isinstance(g, tf.IndexedSlices):
+      unique, position = tf.unique(g.indices)
+      g = tf.math.unsorted_segment_sum(g.values, position, tf.shape(unique)[0])
+    squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
+  return tf.sqrt(tf.add_n(squares)) if squares else tf.constant(0.0)
+
+
 class TrainStep(CompiledLoop):
   """The default step and the pieces a custom step reuses. Built by the trainer under the
   strategy's scope (it owns variables: the skip counter, the collapse guard, the output sums)."""
@@ -216,13 +231,12 @@ class TrainStep(CompiledLoop):
         if g is not None and overwritten[i]:
           grads[i] = tf.reduce_max(context.all_gather(g[None], axis=0), axis=0)
     if self.clip_norm > 0:
-      summed = context.all_reduce(SUM, [grads[i] for i in stepped])
-      norm = tf.linalg.global_norm(summed)
+      norm = global_norm(context.all_reduce(SUM, [grads[i] for i in stepped]))
       # min(1, c / norm) is finite for every finite c and norm (a norm that overflows float32
       # gives 0, not NaN; a zero norm gives 1).
       factor = tf.where(norm > self.clip_norm, self.clip_norm / norm, 1.0)
       for i in stepped:
-        grads[i] = grads[i] * factor
+        grads[i] = grads[i] * tf.cast(factor, grads[i].dtype)
     group.optimizer.apply_gradients(zip(grads, group.variables))
 
   def _split(self, values) -> list[list]:
