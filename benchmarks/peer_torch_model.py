@@ -21,6 +21,12 @@ non-overlapping window of the validation split once, the mean over windows of th
 per-character loss. bfloat16: torch.autocast('cpu', torch.bfloat16) around the forward pass and
 the loss (float32 master weights), in training and evaluation; the logits are cast to float32
 before the cross-entropy. Eager mode: torch.compile is off.
+
+Lockstep (benchmarks/peer_lockstep.py): settings 'init' (an .npz of this model's state_dict,
+exported from ours) and 'windows' (an .npy [steps, batch, context + 1] of the training windows,
+one batch per step) start from our initial weights and train on our batches; 'keras_epsilon'
+adds epsilon as Keras's Adam does (to sqrt(v) before the bias correction: PyTorch's epsilon
+divided by sqrt(1 - beta_2^t) each step); 'losses': every step's training loss is reported.
 """
 import json
 import math
@@ -119,23 +125,35 @@ def main(settings):
   optimizer = torch.optim.AdamW(model.parameters(), lr=s['learning_rate'],
                                 betas=(s['beta_1'], s['beta_2']), eps=s['epsilon'],
                                 weight_decay=s['weight_decay'])
+  if s.get('init'):
+    with np.load(s['init']) as weights:
+      model.load_state_dict({k: torch.from_numpy(weights[k]) for k in weights.files})
+  fixed = torch.from_numpy(np.load(s['windows']).astype(np.int64)) if s.get('windows') else None
   train_t = torch.from_numpy(train)
   offsets = torch.arange(context + 1)
   generator = torch.Generator().manual_seed(s['seed'])
+  losses = []
 
   wall0, cpu0 = time.perf_counter(), time.process_time()
   model.train()
   for step in range(s['steps']):
-    starts = torch.randint(0, len(train) - context, (batch,), generator=generator)
-    windows = train_t[starts[:, None] + offsets[None]]
+    if fixed is None:
+      starts = torch.randint(0, len(train) - context, (batch,), generator=generator)
+      windows = train_t[starts[:, None] + offsets[None]]
+    else:
+      windows = fixed[step]
     for group in optimizer.param_groups:
       group['lr'] = learning_rate(step, s)
+      if s.get('keras_epsilon'):
+        group['eps'] = s['epsilon'] / math.sqrt(1 - s['beta_2'] ** (step + 1))
     loss = per_sequence_loss(model, windows[:, :-1], windows[:, 1:], bf16).mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if s['clip_norm'] > 0:
       torch.nn.utils.clip_grad_norm_(model.parameters(), s['clip_norm'])
     optimizer.step()
+    if s.get('losses'):
+      losses.append(float(loss))
   train_wall, train_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
 
   wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -155,7 +173,7 @@ def main(settings):
       'eval_cpu_s': eval_cpu, 'steps': s['steps'], 'torch': torch.__version__,
       'threads': torch.get_num_threads(), 'interop_threads': torch.get_num_interop_threads(),
       'compile': False, 'parameters': sum(p.numel() for p in model.parameters()),
-      'peak_rss_mib': usage.ru_maxrss / 1024}), flush=True)
+      'peak_rss_mib': usage.ru_maxrss / 1024, 'losses': losses}), flush=True)
 
 
 if __name__ == '__main__':
