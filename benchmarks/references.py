@@ -17,6 +17,10 @@ The nanoGPT cell is evaluated two ways:
     split, once (what our trainer reports);
   * nanoGPT's estimate: the mean loss of `eval_iters` = 20 batches of 12 windows at uniformly
     random offsets of the validation split (nanoGPT's estimate_loss and get_batch), seeded.
+The convnet can also run as the example itself does (`--side=keras_fit`): its model (the final
+softmax kept in float32 under a mixed policy, as Keras's mixed-precision guide says), `fit` with
+`validation_split=0.1`, `evaluate` on the test images, under the same seed and policy (Keras's
+LossScaleOptimizer under mixed_float16). Seeds re-run it: the published figure is one run.
 Prints a markdown table; --out also writes it, with the raw results as JSON next to it.
 """
 from __future__ import annotations
@@ -58,6 +62,9 @@ _OUT = flags.DEFINE_string('out', '', 'Folder for references.md and references.j
                            "'' = print only.")
 _CELL = flags.DEFINE_string('cell', None, 'Internal: reference:policy to run in this process, '
                             'printing its result as one JSON line.')
+_SIDE = flags.DEFINE_enum('side', 'ours', ['ours', 'keras_fit'], "Who trains: 'ours' (the "
+                          "Trainer from the config) or 'keras_fit' (keras_mnist_convnet only: "
+                          'the example as published, with model.fit).')
 _SET = flags.DEFINE_multi_string('set', [], 'key=value overrides of every cell\'s config, e.g. '
                                  'train.steps=500 (dotted schema keys).')
 
@@ -121,11 +128,43 @@ def run_cell(name: str, policy: str, data_root: str, quick: bool, overrides=()) 
   return result
 
 
-def run_subprocess(name: str, policy: str, data_root: str, overrides=()) -> dict:
-  """run_cell in a fresh Python (benchmarks/child.py: tried twice); wall and CPU-seconds are the
-  successful child's whole life."""
+def run_keras_example(name: str, policy: str, data_root: str, quick: bool, overrides=()) -> dict:
+  """The convnet example as keras.io runs it, with model.fit, from the same config (seed, batch,
+  epochs, validation_split, data); --quick: 20 steps on the first 20 batches."""
+  import keras
+  from models.keras_mnist_convnet import build_convnet
+  from trainer.data import mnist
+  if name != 'keras_mnist_convnet':
+    raise app.UsageError(f'--side=keras_fit runs keras_mnist_convnet only, not {name!r}')
+  start, cpu_start = time.perf_counter(), time.process_time()
+  config = build_config(name, policy, data_root, quick, overrides)
+  keras.utils.set_random_seed(config.seed)
+  keras.mixed_precision.set_global_policy(policy)
+  (x, y), (x_test, y_test) = mnist.load(config.data.dir)
+  x, x_test = (a[..., None].astype('float32') / 255.0 for a in (x, x_test))
+  y, y_test = (keras.utils.to_categorical(a, 10) for a in (y, y_test))
+  split, epochs = config.model_config.validation_split, config.train.epochs
+  if quick:  # 20 steps: 20 batches train, a few more held out as fit would
+    x, y, epochs, split = x[:2816], y[:2816], 1, 1 / 11
+  layers = build_convnet().layers  # its Dense emits logits; the example's ends in a softmax
+  model = keras.Sequential([keras.Input((28, 28, 1)), *layers,
+                            keras.layers.Activation('softmax', dtype='float32')])
+  model.compile(loss='categorical_crossentropy', optimizer='adam', metrics=['accuracy'])
+  history = model.fit(x, y, batch_size=config.train.batch_size, epochs=epochs,
+                      validation_split=split, verbose=0)
+  loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
+  steps = int(model.optimizer.iterations.numpy())
+  return {'reference': name, 'policy': policy, 'side': 'keras_fit', 'steps': steps,
+          'metrics': {'loss': float(loss), 'accuracy': float(accuracy)}, 'skipped': None,
+          'epochs': len(history.history['loss']),
+          'wall_s': time.perf_counter() - start, 'cpu_s': time.process_time() - cpu_start}
+
+
+def run_subprocess(name: str, policy: str, data_root: str, overrides=(), side='ours') -> dict:
+  """run_cell (or run_keras_example) in a fresh Python (benchmarks/child.py: tried twice); wall
+  and CPU-seconds are the successful child's whole life."""
   command = [sys.executable, '-m', 'benchmarks.references', f'--cell={name}:{policy}',
-             f'--data_root={data_root}', *(f'--set={s}' for s in overrides)]
+             f'--side={side}', f'--data_root={data_root}', *(f'--set={s}' for s in overrides)]
   result, wall, cpu = child.run(command)
   result['in_process_wall_s'], result['in_process_cpu_s'] = result['wall_s'], result['cpu_s']
   result['wall_s'], result['cpu_s'] = wall, cpu
@@ -134,9 +173,9 @@ def run_subprocess(name: str, policy: str, data_root: str, overrides=()) -> dict
 
 def table(results: list[dict]) -> str:
   """The markdown table: one row per cell."""
-  lines = ['| reference | published | policy | ours (full split) | ours (nanoGPT estimate) | '
+  lines = ['| reference | published | policy | side | full split | nanoGPT estimate | '
            'gap to published | steps | wall s | CPU-s | cores | skipped |',
-           '|---|---|---|---|---|---|---|---|---|---|---|']
+           '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for r in results:
     ref = REFERENCES[r['reference']]
     full = r['metrics'][ref['metric']]
@@ -146,9 +185,11 @@ def table(results: list[dict]) -> str:
     gap = ours - ref['published'] if ref['better'] == 'lower' else ref['published'] - ours
     lines.append(
         f"| {r['reference']} | {ref['metric']} {ref['published']} | {r['policy']} | "
+        f"{r.get('side', 'ours')} | "
         f"{full:.4f} | {'-' if estimate is None else f'{estimate:.4f}'} | "
         f"{gap:+.4f} ({'worse' if gap > 0 else 'met'}) | {r['steps']} | {r['wall_s']:.0f} | "
-        f"{r['cpu_s']:.0f} | {r['cpu_s'] / r['wall_s']:.2f} | {r['skipped']} |")
+        f"{r['cpu_s']:.0f} | {r['cpu_s'] / r['wall_s']:.2f} | "
+        f"{'-' if r['skipped'] is None else r['skipped']} |")
   return '\n'.join(lines)
 
 
@@ -156,7 +197,8 @@ def main(argv):
   del argv
   if _CELL.value:
     name, policy = _CELL.value.split(':')
-    print(json.dumps(run_cell(name, policy, _DATA_ROOT.value, False, _SET.value)), flush=True)
+    cell = run_keras_example if _SIDE.value == 'keras_fit' else run_cell
+    print(json.dumps(cell(name, policy, _DATA_ROOT.value, False, _SET.value)), flush=True)
     return
   unknown = sorted(set(_ONLY.value) - set(REFERENCES)) + sorted(set(_POLICIES.value) -
                                                                   set(POLICIES))
@@ -167,9 +209,10 @@ def main(argv):
   for name in _ONLY.value:
     for policy in _POLICIES.value:
       if _QUICK.value:
-        result = run_cell(name, policy, _DATA_ROOT.value, True, _SET.value)
+        cell = run_keras_example if _SIDE.value == 'keras_fit' else run_cell
+        result = cell(name, policy, _DATA_ROOT.value, True, _SET.value)
       else:
-        result = run_subprocess(name, policy, _DATA_ROOT.value, _SET.value)
+        result = run_subprocess(name, policy, _DATA_ROOT.value, _SET.value, _SIDE.value)
       logging.info('%s', json.dumps(result))
       results.append(result)
   child.report(_OUT.value, 'references', table(results), results)

@@ -34,3 +34,19 @@ def test_quick_references(tmp_path):
       assert r['metrics']['accuracy'] > 0.5, r
   text = (tmp_path / 'references.md').read_text()
   assert text.count('\n| nanogpt_cpu |') == 3 and text.count('\n| keras_mnist_convnet |') == 3
+
+
+def test_quick_keras_example_side(tmp_path):
+  """--side=keras_fit runs the convnet example as published (model.fit): 20 steps here."""
+  done = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.references', '--quick', '--only=keras_mnist_convnet',
+       '--policies=mixed_bfloat16', '--side=keras_fit', f'--out={tmp_path}'],
+      capture_output=True, text=True, cwd=ROOT, timeout=600,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  assert done.returncode == 0, done.stderr[-3000:]
+  [r] = json.loads((tmp_path / 'references.json').read_text())
+  assert (r['side'], r['policy'], r['steps'], r['epochs']) == (
+      'keras_fit', 'mixed_bfloat16', 20, 1), r
+  assert r['metrics']['accuracy'] > 0.5, r
+  assert '| keras_mnist_convnet | accuracy 0.9922 | mixed_bfloat16 | keras_fit |' in (
+      tmp_path / 'references.md').read_text()

@@ -305,7 +305,10 @@ def first_eval_batch(datasets):
                     'source, a filter, or drop_remainder=True on fewer examples than a batch; '
                     f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
                     'one example')
-  setattr(datasets.eval, _FIRST_BATCH, (batch, iterator))
+  try:
+    setattr(datasets.eval, _FIRST_BATCH, (batch, iterator))
+  except (AttributeError, TypeError):  # a dataset that takes no attributes: nothing kept
+    pass
   return batch
 
 
