@@ -17,10 +17,10 @@ Command:
       --config.data.dir=../shared/data/tinyshakespeare [--config.precision.policy=mixed_bfloat16]
   python -m benchmarks.references --only=nanogpt_cpu    # every policy, both evaluations
 
-Measured (seed 0, `python -m benchmarks.references --only=nanogpt_cpu`, 2026-11-23, a quiet
+Measured (seed 0, `python -m benchmarks.references --only=nanogpt_cpu`, 2026-11-24, a quiet
 2-core CPU, XLA on; docs/references.md has the table): validation loss, nanoGPT's 20-batch
 estimate / the full split:
-  float32 1.791 / 1.785;  mixed_bfloat16 1.792 / 1.785;  mixed_float16 (dynamic) 1.790 / 1.784,
+  float32 1.790 / 1.784;  mixed_bfloat16 1.790 / 1.784;  mixed_float16 (dynamic) 1.790 / 1.784,
 i.e. 0.09 below the published 1.88 in every policy. Our model is not nanoGPT's (untied
 embeddings, biases, Keras's Glorot init), so the comparison is of recipes, not of code.
 """
