@@ -60,20 +60,26 @@ def torch_name(path: str) -> str:
   return f'blocks.{int(block[5:])}.{part}.{suffix[weight]}'
 
 
-def run_ours(config, windows: np.ndarray, init_path: str) -> dict:
-  """Trains our Trainer on `windows` (one batch per step) after saving its initial weights to
-  `init_path` (PyTorch names and layout); returns the per-step losses and the validation loss."""
+def run_ours(config, seed: int, folder: str) -> dict:
+  """Draws one batch of training windows per step (NumPy, `seed`) from the trainer's own train
+  split and saves them to <folder>/windows.npy, and its initial weights (PyTorch names and
+  layout) to <folder>/init.npz; then trains our Trainer on exactly those batches. Returns the
+  per-step losses and the validation loss."""
   import tensorflow as tf
   import models
   from trainer import Datasets
 
-  base = models.get_trainer_class(config.model)
-
-  class Lockstep(base):
+  class Lockstep(models.get_trainer_class(config.model)):
     def build_datasets(self):
-      data = super().build_datasets()
-      train = tf.data.Dataset.from_tensor_slices((windows[:, :, :-1], windows[:, :, 1:]))
-      return Datasets(train=train, eval=data.eval, train_examples=len(windows) * windows.shape[1])
+      data = super().build_datasets()  # reads the corpus: self.corpus, self.m
+      span, train = self.m.context + 1, self.corpus.train
+      starts = np.random.default_rng(seed).integers(
+          0, len(train) - span + 1, size=(config.train.steps, config.train.batch_size))
+      windows = train[starts[..., None] + np.arange(span)].astype(np.int32)
+      np.save(os.path.join(folder, 'windows.npy'), windows)
+      return Datasets(train=tf.data.Dataset.from_tensor_slices((windows[:, :, :-1],
+                                                                windows[:, :, 1:])),
+                      eval=data.eval, train_examples=windows.shape[0] * windows.shape[1])
 
   losses = []
 
@@ -81,11 +87,13 @@ def run_ours(config, windows: np.ndarray, init_path: str) -> dict:
     if event.kind == 'log':
       losses.append(float(event.metrics['loss']))
 
+  def torch_layout(path, value):  # Dense kernels [in, out] -> Linear weights [out, in]
+    return value.T if value.ndim == 2 and 'embed' not in path else value
+
   with tempfile.TemporaryDirectory(prefix='lockstep_') as workdir:
     trainer = Lockstep(config, workdir)
-    np.savez(init_path, **{torch_name(v.path): (v.numpy().T if v.numpy().ndim == 2 and
-                                                 'embed' not in v.path else v.numpy())
-                           for v in trainer.model.weights})
+    np.savez(os.path.join(folder, 'init.npz'),
+             **{torch_name(v.path): torch_layout(v.path, v.numpy()) for v in trainer.model.weights})
     trainer.runner.actions.append(record)
     metrics = trainer.train()
   return {'side': 'ours', 'losses': losses, 'val_loss': float(metrics['loss'])}
@@ -98,20 +106,12 @@ def main(argv):
   config = peer_torch.config_for(shape, precision, steps, peer_torch._SET.value)
   config.train.steps_per_loop = config.train.log_every = 1  # a loss per step
   config.numerics.every = 0
-  from models import transformer_lm
-  from trainer.data import shakespeare
-  m = transformer_lm.model_config(config)
-  corpus = shakespeare.Corpus.from_text(shakespeare.load(config.data.dir), m.val_fraction)
-  span = m.context + 1
-  rng = np.random.default_rng(_SEED.value)
-  starts = rng.integers(0, len(corpus.train) - span + 1, size=(steps, config.train.batch_size))
-  windows = corpus.train[starts[..., None] + np.arange(span)].astype(np.int32)
   with tempfile.TemporaryDirectory(prefix='lockstep_') as folder:
-    init, batches = os.path.join(folder, 'init.npz'), os.path.join(folder, 'windows.npy')
-    np.save(batches, windows)
-    ours = run_ours(config, windows, init)
-    settings = {**peer_torch.torch_settings(config, precision), 'init': init,
-                'windows': batches, 'keras_epsilon': _EPSILON.value == 'keras', 'losses': True}
+    ours = run_ours(config, _SEED.value, folder)
+    settings = {**peer_torch.torch_settings(config, precision),
+                'init': os.path.join(folder, 'init.npz'),
+                'windows': os.path.join(folder, 'windows.npy'),
+                'keras_epsilon': _EPSILON.value == 'keras', 'losses': True}
     torch, _, _ = child.run([peer_torch._TORCH_PYTHON.value,
                              os.path.join(ROOT, 'benchmarks', 'peer_torch_model.py'),
                              json.dumps(settings)])

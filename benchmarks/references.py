@@ -195,9 +195,9 @@ def table(results: list[dict]) -> str:
 
 def main(argv):
   del argv
+  cell = run_keras_example if _SIDE.value == 'keras_fit' else run_cell
   if _CELL.value:
     name, policy = _CELL.value.split(':')
-    cell = run_keras_example if _SIDE.value == 'keras_fit' else run_cell
     print(json.dumps(cell(name, policy, _DATA_ROOT.value, False, _SET.value)), flush=True)
     return
   unknown = sorted(set(_ONLY.value) - set(REFERENCES)) + sorted(set(_POLICIES.value) -
@@ -209,7 +209,6 @@ def main(argv):
   for name in _ONLY.value:
     for policy in _POLICIES.value:
       if _QUICK.value:
-        cell = run_keras_example if _SIDE.value == 'keras_fit' else run_cell
         result = cell(name, policy, _DATA_ROOT.value, True, _SET.value)
       else:
         result = run_subprocess(name, policy, _DATA_ROOT.value, _SET.value, _SIDE.value)
