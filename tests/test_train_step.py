@@ -49,6 +49,27 @@ def test_skip_without_loss_scaling(tiny_trainer):
   assert all(np.isfinite(v.numpy()).all() for v in trainer.model.trainable_variables)
 
 
+def test_first_call_traces_the_step_once_and_sums_every_output(tiny_trainer):
+  """Start-up cost: the first compiled call traces `step` once (not again for its output names,
+  nor again because the sums were created during the trace), and the loop's sums come back
+  right: 6 steps, one injected non-finite, read as counts and means."""
+  trainer = tiny_trainer(**{'debug.inject_nonfinite_steps': '2', 'precision.loss_scale': 'none'})
+  step, traced = trainer.train_step.step, []
+
+  def counting_step(iterator):
+    traced.append(1)
+    return step(iterator)
+
+  trainer.train_step.step = counting_step
+  run_steps(trainer, 4)
+  run_steps(trainer, 2)  # a new iterator of the same type: no new trace either
+  assert len(traced) == 1
+  logs = trainer.train_step.read_outputs()
+  assert (logs['steps'], logs['skipped'], logs['nonfinite_loss']) == (6, 1, 0)
+  assert 0.0 < logs['accuracy'] <= 1.0 and np.isfinite(logs['loss'])
+  assert trainer.train_step.read_outputs()['steps'] == 0  # read resets the sums
+
+
 def test_learning_rate_follows_global_step_not_optimizer_iterations(tiny_trainer):
   trainer = tiny_trainer(**{'optimizer.schedule': 'cosine', 'train.steps': 10,
                            'debug.inject_nonfinite_steps': '0,1,2'})

@@ -1,10 +1,16 @@
 """The compiled inner loop of a `TrainStep` (its base class): `steps_per_loop` steps a call.
 
-The compiled loop (`train_loop`, `steps_per_loop` steps a call) sums the step outputs into one
-variable per output and returns the counters (global step, skipped steps, the collapse guard's
-bad steps in a row) once at its end; nothing else goes back to the host. The loop stops early
+The compiled loop (`train_loop`, `steps_per_loop` steps a call) adds each step's outputs to a
+float32 vector carried through the loop (one entry per output name, in sorted order), stores it
+in the variable `_sums` at its end and returns the counters (global step, skipped steps, the
+collapse guard's bad steps in a row); nothing else goes back to the host. The loop stops early
 when the guard's limit is reached or, with forensics on, right after the skip the host asked for.
 At log time the host reads `read_outputs()`.
+
+The step is traced once, inside the loop, and the output names are learned there: the first call
+traces the loop, sizes `_sums` to the names, then runs it. (A variable created during the trace
+would make `tf.function` trace the whole loop again; tracing `step` on its own first, for the
+names, was a second trace of the step too.)
 """
 from __future__ import annotations
 
@@ -14,7 +20,6 @@ import tensorflow as tf
 
 from trainer.step import kept_batch
 from trainer.step import outputs as step_outputs
-from trainer.step.loss_scale import state_variable
 
 
 class Counters(NamedTuple):
@@ -28,7 +33,8 @@ class Counters(NamedTuple):
 class CompiledLoop:
   """`train_loop` (tf.function of `_train_loop`), `run` and `read_outputs`, mixed into TrainStep
   (which sets the attributes read here: strategy, trainer, step, guard, global_step,
-  skipped_steps, stop_at_skip, forensics, metrics, kept_batch, _totals, _recording)."""
+  skipped_steps, stop_at_skip, forensics, metrics, kept_batch, _sums, _output_names,
+  _recording)."""
 
   # Set by TrainStep (annotations only).
   strategy: Any
@@ -42,32 +48,43 @@ class CompiledLoop:
   skipped_steps: tf.Variable
   stop_at_skip: tf.Variable
   kept_batch: Any
-  _totals: Any
+  _sums: tf.Variable
+  _output_names: list | None
   _recording: Any
   _batch_kept_on_skip: bool
 
   def _train_loop(self, iterator, num_steps):
-    totals = {k: tf.zeros_like(v) for k, v in self._totals.items()}
     self._recording = kept_batch.Recording(iterator) if self.forensics else None
     self._batch_kept_on_skip = False
     batches = self._recording or iterator
-    done, stop = tf.constant(0, tf.int64), tf.constant(False)
     # Stopping early is part of the loop's condition, not a `break`: autograph turns each
     # `if ...: break` into tf.conds that run in every step (benchmarks/ablate_step.py measures
-    # what the checks cost).
-    while tf.logical_and(done < num_steps, tf.logical_not(stop)):
+    # what the checks cost). An explicit tf.while_loop, not autograph's `while`: autograph
+    # traces the body twice when a variable is first assigned inside it (once to find the
+    # loop's variables), and the body is the whole step.
+
+    def keep_going(done, stop, sums):
+      return tf.logical_and(done < num_steps, tf.logical_not(stop))
+
+    def one_step(done, stop, sums):
       outputs = self.step(batches)
-      totals = {k: totals[k] + outputs[k] for k in totals}
-      done += 1
+      if self._output_names is None:
+        self._output_names = sorted(outputs)
+      sums += tf.stack([tf.cast(outputs[k], tf.float32) for k in self._output_names])
       stop = tf.convert_to_tensor(self.guard.collapsed())  # the trainer raises CollapseError
       if self.forensics:  # the runner replays the skipped step (trainer/insight/forensics.py)
         at_skip = self.forensic_stop()
         if not self._batch_kept_on_skip:  # a custom step without apply_or_skip: keep it here
           tf.cond(at_skip, lambda: self._keep_batch(batches.last), lambda: tf.constant(True))
         stop = tf.logical_or(stop, at_skip)
+      return done + 1, stop, sums
+
+    # The sums start from `_sums`, sized to the names after the first trace (`run`).
+    _, _, sums = tf.while_loop(
+        keep_going, one_step, (tf.constant(0, tf.int64), tf.constant(False), self._sums.value()),
+        shape_invariants=(tf.TensorShape([]), tf.TensorShape([]), tf.TensorShape([None])))
+    self._sums.assign(sums)
     self._recording = None
-    for k, v in totals.items():
-      self._totals[k].assign_add(v)
     return tf.stack([self.global_step.read_value(), self.skipped_steps.read_value(),
                      self.guard.consecutive.read_value()])
 
@@ -80,22 +97,20 @@ class CompiledLoop:
     return tf.constant(True)
 
   def run(self, iterator, num_steps) -> Counters:
-    """Host side: one compiled call of `num_steps` steps; the counters after it. The first call
-    finds the step's output names (by tracing `step` once) and creates one sum variable per
-    output."""
-    if self._totals is None:
-      spec = tf.function(self.step).get_concrete_function(iterator).structured_outputs
+    """Host side: one compiled call of `num_steps` steps; the counters after it."""
+    if self.forensics and self.kept_batch is None:
       with self.strategy.scope():
-        self._totals = {k: state_variable(0.0, tf.float32, f'sum_{k}') for k in sorted(spec)}
-        if self.forensics:
-          self.kept_batch = kept_batch.KeptBatch(self.trainer.datasets.train.element_spec)
-    return Counters(*(int(v) for v in self.train_loop(
-        iterator, tf.constant(num_steps, tf.int64)).numpy()))
+        self.kept_batch = kept_batch.KeptBatch(self.trainer.datasets.train.element_spec)
+    num_steps = tf.constant(num_steps, tf.int64)
+    if self._output_names is None:  # the first call: trace, then size the sums to the names
+      self.train_loop.get_concrete_function(iterator, num_steps)
+      self._sums.assign(tf.zeros([len(self._output_names)]))
+    return Counters(*(int(v) for v in self.train_loop(iterator, num_steps).numpy()))
 
   def read_outputs(self) -> dict[str, float]:
     """Host side: the counters as counts, every other output as its mean over the steps whose
     loss was finite (NaN when there were none), since the last read; resets the sums. Then
     the stateful metrics' results (reset too)."""
-    if self._totals is None:
+    if self._output_names is None:
       return {}
-    return step_outputs.read(self._totals, self.metrics)
+    return step_outputs.read(self._output_names, self._sums, self.metrics)

@@ -17,13 +17,13 @@ def with_counters(outputs, skipped, loss_finite=True) -> dict[str, tf.Tensor]:
   return values
 
 
-def read(totals: dict, metrics: dict) -> dict[str, float]:
-  """Host side: from the sum variables `totals`, the counters as counts and every other output
-  as its mean over the steps whose loss was finite (NaN when there were none); the sums reset.
-  Then the stateful `metrics`' results (reset too)."""
-  sums = {k: float(v.numpy()) for k, v in totals.items()}
-  for v in totals.values():
-    v.assign(0.0)
+def read(names: list, totals: tf.Variable, metrics: dict) -> dict[str, float]:
+  """Host side: from `totals` (a vector variable, one sum per entry of `names`), the counters
+  as counts and every other output as its mean over the steps whose loss was finite (NaN when
+  there were none); the sums reset. Then the stateful `metrics`' results (reset too)."""
+  values = totals.numpy()
+  sums = {k: float(v) for k, v in zip(names, values)}
+  totals.assign(tf.zeros_like(values))
   counted = sums.get('steps', 0.0) - sums.get('nonfinite_loss', 0.0)
   means = {k: (v / counted if counted else float('nan')) for k, v in sums.items()
            if k not in COUNTERS}

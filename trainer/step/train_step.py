@@ -127,7 +127,11 @@ class TrainStep(CompiledLoop):
     # (the host sets it; 0 = never): the host sees that step's pre-step weights and its batch.
     self.forensics = c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0
     self.stop_at_skip = state_variable(0, tf.int64, 'stop_at_skip')
-    self._totals = None  # {output name: variable}, created on the first call (host side)
+    # The loop's sums of the step's outputs, one per name (sized on the first call: loop.py).
+    self._sums = tf.Variable(tf.zeros([0]), shape=tf.TensorShape([None]), trainable=False,
+                             name='output_sums',
+                             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    self._output_names = None  # the names of the step's outputs, learned when the loop traces
     self.kept_batch = None  # with forensics: the skipped step's batch (trainer/step/kept_batch.py)
     self._recording = None  # while the loop traces, with forensics: its iterator, recording
     self._batch_kept_on_skip = False  # ... and whether apply_or_skip's skip branch keeps it
