@@ -14,7 +14,7 @@ names, was a second trace of the step too.)
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import tensorflow as tf
 
@@ -104,7 +104,7 @@ class CompiledLoop:
     num_steps = tf.constant(num_steps, tf.int64)
     if self._output_names is None:  # the first call: trace, then size the sums to the names
       self.train_loop.get_concrete_function(iterator, num_steps)
-      self._sums.assign(tf.zeros([len(self._output_names)]))
+      self._sums.assign(tf.zeros([len(cast(list, self._output_names))]))  # set by the trace
     return Counters(*(int(v) for v in self.train_loop(iterator, num_steps).numpy()))
 
   def read_outputs(self) -> dict[str, float]:
