@@ -70,6 +70,25 @@ def test_first_call_traces_the_step_once_and_sums_every_output(tiny_trainer):
   assert trainer.train_step.read_outputs()['steps'] == 0  # read resets the sums
 
 
+def test_a_custom_step_returning_a_non_scalar_output_is_named(tmp_path):
+  from trainer import TrainStep
+  from trainer.errors import UserError
+
+  class VectorStep(TrainStep):
+    def step(self, iterator):
+      outputs = super().step(iterator)
+      outputs['per_class'] = tf.ones([4])
+      return outputs
+
+  class VectorTrainer(TinyTrainer):
+    def build_train_step(self):
+      return VectorStep(self)
+
+  trainer = VectorTrainer(tiny_config(), str(tmp_path))
+  with pytest.raises(UserError, match=r"VectorStep.step returned 'per_class' of shape \(4,\)"):
+    run_steps(trainer, 2)
+
+
 def test_learning_rate_follows_global_step_not_optimizer_iterations(tiny_trainer):
   trainer = tiny_trainer(**{'optimizer.schedule': 'cosine', 'train.steps': 10,
                            'debug.inject_nonfinite_steps': '0,1,2'})

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, cast
 
 import tensorflow as tf
 
+from trainer.errors import UserError
 from trainer.step import kept_batch
 from trainer.step import outputs as step_outputs
 
@@ -34,7 +35,7 @@ class CompiledLoop:
   """`train_loop` (tf.function of `_train_loop`), `run` and `read_outputs`, mixed into TrainStep
   (which sets the attributes read here: strategy, trainer, step, guard, global_step,
   skipped_steps, stop_at_skip, forensics, metrics, kept_batch, _sums, _output_names,
-  _recording)."""
+  _not_scalar, _recording)."""
 
   # Set by TrainStep (annotations only).
   strategy: Any
@@ -50,6 +51,7 @@ class CompiledLoop:
   kept_batch: Any
   _sums: tf.Variable
   _output_names: list | None
+  _not_scalar: dict
   _recording: Any
   _batch_kept_on_skip: bool
 
@@ -70,7 +72,7 @@ class CompiledLoop:
       outputs = self.step(batches)
       if self._output_names is None:
         self._output_names = sorted(outputs)
-      sums += tf.stack([tf.cast(outputs[k], tf.float32) for k in self._output_names])
+      sums += self._stacked(outputs)
       stop = tf.convert_to_tensor(self.guard.collapsed())  # the trainer raises CollapseError
       if self.forensics:  # the runner replays the skipped step (trainer/insight/forensics.py)
         at_skip = self.forensic_stop()
@@ -87,6 +89,18 @@ class CompiledLoop:
     self._recording = None
     return tf.stack([self.global_step.read_value(), self.skipped_steps.read_value(),
                      self.guard.consecutive.read_value()])
+
+  def _stacked(self, outputs) -> tf.Tensor:
+    """The step's outputs as one float32 vector, in the order of `_output_names`. A non-scalar
+    output is noted (`run` raises, naming it, once the trace is done) and traced as 0."""
+    values = []
+    for name in cast(list, self._output_names):
+      value = tf.cast(outputs[name], tf.float32)
+      if value.shape.rank != 0:
+        self._not_scalar[name] = value.shape
+        value = tf.constant(0.0)
+      values.append(value)
+    return tf.stack(values)
 
   def forensic_stop(self) -> tf.Tensor:
     """True right after the skip the host asked to stop at (stop_at_skip; 0 = never)."""
@@ -105,6 +119,11 @@ class CompiledLoop:
     if self._output_names is None:  # the first call: trace, then size the sums to the names
       self.train_loop.get_concrete_function(iterator, num_steps)
       self._sums.assign(tf.zeros([len(cast(list, self._output_names))]))  # set by the trace
+    if self._not_scalar:
+      shapes = ', '.join(f"'{k}' of shape {v}" for k, v in sorted(self._not_scalar.items()))
+      raise UserError(f'{type(self).__name__}.step returned {shapes}: the loop adds up each '
+                      'output over the steps and logs its mean, so each must be a scalar '
+                      '(reduce it in the step, e.g. tf.reduce_mean)')
     return Counters(*(int(v) for v in self.train_loop(iterator, num_steps).numpy()))
 
   def read_outputs(self) -> dict[str, float]:

@@ -132,6 +132,7 @@ class TrainStep(CompiledLoop):
                              name='output_sums',
                              aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     self._output_names = None  # the names of the step's outputs, learned when the loop traces
+    self._not_scalar: dict = {}  # outputs the trace found not to be scalars: run() raises
     self.kept_batch = None  # with forensics: the skipped step's batch (trainer/step/kept_batch.py)
     self._recording = None  # while the loop traces, with forensics: its iterator, recording
     self._batch_kept_on_skip = False  # ... and whether apply_or_skip's skip branch keeps it
