@@ -61,9 +61,8 @@ class CompiledLoop:
     batches = self._recording or iterator
     # Stopping early is part of the loop's condition, not a `break`: autograph turns each
     # `if ...: break` into tf.conds that run in every step (benchmarks/ablate_step.py measures
-    # what the checks cost). An explicit tf.while_loop, not autograph's `while`: autograph
-    # traces the body twice when a variable is first assigned inside it (once to find the
-    # loop's variables), and the body is the whole step.
+    # what the checks cost). The sums' length is known only once the body is traced, so they
+    # are a loop variable of shape [None] (an explicit tf.while_loop states that invariant).
 
     def keep_going(done, stop, sums):
       return tf.logical_and(done < num_steps, tf.logical_not(stop))
