@@ -128,9 +128,7 @@ class TrainStep(CompiledLoop):
     self.forensics = c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0
     self.stop_at_skip = state_variable(0, tf.int64, 'stop_at_skip')
     # The loop's sums of the step's outputs, one per name (sized on the first call: loop.py).
-    self._sums = tf.Variable(tf.zeros([0]), shape=tf.TensorShape([None]), trainable=False,
-                             name='output_sums',
-                             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    self._sums = state_variable(tf.zeros([0]), tf.float32, 'output_sums', shape=[None])
     self._output_names = None  # the names of the step's outputs, learned when the loop traces
     self._not_scalar: dict = {}  # outputs the trace found not to be scalars: run() raises
     self.kept_batch = None  # with forensics: the skipped step's batch (trainer/step/kept_batch.py)
