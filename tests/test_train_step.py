@@ -70,6 +70,80 @@ def test_first_call_traces_the_step_once_and_sums_every_output(tiny_trainer):
   assert trainer.train_step.read_outputs()['steps'] == 0  # read resets the sums
 
 
+class RowsAboveZero(keras.metrics.Metric):
+  """A user's stateful metric with Python control flow on a tensor in update_state."""
+
+  def __init__(self):
+    super().__init__(name='rows_above_zero')
+    self.total = self.add_weight(name='total', initializer='zeros')
+
+  def update_state(self, x):
+    for row in tf.range(tf.shape(x)[0]):  # a loop over a tensor: autograph's while loop
+      if tf.reduce_max(x[row]) > 0.0:
+        self.total.assign_add(1.0)
+
+  def result(self):
+    return self.total
+
+
+class BranchingTrainer(TinyTrainer):
+  def build_metrics(self):
+    return {'rows_above_zero': RowsAboveZero()}
+
+  def compute_loss(self, batch, *, training):
+    loss, metrics = super().compute_loss(batch, training=training)
+    if tf.reduce_mean(loss) > 1e6:  # Python `if` on a tensor: a tf.cond once converted
+      loss = tf.zeros_like(loss)
+    metrics['rows_above_zero'] = (batch[0],)
+    return loss, metrics
+
+
+def test_autograph_converts_the_users_code_and_not_the_frameworks(tmp_path):
+  """The compiled loop traces the framework's code with autograph off (it states its control
+  flow itself; converting it was most of the step's trace) and converts what the user wrote, as
+  any tf.function does: Python control flow on tensors in compute_loss and in a custom metric's
+  update_state works, in the step and in the numerics probe (unconverted, each raises "Using a
+  symbolic `tf.Tensor` as a Python `bool` is not allowed")."""
+  from unittest import mock
+  from tensorflow.python.autograph.impl import api
+
+  trainer = BranchingTrainer(tiny_config(), str(tmp_path))
+  with mock.patch.object(api, '_convert_actual', wraps=api._convert_actual) as convert:
+    run_steps(trainer, 3)
+  converted = {f'{c.args[0].__module__}.{c.args[0].__qualname__}' for c in convert.call_args_list}
+  assert 'test_train_step.BranchingTrainer.compute_loss' in converted
+  assert 'tiny.TinyTrainer.compute_loss' in converted  # its super() call, recursively
+  assert 'test_train_step.RowsAboveZero.update_state' in converted
+  assert not [name for name in converted if name.startswith('trainer.')]
+  logs = trainer.train_step.read_outputs()
+  assert logs['steps'] == 3 and np.isfinite(logs['loss'])
+  assert 0 < logs['rows_above_zero'] <= 3 * 32  # rows of 3 batches of 32 random normals
+  from trainer.insight import numerics  # the numerics probe's pass converts compute_loss too
+  stats, overall = numerics.Probe(trainer).measure()
+  assert stats and overall['grad_nonfinite'] == 0.0
+
+
+def test_a_custom_steps_hook_may_use_python_control_flow_on_tensors(tmp_path):
+  from trainer import TrainStep
+
+  class CountingStep(TrainStep):
+    def compute_gradients(self, batch):
+      outputs, grads = super().compute_gradients(batch)
+      n = tf.constant(0)
+      while n < 3:  # a tf.while_loop once converted
+        n += 1
+      outputs['loops'] = tf.cast(n, tf.float32)
+      return outputs, grads
+
+  class CountingTrainer(TinyTrainer):
+    def build_train_step(self):
+      return CountingStep(self)
+
+  trainer = CountingTrainer(tiny_config(), str(tmp_path))
+  run_steps(trainer, 2)
+  assert trainer.train_step.read_outputs()['loops'] == 3.0
+
+
 def test_a_custom_step_returning_a_non_scalar_output_is_named(tmp_path):
   from trainer import TrainStep
   from trainer.errors import UserError

@@ -49,6 +49,7 @@ from absl import logging
 
 from trainer.insight import hooks
 from trainer.step import contract
+from trainer.step import user_code
 from trainer.step.forward_state import forward_state_kept
 from trainer.step.loss_scale import overwritten
 
@@ -173,7 +174,7 @@ class Probe:
                                  if layer.compute_dtype != 'float32'})
     self.needs_reference = bool(self.low_precision) or any(
         getattr(layer, 'quantization_mode', None) for layer in self.layers)
-    self._fn = tf.function(self._stats)
+    self._fn = tf.function(self._stats, autograph=False)  # trainer/step/user_code.py
     self._batch = batch  # measured by default; None: the first eval batch, read on first use
 
   def _gradients(self, share, scaled: bool, record=None):
@@ -182,7 +183,7 @@ class Probe:
       if record is not None:
         stack.enter_context(recording_outputs(self.layers, record))
       tape = stack.enter_context(tf.GradientTape())
-      per_example, _ = t.compute_loss(share, training=True)
+      per_example, _ = user_code.converted(t.compute_loss)(share, training=True)
       loss = t.train_step.share_loss(per_example)
       if scaled:
         loss = t.loss_scaler.scale_loss(loss)

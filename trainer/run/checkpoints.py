@@ -116,7 +116,7 @@ def nonfinite(variables_: list) -> list[str]:
           if not np.isfinite(v.numpy()).all()]
 
 
-@tf.function
+@tf.function(autograph=False)
 def _all_finite(variables_) -> tf.Tensor:
   return all_finite([v.read_value() for v in variables_])
 

@@ -21,6 +21,7 @@ import tensorflow as tf
 from trainer.errors import UserError
 from trainer.step import kept_batch
 from trainer.step import outputs as step_outputs
+from trainer.step import user_code
 
 
 class Counters(NamedTuple):
@@ -68,7 +69,7 @@ class CompiledLoop:
       return tf.logical_and(done < num_steps, tf.logical_not(stop))
 
     def one_step(done, stop, sums):
-      outputs = self.step(batches)
+      outputs = user_code.converted(self.step)(batches)
       if self._output_names is None:
         self._output_names = sorted(outputs)
       sums += self._stacked(outputs)

@@ -44,7 +44,10 @@ One `step` (cross-replica context, inside the compiled loop):
      the host's means are over the steps whose loss was finite. Stateful metrics
      (`build_metrics`) are updated per replica, only when that replica's loss is finite.
 
-The compiled loop that runs `step` (`train_loop`) is trainer/step/loop.py.
+The hooks above (and Trainer.compute_loss, a stateful metric's update_state) are converted by
+autograph as in any tf.function; the framework's own pieces are traced as written, without it
+(trainer/step/user_code.py). The compiled loop that runs `step` (`train_loop`) is
+trainer/step/loop.py.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ from trainer.step.loss_scale import all_finite, overwritten, state_variable, upd
 from trainer.step import inject, optimizers
 from trainer.step.loop import CompiledLoop
 from trainer.step import outputs as step_outputs
+from trainer.step import user_code
 from trainer.step.forward_state import forward_state, forward_state_kept  # noqa: F401
 from trainer.step.skip_guard import SkipGuard
 
@@ -137,13 +141,14 @@ class TrainStep(CompiledLoop):
 
     replica_core = self._replica_core
     if trainer.jit_compile:
-      compiled = tf.function(replica_core, jit_compile=True)
+      compiled = tf.function(replica_core, jit_compile=True, autograph=False)
       # Called through a plain function: given a tf.function directly, MirroredStrategy.run
       # lifts it into one XLA cluster over all replicas unless every device is a GPU, and that
       # fails on other devices (a replica's variables read from another device).
       replica_core = lambda batch: compiled(batch)  # pylint: disable=unnecessary-lambda
     self._replica_core_fn = replica_core
-    self.train_loop = tf.function(self._train_loop)
+    # autograph only for the user's hooks (trainer/step/user_code.py)
+    self.train_loop = tf.function(self._train_loop, autograph=False)
 
   def replica_share(self, batch):
     """The first examples of a global batch, as many as one replica's (first) micro-batch has in
@@ -217,7 +222,7 @@ class TrainStep(CompiledLoop):
     `grads`. With several groups the step calls `apply_group` per group instead, each under its
     own finiteness flag; override `apply_group` then."""
     for index, part in enumerate(self._split(grads)):
-      self.apply_group(index, part)
+      user_code.converted(self.apply_group)(index, part)
 
   def apply_group(self, index: int, grads) -> None:
     """Replica context: group `index`'s optimizer applies `grads` (one per group variable).
@@ -290,7 +295,7 @@ class TrainStep(CompiledLoop):
     if not isinstance(finite, (list, tuple)):
 
       def apply():
-        self.strategy.run(self.apply_gradients, args=(grads,))
+        self.strategy.run(user_code.converted(self.apply_gradients), args=(grads,))
         return tf.constant(0, tf.int64)
 
       skipped = tf.cond(finite, apply, skip)
@@ -298,8 +303,8 @@ class TrainStep(CompiledLoop):
       for index, flag in enumerate(finite):
 
         def apply_group(index=index):
-          self.strategy.run(lambda g: self.apply_group(index, self._split(g)[index]),
-                            args=(grads,))
+          apply = user_code.converted(self.apply_group)
+          self.strategy.run(lambda g: apply(index, self._split(g)[index]), args=(grads,))
           return tf.constant(0, tf.int64)
 
         tf.cond(flag, apply_group, lambda: tf.constant(1, tf.int64))
@@ -321,7 +326,7 @@ class TrainStep(CompiledLoop):
     gradients, the debug injection and this replica's non-finite count per group ([groups]
     int32, 0 or 1 each)."""
     saved = [v.read_value() for v in self._forward_state]
-    outputs, grads = self.compute_gradients(batch)
+    outputs, grads = user_code.converted(self.compute_gradients)(batch)
     grads = self._maybe_inject(list(grads))
     nonfinite = tf.stack([tf.cast(tf.logical_not(all_finite(part)), tf.int32)
                           for part in self._split(grads)])
@@ -342,7 +347,7 @@ class TrainStep(CompiledLoop):
 
       def update():
         for metric, args in updates:
-          metric.update_state(*args)
+          user_code.converted(metric.update_state)(*args)
         return tf.constant(True)
 
       # As the summed outputs leave out steps whose loss is not finite, the stateful metrics
@@ -378,7 +383,7 @@ class TrainStep(CompiledLoop):
 
   def _micro_gradients(self, batch):
     with tf.GradientTape() as tape:
-      per_example_loss, metrics = self.compute_loss(batch, training=True)
+      per_example_loss, metrics = user_code.converted(self.compute_loss)(batch, training=True)
       loss = self.share_loss(per_example_loss)
       scaled_loss = self.loss_scaler.scale_loss(loss)
     grads = self.loss_scaler.unscale(tape.gradient(scaled_loss, self.variables), self.variables)

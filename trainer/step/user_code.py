@@ -1,0 +1,44 @@
+"""Autograph for the user's code only, inside the framework's compiled functions.
+
+The framework's compiled functions (the train loop, the eval loop, the numerics probe, the
+checkpoint's finite check) are traced with `autograph=False`. The framework's own code states its
+control flow (tf.cond, tf.while_loop) and gains nothing from autograph, and converting it
+(parsing and rewriting the source of every method the step calls) was most of the time it took
+to trace the step, once per process.
+
+What a user writes (a Trainer's `compute_loss`, the hooks a custom TrainStep overrides, a custom
+metric's `update_state`) may use Python control flow on tensors, as in any tf.function, so the
+framework calls it through `converted`: autograph converts it as tf.function would have,
+recursively, and falls back to calling it as it is (as tf.function does) when it cannot, for
+example when its source is not available. Keras's own code is never converted (autograph's own
+rule for the keras module).
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+_PACKAGE = 'trainer'
+
+
+def is_framework(fn) -> bool:
+  """Whether `fn` (a function or bound method) is defined in the framework's package."""
+  module = getattr(getattr(fn, '__func__', fn), '__module__', None) or ''
+  return module == _PACKAGE or module.startswith(_PACKAGE + '.')
+
+
+def converted(fn):
+  """`fn` to call inside a compiled function: the framework's own functions as they are, any
+  other (the user's) converted by autograph as `tf.function` converts what it traces, recursively
+  (a function the user marked tf.autograph.experimental.do_not_convert stays unconverted)."""
+  if is_framework(fn):
+    return fn
+  return tf.__internal__.autograph.tf_convert(fn, _enabled())
+
+
+def _enabled():
+  """The autograph context `tf.function` traces in when its autograph is on. Inside the
+  framework's functions (autograph=False) the current context says "disabled", which would leave
+  the user's code unconverted too; the context's class is reached through the exported
+  `control_status_ctx` rather than TensorFlow's internal module."""
+  current = tf.__internal__.autograph.control_status_ctx()
+  return type(current)(status=type(current.status).ENABLED)
