@@ -163,6 +163,26 @@ def test_a_custom_step_returning_a_non_scalar_output_is_named(tmp_path):
     run_steps(trainer, 2)
 
 
+def test_the_schedule_is_traced_once_per_graph_not_once_per_read(tiny_trainer):
+  """Keras reads an optimizer's learning-rate callable at every use, AdamW's weight decay once
+  per variable; each read put the schedule's ops into the step again. Now the step's graph
+  computes it once where the finite check reads it and once in the update's branch."""
+  trainer = tiny_trainer(**{'optimizer.name': 'adamw', 'optimizer.weight_decay': 0.1,
+                           'optimizer.schedule': 'cosine', 'train.steps': 10})
+  schedule, calls = trainer.learning_rate, []
+
+  def counted(step):
+    calls.append(1)
+    return schedule(step)
+
+  trainer.learning_rate = counted  # what the optimizer's callable calls
+  run_steps(trainer, 3)
+  assert len(trainer.model.trainable_variables) == 4 and len(calls) == 2
+  expected = float(schedule(3))  # the rate the next update uses, read eagerly
+  assert float(trainer.optimizer.learning_rate) == pytest.approx(expected)
+  assert len(calls) == 3  # eager reads compute it every time
+
+
 def test_learning_rate_follows_global_step_not_optimizer_iterations(tiny_trainer):
   trainer = tiny_trainer(**{'optimizer.schedule': 'cosine', 'train.steps': 10,
                            'debug.inject_nonfinite_steps': '0,1,2'})

@@ -99,7 +99,8 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     trainer.loss_scaler = LossScaler.from_config(c.precision, trainer.policy)
     trainer.learning_rate = optimizers.schedule(c.optimizer, trainer.total_steps)
     step = trainer.global_step
-    trainer.optimizer = trainer.build_optimizer(lambda: trainer.learning_rate(step))
+    trainer.optimizer = trainer.build_optimizer(
+        optimizers.once_per_trace(lambda: trainer.learning_rate(step)))
     low_precision.check_optimizer(trainer.optimizer, c)
     trainer.train_step = trainer.build_train_step()
   return batch

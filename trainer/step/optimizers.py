@@ -15,6 +15,7 @@ or not; `optimizer.iterations` counts only applied updates, so it is not used fo
 from __future__ import annotations
 
 import math
+import weakref
 import keras
 import tensorflow as tf
 from absl import logging
@@ -60,6 +61,27 @@ def schedule(opt_config, total_steps: int):
     if warmup > 0:
       rate = rate * tf.minimum(1.0, (step + 1.0) / warmup)
     return rate
+
+  return learning_rate
+
+
+def once_per_trace(rate):
+  """`rate` (a no-argument callable: the learning rate of the current step) computed once per
+  graph being traced, the same tensor for every later call in that graph; called eagerly,
+  computed every time. Keras calls an optimizer's learning-rate callable at every read, and
+  AdamW's weight decay reads it once per variable: each call put the schedule's ops (a read of
+  the global step, a cosine, the warm-up) into the step again. Within one graph the global step
+  does not change before the update (it advances after it, in `end_step`), so every read in a
+  step gets the rate of that step, as before."""
+  computed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+  def learning_rate():
+    if tf.executing_eagerly():
+      return rate()
+    graph = tf.compat.v1.get_default_graph()
+    if graph not in computed:
+      computed[graph] = rate()
+    return computed[graph]
 
   return learning_rate
 
