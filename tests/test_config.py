@@ -34,6 +34,9 @@ def test_missing_keys_are_filled():
     ('train.log_every', 150, 'config.train.log_every=150 must be a multiple'),
     ('train.batch_size', 'big', 'config.train.batch_size must be int'),
     ('debug.inject_nonfinite_steps', '3,x', 'config.debug.inject_nonfinite_steps'),
+    ('train.jit_compile', 'float32,bf16', "config.train.jit_compile='float32,bf16': must be auto, "
+     "true, false or policies from float32, mixed_float16, mixed_bfloat16, comma-separated (not "
+     "'bf16')"),
 ])
 def test_bad_values_name_the_key(key, value, words):
   raw = config_lib.defaults().to_dict()  # a plain dict: ConfigDict would refuse a wrong type
@@ -71,3 +74,14 @@ def test_benchmark_overrides_convert_to_the_current_type():
   assert config.train.jit_compile == 'true' and config.model_config.attention == 'chunked'
   overrides.apply(config, ['train.remat=1'])
   assert config.train.remat is True
+
+
+@pytest.mark.parametrize('setting, policy, on', [
+    ('true', 'mixed_bfloat16', True), ('false', 'float32', False),
+    ('float32,mixed_float16', 'float32', True), ('float32,mixed_float16', 'mixed_float16', True),
+    ('float32,mixed_float16', 'mixed_bfloat16', False), ('mixed_bfloat16', 'float32', False)])
+def test_jit_compile_may_name_the_policies_it_is_on_under(setting, policy, on):
+  from trainer.run import build
+  config_lib.validate(ml_collections.ConfigDict(
+      {**config_lib.defaults().to_dict(), 'train': {'jit_compile': setting}}))  # valid
+  assert build.jit(setting, policy) is on

@@ -51,6 +51,15 @@ def _one_of(*choices):
   return check
 
 
+def _jit_setting(v):
+  if v in ('auto', 'true', 'false'):
+    return None
+  unknown = [p for p in v.split(',') if p not in PRECISION_POLICIES]
+  return (None if not unknown else
+          f"must be auto, true, false or policies from {', '.join(PRECISION_POLICIES)}, "
+          f'comma-separated (not {", ".join(map(repr, unknown))})')
+
+
 # The choices, defined here once (this module imports no TensorFlow); the modules that implement
 # them (trainer/step/precision.py, loss_scale.py, distribute.py) read them from here.
 PRECISION_POLICIES = ('float32', 'mixed_float16', 'mixed_bfloat16')
@@ -91,7 +100,8 @@ SCHEMA: dict[str, Key] = {
                                   _positive),
     'train.max_to_keep': Key(int, 3, 'checkpoints kept', _positive),
     'train.jit_compile': Key(str, 'auto', "XLA for the per-replica step: 'auto' is on for "
-                             'GPU/TPU, off on CPU', _one_of('auto', 'true', 'false')),
+                             'GPU/TPU, off on CPU; or the policies to use it under, '
+                             "comma-separated (e.g. 'float32,mixed_float16')", _jit_setting),
     'train.intra_op_threads': Key(int, 0, "threads of TensorFlow's pool that splits one op "
                                   "(a matmul) across cores; 0 = TensorFlow's choice (one per "
                                   'core)', _non_negative),

@@ -45,11 +45,14 @@ def check_names(cls_name: str, names: Iterable[str]) -> None:
                     f'{", ".join(HOOKS)}, and names of its own')
 
 
-def jit(setting: str) -> bool:
-  """config.train.jit_compile: 'auto' is on where XLA pays (GPU, TPU), off on CPU."""
+def jit(setting: str, policy: str) -> bool:
+  """config.train.jit_compile under the resolved `policy`: 'auto' is on where XLA pays (GPU,
+  TPU), off on CPU; a comma-separated list of policies is on under those."""
   if setting == 'auto':
     return bool(tf.config.list_physical_devices('GPU') or tf.config.list_logical_devices('TPU'))
-  return setting == 'true'
+  if setting in ('true', 'false'):
+    return setting == 'true'
+  return policy in setting.split(',')
 
 
 def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None) -> Any:
@@ -76,7 +79,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
   _check_against_the_run(c, trainer.total_steps, trainer.strategy.num_replicas_in_sync)
 
-  trainer.jit_compile = jit(c.train.jit_compile)
+  trainer.jit_compile = jit(c.train.jit_compile, trainer.policy)
   with trainer.strategy.scope():
     trainer.model = precision.build_model(
         trainer.build_model, c.precision.float32_layers,
