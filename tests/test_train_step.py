@@ -102,8 +102,8 @@ def test_autograph_converts_the_users_code_and_not_the_frameworks(tmp_path):
   """The compiled loop traces the framework's code with autograph off (it states its control
   flow itself; converting it was most of the step's trace) and converts what the user wrote, as
   any tf.function does: Python control flow on tensors in compute_loss and in a custom metric's
-  update_state works, in the step and in the numerics probe (unconverted, each raises "Using a
-  symbolic `tf.Tensor` as a Python `bool` is not allowed")."""
+  update_state works, in the step, the numerics probe and the eval loop (unconverted, each raises
+  "Using a symbolic `tf.Tensor` as a Python `bool` is not allowed")."""
   from unittest import mock
   from tensorflow.python.autograph.impl import api
 
@@ -121,6 +121,12 @@ def test_autograph_converts_the_users_code_and_not_the_frameworks(tmp_path):
   from trainer.insight import numerics  # the numerics probe's pass converts compute_loss too
   stats, overall = numerics.Probe(trainer).measure()
   assert stats and overall['grad_nonfinite'] == 0.0
+  with mock.patch.object(api, '_convert_actual', wraps=api._convert_actual) as convert:
+    results = trainer.evaluate()  # and so does the eval loop
+  converted = {f'{c.args[0].__module__}.{c.args[0].__qualname__}' for c in convert.call_args_list}
+  assert 'test_train_step.RowsAboveZero.update_state' in converted
+  assert not [name for name in converted if name.startswith('trainer.')]
+  assert 0 < results['rows_above_zero'] <= 512 and np.isfinite(results['loss'])
 
 
 def test_a_custom_steps_hook_may_use_python_control_flow_on_tensors(tmp_path):

@@ -5,6 +5,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from trainer.step import user_code
+
 SUM = tf.distribute.ReduceOp.SUM
 # compute_loss(batch, training=...) -> (per_example_loss [B], {metric name: per-example [B]})
 LossFn = Callable[..., tuple[tf.Tensor, dict[str, tf.Tensor]]]
@@ -28,26 +30,32 @@ class EvalLoop:
     self.compute_loss = compute_loss
     self.metrics = dict(metrics or {})
     self.metric_names = ('loss', *(n for n in metric_names if n not in self.metrics))
-    self.run = tf.function(self._run)
+    self.run = tf.function(self._run, autograph=False)
 
   def _replica_sums(self, batch):
-    per_example_loss, metrics = self.compute_loss(batch, training=False)
+    per_example_loss, metrics = user_code.converted(self.compute_loss)(batch, training=False)
     sums = {'loss': tf.reduce_sum(tf.cast(per_example_loss, tf.float32))}
     for name, value in metrics.items():
       if name in self.metrics:
-        self.metrics[name].update_state(*value)
+        user_code.converted(self.metrics[name].update_state)(*value)
       else:
         sums[name] = tf.reduce_sum(tf.cast(value, tf.float32))
     count = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
     return sums, count
 
   def _run(self, dataset):
-    totals = {k: tf.constant(0.0) for k in self.metric_names}
-    count = tf.constant(0.0)
-    for batch in dataset:
+    # `dataset.reduce` (tf.data's, or tf.distribute's for a distributed dataset) is what
+    # autograph makes of `for batch in dataset`, written out: this function traces without
+    # autograph (trainer/step/user_code.py).
+
+    def add(state, batch):
+      totals, count = state
       sums, n = self.strategy.run(self._replica_sums, args=(batch,))
       totals = {k: totals[k] + self.strategy.reduce(SUM, sums[k], axis=None) for k in totals}
-      count += self.strategy.reduce(SUM, n, axis=None)
+      return totals, count + self.strategy.reduce(SUM, n, axis=None)
+
+    totals, count = dataset.reduce(
+        ({k: tf.constant(0.0) for k in self.metric_names}, tf.constant(0.0)), add)
     return {k: v / count for k, v in totals.items()}, count
 
   def evaluate(self, dataset) -> dict[str, float]:
