@@ -80,6 +80,36 @@ def test_adam_equals_keras_bit_for_bit_over_500_steps(case, sparse):
     np.testing.assert_array_equal(got, want)
 
 
+def test_adams_step_size_is_computed_once_per_apply_not_per_variable(monkeypatch):
+  """alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) is the same for every variable of one
+  update (the iteration count advances after them); Keras computes it in each variable's
+  update, a chain of scalar ops per variable in every step. Ours: once per apply and dtype, and
+  the bit-for-bit test above still holds."""
+  calls = []
+  step_size = fused_optimizers.adam_step_size
+  monkeypatch.setattr(fused_optimizers, 'adam_step_size',
+                      lambda *args: calls.append(1) or step_size(*args))
+  variables = [tf.Variable(tf.ones([3, 2])), tf.Variable(tf.ones([2])), tf.Variable(tf.ones([4]))]
+  optimizer = fused_optimizers.FusedAdamW(learning_rate=0.01, weight_decay=0.1)
+  optimizer.build(variables)
+
+  @tf.function
+  def two_updates():
+    optimizer.apply_gradients([(tf.ones_like(v), v) for v in variables])
+    optimizer.apply_gradients([(tf.ones_like(v), v) for v in variables])  # t advanced
+
+  two_updates()
+  assert len(calls) == 2  # one per apply, not one per variable (6)
+  assert int(optimizer.iterations.numpy()) == 2
+  expected = [tf.Variable(tf.ones(v.shape)) for v in variables]
+  reference = keras.optimizers.AdamW(learning_rate=0.01, weight_decay=0.1)
+  reference.build(expected)
+  for _ in range(2):
+    reference.apply_gradients([(tf.ones_like(v), v) for v in expected])
+  for got, want in zip(variables, expected):
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
 def test_tf_fused_adam_kernel_drifts_from_keras_over_500_steps():
   """The reason the update above is not TF's one-kernel ResourceApplyAdam: over the same 500
   steps that kernel's weights differ from Keras's (so the test above can see a drift)."""

@@ -38,6 +38,7 @@ Adam's; on unique rows the two agree.)
 from __future__ import annotations
 
 import functools
+import weakref
 
 import keras
 import tensorflow as tf
@@ -91,12 +92,37 @@ def _dense(gradient, dtype):
   return tf.cast(gradient, dtype)
 
 
+# Per optimizer, during one `apply`: {(dtype, device): alpha}. Keras computes Adam's step size
+# (a cast of the iteration count, two powers, a square root, a division) in every variable's
+# update, the same value each time; in a traced step that is those scalar ops once per variable,
+# run on every step. Within one `apply` the iteration count does not change (Keras advances it
+# after the updates), so one alpha per dtype and device serves them all. Kept outside the
+# optimizer, whose attributes Keras's tracking would add to checkpoints.
+_STEP_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class _FusedAdamUpdate:
   """`update_step` for Adam and AdamW (mixed in ahead of the Keras class)."""
 
   def build(self, variables):
     check_keras('Adam')
     super().build(variables)
+
+  def apply(self, grads, trainable_variables=None):
+    _STEP_SIZES[self] = {}
+    try:
+      return super().apply(grads, trainable_variables)
+    finally:
+      _STEP_SIZES.pop(self, None)
+
+  def _step_size(self, learning_rate, dtype, device) -> tf.Tensor:
+    sizes = _STEP_SIZES.get(self)
+    if sizes is None:  # update_step called outside `apply`
+      return adam_step_size(self, learning_rate, dtype)
+    key = (dtype, device)
+    if key not in sizes:
+      sizes[key] = adam_step_size(self, learning_rate, dtype)
+    return sizes[key]
 
   def update_step(self, gradient, variable, learning_rate):
     var = _resource(variable)
@@ -106,7 +132,7 @@ class _FusedAdamUpdate:
     m, v = _resource(self._momentums[index]), _resource(self._velocities[index])
     dtype = var.dtype
     grad = _dense(gradient, dtype)
-    alpha = adam_step_size(self, learning_rate, dtype)
+    alpha = self._step_size(learning_rate, dtype, var.device)
     # `1 - beta` is a Python float here, rounded to the variable's dtype once, as in Keras.
     m.assign_add((grad - m) * (1 - self.beta_1), read_value=False)
     v.assign_add((tf.square(grad) - v) * (1 - self.beta_2), read_value=False)
