@@ -18,8 +18,8 @@ Command:
   python -m benchmarks.references --only=nanogpt_cpu    # every policy, both evaluations
 
 Measured (seed 0, `python -m benchmarks.references --only=nanogpt_cpu`, 2026-11-24, a quiet
-2-core CPU, XLA on in every policy then; docs/references.md has the table): validation loss,
-nanoGPT's 20-batch estimate / the full split:
+2-core CPU; docs/references.md has the table): validation loss, nanoGPT's 20-batch estimate /
+the full split (mixed_bfloat16 the same with XLA on and off):
   float32 1.790 / 1.784;  mixed_bfloat16 1.790 / 1.784;  mixed_float16 (dynamic) 1.790 / 1.784,
 i.e. 0.09 below the published 1.88 in every policy. Our model is not nanoGPT's (untied
 embeddings, biases, Keras's Glorot init), so the comparison is of recipes, not of code.

@@ -52,12 +52,10 @@ def _one_of(*choices):
 
 
 def _jit_setting(v):
-  if v in ('auto', 'true', 'false'):
-    return None
-  unknown = [p for p in v.split(',') if p not in PRECISION_POLICIES]
-  return (None if not unknown else
-          f"must be auto, true, false or policies from {', '.join(PRECISION_POLICIES)}, "
-          f'comma-separated (not {", ".join(map(repr, unknown))})')
+  bad = [] if v in ('auto', 'true', 'false') else [p for p in v.split(',')
+                                                    if p not in PRECISION_POLICIES]
+  return (f"must be auto, true, false or policies from {', '.join(PRECISION_POLICIES)}, "
+          f'comma-separated (not {", ".join(map(repr, bad))})') if bad else None
 
 
 # The choices, defined here once (this module imports no TensorFlow); the modules that implement
@@ -96,18 +94,17 @@ SCHEMA: dict[str, Key] = {
     'train.steps_per_loop': Key(int, 100, 'steps per compiled call', _positive),
     'train.log_every': Key(int, 100, 'steps between log lines and summaries', _positive),
     'train.eval_every': Key(int, 0, 'steps between evals; 0 = only at the end', _non_negative),
-    'train.checkpoint_every': Key(int, 1000, 'steps between checkpoints (and at the end)',
+    'train.checkpoint_every': Key(int, 1000, 'steps between checkpoints, and at the end',
                                   _positive),
     'train.max_to_keep': Key(int, 3, 'checkpoints kept', _positive),
-    'train.jit_compile': Key(str, 'auto', "XLA for the per-replica step: 'auto' is on for "
-                             'GPU/TPU, off on CPU; or the policies to use it under, '
-                             "comma-separated (e.g. 'float32,mixed_float16')", _jit_setting),
+    'train.jit_compile': Key(str, 'auto', "XLA for the per-replica step: 'auto' (GPU/TPU: on, "
+                             "CPU: off), or the policies it is on under ('float32,...')",
+                             _jit_setting),
     'train.intra_op_threads': Key(int, 0, "threads of TensorFlow's pool that splits one op "
                                   "(a matmul) across cores; 0 = TensorFlow's choice (one per "
                                   'core)', _non_negative),
     'train.inter_op_threads': Key(int, 0, "threads of TensorFlow's pool that runs independent "
-                                  "ops at once; 0 = TensorFlow's choice (one per core)",
-                                  _non_negative),
+                                  "ops at once; 0 = TensorFlow's choice", _non_negative),
     'train.deterministic': Key(bool, False, 'op determinism: a resumed run is bit-identical'),
     'train.grad_accum_steps': Key(int, 1, 'micro-batches per optimizer step: the global batch '
                                   'is split into this many, gradients summed',
@@ -123,12 +120,10 @@ SCHEMA: dict[str, Key] = {
                                       'differs in keys other than run length and bookkeeping '
                                       '(see trainer/run/workdir.py); the change is recorded'),
     'train.async_checkpoint': Key(bool, False, "write checkpoints in TensorFlow's background "
-                                  'thread: the step loop waits only for the copy of the '
-                                  'variables (trainer/run/workdir.py)'),
+                                  'thread: the loop waits only for the copy of the variables'),
     'train.recover_tries': Key(int, 0, 'on a collapse (max_consecutive_skips) or a diverged '
                                'loss: restore the last healthy checkpoint and go on past the '
-                               'failed data, at most this many times; 0 = stop',
-                               _non_negative),
+                               'failed data, at most N times; 0 = stop', _non_negative),
     'train.recover_lr_factor': Key(float, 1.0, 'each recovery multiplies the learning rate by '
                                    'this (kept in the checkpoints)',
                                    lambda v: None if 0 < v <= 1 else 'must be in (0, 1]'),
@@ -144,10 +139,8 @@ SCHEMA: dict[str, Key] = {
     'optimizer.clip_norm': Key(float, 0.0, 'global-norm clipping of the unscaled gradients; '
                                '0 = off', _non_negative),
     'optimizer.momentum': Key(float, 0.9, 'momentum (sgd only)', _momentum),
-    'optimizer.beta_1': Key(float, 0.9, "adam and adamw: the first moment's decay rate",
-                            _beta),
-    'optimizer.beta_2': Key(float, 0.999, "adam and adamw: the second moment's decay rate",
-                            _beta),
+    'optimizer.beta_1': Key(float, 0.9, "adam, adamw: the first moment's decay rate", _beta),
+    'optimizer.beta_2': Key(float, 0.999, "adam, adamw: the second moment's decay rate", _beta),
     'optimizer.epsilon': Key(float, 1e-7, "adam and adamw: added to the root of the second "
                              "moment (Keras's default 1e-7; PyTorch's is 1e-8)", _positive),
     'optimizer.fused': Key(bool, True, "fused TF kernels in the update (Keras's results); "
@@ -198,7 +191,7 @@ SCHEMA: dict[str, Key] = {
     'numerics.forensics_first': Key(int, 3, 'skipped steps replayed layer by layer to name the '
                                     'first non-finite layer (<workdir>/forensics/), the first '
                                     'ones', _non_negative),
-    'numerics.forensics_every': Key(int, 100, '... then every this-many-th skip; 0 = no more',
+    'numerics.forensics_every': Key(int, 100, '... then every N-th skip; 0 = no more',
                                     _non_negative),
     'numerics.divergence_factor': Key(float, 10.0, 'a warning line when the logged train loss '
                                       'passes this many times its running minimum (and the '
@@ -209,18 +202,15 @@ SCHEMA: dict[str, Key] = {
                                  "improving (needs train.eval_every > 0); '' = off"),
     'early_stopping.mode': Key(str, 'auto', "'min', 'max', or 'auto' (min for losses and "
                                "errors, max otherwise)", _one_of('auto', 'min', 'max')),
-    'early_stopping.patience': Key(int, 3, 'evals without improvement before stopping',
-                                   _positive),
-    'early_stopping.min_delta': Key(float, 0.0, 'smallest change that counts as improvement',
-                                    _non_negative),
+    'early_stopping.patience': Key(int, 3, 'evals without improvement to stop', _positive),
+    'early_stopping.min_delta': Key(float, 0.0, 'least change that improves', _non_negative),
     'best_checkpoint.metric': Key(str, '', "eval metric whose best value's model weights are "
                                   "kept in <workdir>/best; '' = off"),
     'best_checkpoint.mode': Key(str, 'auto', "'min', 'max', or 'auto' (as early_stopping.mode)",
                                 _one_of('auto', 'min', 'max')),
     'debug.inject_nonfinite_every': Key(int, 0, 'make every N-th step non-finite; 0 = off',
                                         _non_negative),
-    'debug.inject_nonfinite_steps': Key(str, '', 'comma-separated global steps made '
-                                        'non-finite'),
+    'debug.inject_nonfinite_steps': Key(str, '', 'comma-separated global steps made non-finite'),
     'debug.inject_nonfinite_replica': Key(int, -1, 'replica whose gradients the injection '
                                           'poisons; -1 = all replicas',
                                           lambda v: None if v >= -1 else 'must be >= -1'),
