@@ -52,8 +52,7 @@ def _one_of(*choices):
 
 
 def _jit_setting(v):
-  bad = [] if v in ('auto', 'true', 'false') else [p for p in v.split(',')
-                                                    if p not in PRECISION_POLICIES]
+  bad = [] if v in JIT_SWITCHES else [p for p in v.split(',') if p not in PRECISION_POLICIES]
   return (f"must be auto, true, false or policies from {', '.join(PRECISION_POLICIES)}, "
           f'comma-separated (not {", ".join(map(repr, bad))})') if bad else None
 
@@ -65,6 +64,7 @@ POLICIES = ('auto', *PRECISION_POLICIES)
 LOSS_SCALE_MODES = ('none', 'static', 'dynamic')
 LOSS_SCALES = ('auto', *(m for m in LOSS_SCALE_MODES if m != 'static'))  # static: a number
 STRATEGIES = ('default', 'mirrored', 'multi_worker', 'tpu')
+JIT_SWITCHES = ('auto', 'true', 'false')  # or a comma-separated list of policies
 MASTER_WEIGHTS = ('float32', 'bfloat16_sr', 'bfloat16_kahan')  # trainer/step/low_precision.py
 STATE_BITS = (32, 8)
 LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/step/low_precision.py has

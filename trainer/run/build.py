@@ -50,7 +50,7 @@ def jit(setting: str, policy: str) -> bool:
   TPU), off on CPU; a comma-separated list of policies is on under those."""
   if setting == 'auto':
     return bool(tf.config.list_physical_devices('GPU') or tf.config.list_logical_devices('TPU'))
-  if setting in ('true', 'false'):
+  if setting in config_lib.JIT_SWITCHES:
     return setting == 'true'
   return policy in setting.split(',')
 
