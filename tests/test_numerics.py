@@ -65,6 +65,32 @@ def test_underflow_fraction_follows_the_scale(tmp_path):
   assert fractions['1'] > 0.5 and fractions['32768'] < 0.1, fractions
 
 
+
+def test_the_probe_runs_eagerly_first_then_compiled_with_the_same_numbers(tmp_path):
+  """The tests above check the eager measurements (the first ones) against references; the
+  compiled ones, after EAGER_CALLS, give the same numbers: float16 gradients of ~1e-6 at scale
+  1, partly flushed and partly subnormal, and the loud layer's headroom."""
+  from trainer.insight import numerics
+
+  class Small(Wide):
+    def compute_loss(self, batch, *, training):
+      loss, metrics = super().compute_loss(batch, training=training)
+      return loss * 1e-5, metrics
+
+  trainer = Small(tiny_config(**{'precision.policy': 'mixed_float16',
+                                 'precision.loss_scale': '1'}), str(tmp_path / 'w'))
+  probe = numerics.Probe(trainer)
+  probe._fn.eager_seconds = float('inf')  # the count alone decides here
+  batch = next(iter(trainer.datasets.train))
+  eager = [probe.measure(batch) for _ in range(numerics.EAGER_CALLS)]
+  assert probe._fn.compiled.experimental_get_tracing_count() == 0
+  compiled = probe.measure(batch)
+  assert probe._fn.compiled.experimental_get_tracing_count() == 1
+  assert all(e == eager[0] for e in eager)
+  stats, overall = compiled
+  assert overall['grad_flushed'] > 0 and overall['grad_subnormal'] > 0, overall
+  assert compiled == eager[0]
+
 def test_probe_leaves_weights_state_and_training_order_alone(tmp_path):
   from test_trainer_contract import BatchNormTrainer
   trainer = BatchNormTrainer(tiny_config(), str(tmp_path / 'w'))

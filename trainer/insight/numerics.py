@@ -50,6 +50,7 @@ from absl import logging
 from trainer.insight import hooks
 from trainer.step import contract
 from trainer.step import user_code
+from trainer.step.eager_then_compiled import EagerThenCompiled
 from trainer.step.forward_state import forward_state_kept
 from trainer.step.loss_scale import overwritten
 
@@ -151,6 +152,11 @@ def output_counts(layer, values, reference) -> tf.Tensor:
   return tf.stack([tf.reduce_max(tf.stack(largest_out)), tf.add_n(flushed), tf.add_n(subnormal),
                    tf.add_n(count)])
 
+# The probe is two forward and backward passes with recording hooks: compiling it costs about
+# as much as 2-9 eager measurements, or as one on a large model whose eager pass is slow
+# (docs/references.md, "Start-up").
+EAGER_CALLS, EAGER_SECONDS = 8, 2.0
+
 
 class Probe:
   """The compiled statistics pass for one trainer (built on first use)."""
@@ -174,7 +180,10 @@ class Probe:
                                  if layer.compute_dtype != 'float32'})
     self.needs_reference = bool(self.low_precision) or any(
         getattr(layer, 'quantization_mode', None) for layer in self.layers)
-    self._fn = tf.function(self._stats, autograph=False)  # trainer/step/user_code.py
+    # Eager for the first measurements, compiled once eager has cost about one compilation
+    # (trainer/step/eager_then_compiled.py); autograph=False: trainer/step/user_code.py.
+    self._fn = EagerThenCompiled(self._stats, eager_calls=EAGER_CALLS,
+                                 eager_seconds=EAGER_SECONDS, autograph=False)
     self._batch = batch  # measured by default; None: the first eval batch, read on first use
 
   def _gradients(self, share, scaled: bool, record=None):

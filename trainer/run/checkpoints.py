@@ -49,6 +49,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.python.checkpoint import checkpoint_management
 
 from trainer.errors import UserError
+from trainer.step.eager_then_compiled import EagerThenCompiled
 from trainer.step.loss_scale import all_finite
 
 # Checkpoint items added after checkpoints were first written: a checkpoint without them still
@@ -116,9 +117,10 @@ def nonfinite(variables_: list) -> list[str]:
           if not np.isfinite(v.numpy()).all()]
 
 
-@tf.function(autograph=False)
-def _all_finite(variables_) -> tf.Tensor:
-  return all_finite([v.read_value() for v in variables_])
+# Eager for the first saves: compiling the check over every variable costs about as much as
+# 90-240 eager checks (docs/references.md, "Start-up"); many runs save fewer times.
+_all_finite = EagerThenCompiled(lambda variables_: all_finite([v.read_value() for v in variables_]),
+                                eager_calls=50, eager_seconds=0.3, autograph=False)
 
 
 def describe_nonfinite(bad: list[str]) -> str:

@@ -1,0 +1,74 @@
+"""`EagerThenCompiled`: a function the run calls rarely, run eagerly for its first calls and as
+one compiled `tf.function` after them.
+
+Tracing a graph and optimizing it (grappler) costs about as much as running the same function
+eagerly several times. For a function the run calls rarely (the numerics probe: a forward and
+backward pass twice, with recording hooks; the checkpoint's finite check over every variable) a
+short run, a test or a debugging session is faster never compiling it, and a long run, which
+calls it hundreds of times, is faster compiled. The length is not known in advance, so the
+first calls run eagerly and the later ones compiled: eager for at most `eager_calls` calls and
+`eager_seconds` seconds in total, limits chosen so that the eager calls together cost about
+one compilation. Whatever the run's length, it then pays at most about twice the better of the
+two choices (the rent-or-buy rule: rent until the rent paid equals the price of buying, then
+buy). The count keeps a small function's choice deterministic; the seconds stop a large model,
+whose eager calls are slow, from renting long.
+
+On a machine with a TPU every call is compiled: eager ops on a TPU are each compiled on their
+own, so eager is the slow choice there at any length.
+
+Both run the same ops on the same values. A compiled graph may fuse kernels (grappler's
+remapper, oneDNN's fused matmuls), which in low precision can round an intermediate differently,
+so a float16 or bfloat16 statistic can differ in its last bits between an eager and a compiled
+call; the numerics guide says so where it shows.
+"""
+from __future__ import annotations
+
+import time
+
+import tensorflow as tf
+from absl import logging
+
+
+class EagerThenCompiled:
+  """`fn(*args)` eagerly while fewer than `eager_calls` calls have run eagerly and they took
+  less than `eager_seconds` in total; after that `tf.function(fn, **function_options)`, traced
+  once per input signature as any tf.function. Called while a graph is being traced, it is
+  traced into that graph and not counted. An eager call that raises is repeated compiled, and
+  every later call is compiled."""
+
+  def __init__(self, fn, *, eager_calls: int, eager_seconds: float, **function_options):
+    self.fn = fn
+    self.eager_calls, self.eager_seconds = int(eager_calls), float(eager_seconds)
+    self.compiled = tf.function(fn, **function_options)
+    self.calls = 0  # eager-mode calls so far, both kinds
+    self.seconds = 0.0  # spent in the eager ones
+    self._tpu_checked = False
+
+  def __call__(self, *args, **kwargs):
+    if not tf.executing_eagerly():
+      return self.fn(*args, **kwargs)
+    if not self._tpu_checked:  # at the first call: a TPU system starts after construction
+      self._tpu_checked = True
+      if tf.config.list_logical_devices('TPU'):
+        self.eager_calls = 0
+    eager = self.eager_next
+    self.calls += 1
+    if not eager:
+      return self.compiled(*args, **kwargs)
+    start = time.perf_counter()
+    try:
+      return self.fn(*args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      # Some layers run only in a graph (Keras's float8 layers: their custom gradient unpacks
+      # differently under eager execution): compiled from here on, as before this module.
+      self.eager_calls = 0
+      logging.debug('%s failed eagerly (%s: %s); compiled from now on', self.fn,
+                    type(e).__name__, e)
+      return self.compiled(*args, **kwargs)
+    finally:
+      self.seconds += time.perf_counter() - start
+
+  @property
+  def eager_next(self) -> bool:
+    """Whether the next eager-mode call runs eagerly."""
+    return self.calls < self.eager_calls and self.seconds < self.eager_seconds
