@@ -87,6 +87,23 @@ def test_step_ablation_runs_every_contender():
   assert all(float(row[1]) > 0 for row in rows.values())  # steps per second
 
 
+
+def test_eager_or_compiled_times_both_ways():
+  """benchmarks/eager_or_compiled.py (the figures behind the eager limits of the probe and the
+  checkpoint check) reads the two functions through EagerThenCompiled; one config, so it never
+  rots. No claim about speed."""
+  done = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'benchmarks', 'eager_or_compiled.py'),
+       '--configs=mnist_mlp:float32', '--eager_calls=2'],
+      capture_output=True, text=True, cwd=ROOT, timeout=600,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  assert done.returncode == 0, done.stderr[-3000:]
+  row = [line for line in done.stdout.splitlines() if line.startswith('| mnist_mlp, float32')]
+  assert len(row) == 1, done.stdout
+  cells = [c.strip() for c in row[0].strip('|').split('|')]
+  times = [float(x) for i in (1, 2, 5, 6) for x in cells[i].split(' / ')]
+  assert all(t > 0 for t in times) and int(cells[4]) > 0, row
+
 def test_memory_breakdown_setting_and_table():
   from benchmarks import memory
   assert memory._parse_setting('bf16 sr:mixed_bfloat16,precision.master_weights=bfloat16_sr,'
