@@ -152,14 +152,15 @@ def output_counts(layer, values, reference) -> tf.Tensor:
   return tf.stack([tf.reduce_max(tf.stack(largest_out)), tf.add_n(flushed), tf.add_n(subnormal),
                    tf.add_n(count)])
 
-# The probe is two forward and backward passes with recording hooks: compiling it costs about
-# as much as 2-9 eager measurements, or as one on a large model whose eager pass is slow
-# (docs/references.md, "Start-up").
+# Eager until compiling would have been cheaper at the shapes measured (the slowest break-even
+# and a large model's slow eager pass: docs/references.md, "Start-up", and
+# benchmarks/eager_or_compiled.py).
 EAGER_CALLS, EAGER_SECONDS = 8, 2.0
 
 
 class Probe:
-  """The compiled statistics pass for one trainer (built on first use)."""
+  """The statistics pass for one trainer (built on first use; eager for its first calls, then
+  compiled: trainer/step/eager_then_compiled.py)."""
 
   def __init__(self, trainer, batch=None):
     self.trainer = trainer

@@ -117,8 +117,8 @@ def nonfinite(variables_: list) -> list[str]:
           if not np.isfinite(v.numpy()).all()]
 
 
-# Eager for the first saves: compiling the check over every variable costs about as much as
-# 90-240 eager checks (docs/references.md, "Start-up"); many runs save fewer times.
+# Eager for the first saves: compiling the check over every variable costs as much as dozens
+# of eager checks (docs/references.md, "Start-up"), and many runs save fewer times.
 _all_finite = EagerThenCompiled(lambda variables_: all_finite([v.read_value() for v in variables_]),
                                 eager_calls=50, eager_seconds=0.3, autograph=False)
 

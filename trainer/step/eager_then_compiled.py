@@ -2,16 +2,16 @@
 one compiled `tf.function` after them.
 
 Tracing a graph and optimizing it (grappler) costs about as much as running the same function
-eagerly several times. For a function the run calls rarely (the numerics probe: a forward and
-backward pass twice, with recording hooks; the checkpoint's finite check over every variable) a
-short run, a test or a debugging session is faster never compiling it, and a long run, which
-calls it hundreds of times, is faster compiled. The length is not known in advance, so the
-first calls run eagerly and the later ones compiled: eager for at most `eager_calls` calls and
-`eager_seconds` seconds in total, limits chosen so that the eager calls together cost about
-one compilation. Whatever the run's length, it then pays at most about twice the better of the
-two choices (the rent-or-buy rule: rent until the rent paid equals the price of buying, then
-buy). The count keeps a small function's choice deterministic; the seconds stop a large model,
-whose eager calls are slow, from renting long.
+eagerly several times. For a function the run calls rarely (the numerics probe: one or two
+forward and backward passes with recording hooks; the checkpoint's finite check over every
+variable) a short run, a test or a debugging session is faster never compiling it, and a long
+run, which calls it hundreds of times, is faster compiled. The length is not known in advance,
+so the first calls run eagerly and the later ones compiled: eager for at most `eager_calls`
+calls and `eager_seconds` seconds in total, limits chosen so that the eager calls together
+cost about one compilation. Whatever the run's length, it then pays at most about twice the
+better of the two choices (the rent-or-buy rule: rent until the rent paid equals the price of
+buying, then buy). The count keeps a small function's choice deterministic; the seconds stop a
+large model, whose eager calls are slow, from renting long.
 
 On a machine with a TPU every call is compiled: eager ops on a TPU are each compiled on their
 own, so eager is the slow choice there at any length.
