@@ -2,6 +2,7 @@
 PNGs per class written here, and a TensorFlow Datasets builder prepared here (no download)."""
 import gc
 import os
+import types
 import weakref
 
 import keras
@@ -122,6 +123,26 @@ def test_the_first_eval_batch_is_read_once_by_an_iterator_kept_with_the_dataset(
   del data, ds
   gc.collect()
   assert gone() is None  # the kept batch and iterator do not keep the dataset alive
+
+
+def test_an_eval_set_that_takes_no_attributes_is_read_again_each_time():
+  """The first eval batch is kept as an attribute of the dataset; an eval set that takes none
+  (a class with __slots__, a C extension type) still gives its first batch, read anew at each
+  call instead of failing."""
+
+  class NoAttributes:
+    __slots__ = ('reads',)
+
+    def __init__(self):
+      self.reads = 0
+
+    def __iter__(self):
+      self.reads += 1
+      return iter([tf.constant([self.reads]), tf.constant([-1])])
+
+  data = types.SimpleNamespace(eval=NoAttributes())
+  np.testing.assert_array_equal(contract.first_eval_batch(data), [1])
+  np.testing.assert_array_equal(contract.first_eval_batch(data), [2])  # not kept: read again
 
 
 def test_from_tfds_on_a_locally_built_dataset(tmp_path):
