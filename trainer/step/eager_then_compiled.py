@@ -42,31 +42,28 @@ class EagerThenCompiled:
     self.compiled = tf.function(fn, **function_options)
     self.calls = 0  # eager-mode calls so far, both kinds
     self.seconds = 0.0  # spent in the eager ones
-    self._tpu_checked = False
 
   def __call__(self, *args, **kwargs):
     if not tf.executing_eagerly():
       return self.fn(*args, **kwargs)
-    if not self._tpu_checked:  # at the first call: a TPU system starts after construction
-      self._tpu_checked = True
-      if tf.config.list_logical_devices('TPU'):
-        self.eager_calls = 0
+    # Checked at the first call, not at construction: a TPU system starts after that.
+    if self.calls == 0 and tf.config.list_logical_devices('TPU'):
+      self.eager_calls = 0
     eager = self.eager_next
     self.calls += 1
-    if not eager:
-      return self.compiled(*args, **kwargs)
-    start = time.perf_counter()
-    try:
-      return self.fn(*args, **kwargs)
-    except Exception as e:  # pylint: disable=broad-except
-      # Some layers run only in a graph (Keras's float8 layers: their custom gradient unpacks
-      # differently under eager execution): compiled from here on, as before this module.
-      self.eager_calls = 0
-      logging.debug('%s failed eagerly (%s: %s); compiled from now on', self.fn,
-                    type(e).__name__, e)
-      return self.compiled(*args, **kwargs)
-    finally:
-      self.seconds += time.perf_counter() - start
+    if eager:
+      start = time.perf_counter()
+      try:
+        return self.fn(*args, **kwargs)
+      except Exception as e:  # pylint: disable=broad-except
+        # Some layers run only in a graph (Keras's float8 layers: their custom gradient unpacks
+        # differently under eager execution): compiled from here on, as before this module.
+        self.eager_calls = 0
+        logging.debug('%s failed eagerly (%s: %s); compiled from now on', self.fn,
+                      type(e).__name__, e)
+      finally:
+        self.seconds += time.perf_counter() - start
+    return self.compiled(*args, **kwargs)
 
   @property
   def eager_next(self) -> bool:
