@@ -171,6 +171,56 @@ def test_update_step_called_directly_gives_each_variable_its_own_bits():
   assert as_f64(variables[0]).tobytes() != as_f64(variables[1]).tobytes()
 
 
+def test_an_optimizer_stream_draws_other_bits_and_stream_0_the_usual_ones():
+  """Two optimizers with the same seed round identical weights with the same bits unless their
+  streams differ (an update group's index, set by the step); stream 0 is the seed as before."""
+  def after_one_update(stream=None):
+    variable = keras.Variable(np.ones(4096, np.float32), dtype='bfloat16')
+    optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-3, master_weights='bfloat16_sr',
+                                               seed=3)
+    if stream is not None:
+      optimizer.stream = stream
+    optimizer.build([variable])
+    optimizer.apply_gradients([(tf.constant(np.full(4096, 0.5, np.float32)), variable)])
+    return as_f64(variable)
+
+  ref_w, _, _ = adam_reference(1.0, 0.5, 0.0, 0.0, 1, 1e-3)
+  default, zero, one = after_one_update(), after_one_update(0), after_one_update(1)
+  assert default.tobytes() == zero.tobytes()
+  assert one.tobytes() != default.tobytes()
+  sr_check(one, ref_w)  # still Adam's update, rounded stochastically
+
+
+def test_each_update_group_gets_its_own_stream(tmp_path):
+  """A step with two update groups, both optimizers made by build_optimizer (one config.seed):
+  build_optimizers gives them streams 0 and 1, and the step trains."""
+  from trainer import TrainStep, UpdateGroup
+
+  class TwoGroups(TrainStep):
+    def __init__(self, trainer):
+      self.second = trainer.build_optimizer(lambda: 1e-3)
+      super().__init__(trainer)
+
+    @property
+    def groups(self):
+      hidden, logits = self.model.layers
+      return [UpdateGroup(self.optimizer, hidden.trainable_variables, self.loss_scaler),
+              UpdateGroup(self.second, logits.trainable_variables, self.loss_scaler)]
+
+  class TwoGroupTrainer(TinyTrainer):
+    def build_train_step(self):
+      return TwoGroups(self)
+
+  trainer = TwoGroupTrainer(tiny_config(**runs.overrides('bfloat16_sr'), **{'train.steps': 2}),
+                            str(tmp_path / 'work'))
+  groups = trainer.train_step.groups
+  assert isinstance(groups[1].optimizer, low_precision.LowPrecisionAdamW)
+  assert [group.optimizer.stream for group in groups] == [0, 1]
+  before = as_f64(trainer.model.layers[0].kernel)
+  trainer.train()
+  assert not np.array_equal(as_f64(trainer.model.layers[0].kernel), before)
+
+
 def test_a_bfloat16_layer_under_float32_masters_with_8_bit_state_rounds_stochastically():
   """A variable built in bfloat16 (precision.allow_low_precision_variables) under float32
   masters and 8-bit state: its update is rounded stochastically, as under bfloat16_sr."""

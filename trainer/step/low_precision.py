@@ -20,7 +20,8 @@ float32 exactly as Keras's Adam, and requantizes.
 
 The managed variables are updated together, in compiled calls of up to CALL_ELEMENTS elements
 (trainer/step/low_precision_updates.py). Each call's random bits are one stateless draw seeded by
-(config.seed, the trainer's global step, the call's number): a resumed run draws the same bits
+(config.seed, the trainer's global step, the call's number; with several update groups, also
+the group's index): a resumed run draws the same bits
 as an uninterrupted one, every replica draws the same bits (mirrored copies stay identical), and
 a skipped step draws none. Each variable reads its own slice of the draw, and each tensor
 (weight, m, v, momentum) its own 16-bit chunk.
@@ -68,6 +69,9 @@ class _LowPrecision:
     self.state_bits = int(state_bits)
     self.seed = int(seed)
     self._step = step  # the trainer's global step (None: this optimizer's iterations)
+    # The update group's index (TrainStep.build_optimizers sets it): two groups whose optimizers
+    # share config.seed would otherwise round with the same bits. Group 0 folds in nothing.
+    self.stream = 0
 
   def get_config(self):
     return {**super().get_config(), 'master_weights': self.master_weights,
@@ -115,7 +119,8 @@ class _LowPrecision:
   def _update(self, grads, variables, learning_rate, variable_index=None):
     """Updates `variables` in compiled calls of at most CALL_ELEMENTS (padded) elements each,
     one after another. Call k draws its bits from (config.seed, step) folded with (0, k); a
-    single variable updated by update_step, with (1, its index)."""
+    single variable updated by update_step, with (1, its index). A later update group folds in
+    its index first."""
     variables = [_tf(v) for v in variables]
     sizes = [blocks(int(np.prod(v.shape))) * BLOCK for v in variables]
     calls, total = [[]], 0
@@ -127,6 +132,8 @@ class _LowPrecision:
       total += size
     step = self.iterations if self._step is None else self._step
     seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(step, tf.int64)])
+    if self.stream:
+      seed = tf.random.experimental.stateless_fold_in(seed, self.stream)
     lr = tf.cast(learning_rate, tf.float32)
     assigns: list = []
     for k, call in enumerate(calls):

@@ -185,8 +185,12 @@ class TrainStep(CompiledLoop):
     return [UpdateGroup(self.optimizer, self.variables, self.loss_scaler)]
 
   def build_optimizers(self) -> None:
-    """Creates each group's optimizer slots for its variables (before any restore)."""
-    for group in self.groups:
+    """Creates each group's optimizer slots for its variables (before any restore), and gives
+    each group's low-precision optimizer its own random bits (its `stream`: the group's index)."""
+    streams: dict = {}
+    for index, group in enumerate(self.groups):
+      if hasattr(group.optimizer, 'stream'):
+        group.optimizer.stream = streams.setdefault(id(group.optimizer), index)
       optimizers.reset_loss_scale_factor(group.optimizer)  # the loss is scaled here, not there
       group.optimizer.build(group.variables)
 
