@@ -4,8 +4,10 @@ summed per op type and per layer.
   python benchmarks/profile_step.py --model=transformer_lm --policy=mixed_bfloat16
   python benchmarks/profile_step.py --model=mnist_cnn --policy=mixed_bfloat16 --vs_fit
 
-After a warm-up, `--steps` steps are traced with `tf.profiler.experimental` into
-`--out/<contender>` (open it in TensorBoard's Profile tab for the timeline). The summary reads the
+After a warm-up, `--steps` timed steps are traced with `tf.profiler.experimental` into
+`--profile_out/<contender>` (open it in TensorBoard's Profile tab for the timeline); fit's trace
+also holds its first execution, which fit's timing leaves out, and the op figures are per step
+of the trace (the wall time per timed step). The summary reads the
 trace's XSpace: every TensorFlow op the executor ran on the host's compute threads, with its
 duration. "op ms" sums those durations over both threads, so it exceeds the wall time when ops
 run side by side (and two ops sharing two cores each run slower than alone); the shares are
@@ -37,7 +39,8 @@ _MODEL = flags.DEFINE_string('model', 'mnist_cnn', 'Module in models/.')
 _POLICY = flags.DEFINE_string('policy', 'mixed_bfloat16', 'Precision policy.')
 _SPL = flags.DEFINE_integer('steps_per_loop', None, 'Steps per compiled call (default: 10, or 1 '
                             'for the models benchmarks/run.py runs at 1).')
-_STEPS = flags.DEFINE_integer('steps', None, 'Steps traced (default: 4 compiled calls).')
+_STEPS = flags.DEFINE_integer('steps', None, 'Steps timed (default: 4 compiled calls); fit '
+                              "also traces its first execution, which it does not time.")
 _VS_FIT = flags.DEFINE_bool('vs_fit', False, "Also trace Keras fit (Keras's own optimizer).")
 _TOP = flags.DEFINE_integer('top', 15, 'Rows per table.')
 _PROFILE_OUT = flags.DEFINE_string('profile_out', '/tmp/profile_step', 'Trace folder.')
@@ -116,7 +119,7 @@ def main(argv):
   if _VS_FIT.value:
     contenders['fit'] = KerasFit(trainer_class, bench_run.variant(
         base, policy=_POLICY.value, steps_per_loop=spl, fused=False))
-  print(f'{name}, {_POLICY.value}, steps_per_loop={spl}, {steps} steps traced per contender')
+  print(f'{name}, {_POLICY.value}, steps_per_loop={spl}, {steps} steps timed per contender')
   for label, contender in contenders.items():
     contender.timed(spl)  # traces and compiles
     contender.timed(steps)  # warm
@@ -126,9 +129,12 @@ def main(argv):
     wall, _ = contender.timed(steps)
     tf.profiler.experimental.stop()
     model_name = (contender.trainer.model if label == 'ours' else contender.model).name
-    times, ops = op_times(logdir, steps)
-    print(summarize(f'{label} (trace in {logdir})', 1000 * wall / steps, times, ops, model_name,
-                    _TOP.value))
+    # The trace holds every step timed() ran, the untimed ones too (fit's first execution): op
+    # figures are per traced step, the wall per timed step.
+    traced = steps + contender.untimed_steps
+    times, ops = op_times(logdir, traced)
+    print(summarize(f'{label} ({traced} steps in the trace {logdir})', 1000 * wall / steps,
+                    times, ops, model_name, _TOP.value))
     contender.close()
 
 

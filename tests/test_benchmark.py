@@ -88,6 +88,41 @@ def test_step_ablation_runs_every_contender():
 
 
 
+def trace_events(folder: str, suffix: str) -> tuple[int, int]:
+  """(events whose op name ends with `suffix`, all op events) on the executor's threads of the
+  newest tf.profiler trace under `folder`."""
+  import glob
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2
+  path = max(glob.glob(f'{folder}/**/*.xplane.pb', recursive=True), key=os.path.getmtime)
+  space = xplane_pb2.XSpace()
+  with open(path, 'rb') as f:
+    space.ParseFromString(f.read())
+  names = [plane.event_metadata[event.metadata_id].name for plane in space.planes
+           for line in plane.lines if line.name.startswith('tf_Compute') for event in line.events]
+  names = [n for n in names if ':' in n and not n.startswith(('Executor', 'ThreadpoolListener'))]
+  return sum(n.endswith(suffix) for n in names), len(names)
+
+
+def test_step_profile_divides_by_the_steps_in_each_trace(tmp_path):
+  """benchmarks/profile_step.py --vs_fit: fit's trace holds one execution more than fit times,
+  and the per-step op figures divide by the steps in the trace. Reference: the loss kernel,
+  once per step in both loops, counted in the trace files."""
+  done = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'benchmarks', 'profile_step.py'), '--model=mnist_mlp',
+       '--policy=float32', '--vs_fit', '--steps_per_loop=2', '--steps=4',
+       f'--profile_out={tmp_path}'],
+      capture_output=True, text=True, cwd=ROOT, timeout=600,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  assert done.returncode == 0, done.stderr[-3000:]
+  heads = [line for line in done.stdout.splitlines() if line.startswith('== ')]
+  assert len(heads) == 2, done.stdout
+  for label, head in zip(('ours', 'fit'), heads):
+    traced = int(head.split('(')[1].split()[0])
+    losses, events = trace_events(str(tmp_path / label), ':SparseSoftmaxCrossEntropyWithLogits')
+    assert losses == traced == {'ours': 4, 'fit': 6}[label], head
+    assert int(head.split(' ops/step')[0].rsplit(' ', 1)[1]) == events // traced, head
+
+
 def test_eager_or_compiled_times_both_ways():
   """benchmarks/eager_or_compiled.py (the figures behind the eager limits of the probe and the
   checkpoint check) reads the two functions through EagerThenCompiled; one config, so it never
