@@ -87,7 +87,6 @@ def test_step_ablation_runs_every_contender():
   assert all(float(row[1]) > 0 for row in rows.values())  # steps per second
 
 
-
 def trace_events(folder: str, suffix: str) -> tuple[int, int]:
   """(events whose op name ends with `suffix`, all op events) on the executor's threads of the
   newest tf.profiler trace under `folder`."""
