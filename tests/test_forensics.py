@@ -1,5 +1,7 @@
 """trainer/insight/forensics.py: the eager replay names the layer where float16 overflowed, forward
 or backward; forensic folders save and replay; launch.py --mode=diagnose."""
+import json
+import math
 import os
 import subprocess
 import sys
@@ -100,6 +102,79 @@ def test_forward_overflow_names_the_culprit(mixed_float16):
   assert report.dtype == 'float16' and report.max_abs_float32 > 65504
   assert report.line().startswith("first non-finite: forward output of 'culprit' (Dense)")
   assert '> float16 max 65504' in report.line()
+
+
+class ExpGate(keras.layers.Layer):
+  """h * 16 * softmax(2h), the softmax written as exp / sum in the compute dtype: exp(2h)
+  overflows float16 once h > 5.5 while the layer's output stays below 16 max |h|."""
+
+  def call(self, h):
+    e = tf.exp(2.0 * h)
+    return h * 16.0 * (e / tf.reduce_sum(e, axis=-1, keepdims=True))
+
+
+def test_an_overflow_inside_a_layer_reports_the_ops_own_value(mixed_float16):
+  """The gate's output fits float16 in float32; its Exp does not. The report gives both, each
+  equal to a NumPy float64 computation from the gate's float16 input."""
+  model = keras.Sequential([
+      keras.Input((16,)),
+      keras.layers.Dense(16, name='proj',
+                         kernel_initializer=keras.initializers.RandomNormal(stddev=2.0, seed=0)),
+      ExpGate(name='gate'),
+      keras.layers.Dense(4, dtype='float32', name='logits')], name='gated')
+  x, y = _batch()
+  report = forensics.replay(model, _loss_fn(model), (x, y), loss_scale=SCALE)
+  assert (report.phase, report.layer, report.tensor, report.op) == (
+      'forward', 'gate', 'output', 'Exp')
+  h = model.get_layer('proj')(x).numpy().astype(np.float64)  # float16, as the gate got it
+  e = np.exp(2.0 * h)
+  out = h * 16.0 * e / e.sum(-1, keepdims=True)
+  assert report.op_max_abs_float32 == pytest.approx(e.max(), rel=1e-5)
+  assert report.max_abs_float32 == pytest.approx(np.abs(out).max(), rel=1e-3)
+  assert report.op_max_abs_float32 > 65504 > report.max_abs_float32
+  assert f'op Exp: max {e.max():.2g} > float16 max 65504' in report.line()
+  assert "the layer's output: max |x|" in report.line()
+
+
+def test_a_weight_gradient_overflow_names_each_variable_and_whose_value_it_gives(mixed_float16):
+  """Both of 'proj''s weight gradients overflow (batch sums of a finite float16 output
+  gradient): the report lists both; the op's value and the largest weight gradient, with its
+  variable, equal x^T dy and sum(dy) from the step's own float16 dy, in NumPy float64."""
+  model = keras.Sequential([
+      keras.Input((16,)),
+      keras.layers.Dense(16, name='proj', kernel_initializer=keras.initializers.GlorotUniform(0)),
+      keras.layers.Dense(4, dtype='float32', name='logits',
+                         kernel_initializer=keras.initializers.GlorotUniform(1))], name='wg')
+  x, y = _batch(n=256)
+  scale = 2.0**21
+  report = forensics.replay(model, _loss_fn(model), (x, y), loss_scale=scale)
+  assert (report.phase, report.layer, report.tensor) == ('backward', 'proj', 'weight gradient')
+  assert report.detail == 'wg/proj/kernel, wg/proj/bias'
+  proj, logits = model.layers
+  with tf.GradientTape() as tape:
+    h = proj(x)
+    tape.watch(h)
+    per_example = keras.losses.sparse_categorical_crossentropy(
+        y, tf.cast(logits(h), tf.float32), from_logits=True)
+    scaled = tf.reduce_mean(per_example) * scale
+  dy = tape.gradient(scaled, h)
+  assert dy.dtype == tf.float16 and bool(tf.reduce_all(tf.math.is_finite(dy)))
+  dy = dy.numpy().astype(np.float64)
+  dw, db = np.abs(x.astype(np.float64).T @ dy).max(), np.abs(dy.sum(0)).max()
+  assert min(dw, db) > 65504
+  assert report.largest_of == ('wg/proj/kernel' if dw > db else 'wg/proj/bias')
+  assert report.max_abs_float32 == pytest.approx(max(dw, db), rel=1e-4)
+  assert report.op in ('BiasAddGrad', 'MatMul')  # the first of the two computed
+  assert report.op_max_abs_float32 == pytest.approx(db if report.op == 'BiasAddGrad' else dw,
+                                                    rel=1e-4)
+  assert f"the layer's weight gradient ({report.largest_of}): max |dw|" in report.line()
+
+
+def test_a_report_with_a_nan_loss_is_valid_json():
+  report = forensics.Report('forward', tensor='loss', loss=float('nan'), max_abs_float32=math.inf)
+  again = json.loads(json.dumps(report.to_json(), allow_nan=False))
+  assert (again['loss'], again['max_abs_float32']) == ('nan', 'inf')
+  assert math.isnan(float(again['loss']))
 
 
 def test_forward_model_is_finite_in_float32():

@@ -101,7 +101,8 @@ def write_report(folder: str, report, run: str | None = None) -> None:
   files.folder(run or run_of(folder), folder, 'forensics')
   files.write(os.path.join(folder, 'report.txt'), report.line() + '\n', 'forensics')
   files.write(os.path.join(folder, 'report.json'),
-              json.dumps(report.to_json(), indent=2, sort_keys=True), 'forensics')
+              json.dumps(report.to_json(), indent=2, sort_keys=True, allow_nan=False),
+              'forensics')
 
 
 @dataclasses.dataclass

@@ -12,10 +12,12 @@ every layer's `call` hooked (nested layers included, so the innermost layer is n
             layers before the layers containing them); the first layer whose input (or weight)
             gradient is non-finite while its output gradient is finite names the layer.
 
-The culprit layer alone is then run twice more: with `tf.debugging.enable_check_numerics` in its
-own dtype (which names the first op whose output is non-finite), and in float32 (how large the
-value would have been: `max |x| 2.1e+05 > float16 max 65504`). The result is a `Report`, whose
-`line()` is one log line.
+The culprit layer alone is then run twice more, with every op it executes watched (TF's op
+callbacks, the hook `tf.debugging.enable_check_numerics` uses): in its own dtype, which names the
+first op whose output is non-finite, and in float32, which says how large that op's value and the
+named tensor would have been (`op Exp (its output: max 8.4e+04 > float16 max 65504)`,
+`max |x| 7.1e+02 in float32`): a layer's output can fit while a value inside it overflowed. For
+a Cast, the op's value is its input. The result is a `Report`, whose `line()` is one log line.
 
 A forensic folder (`save` / `load`, `<workdir>/forensics/step-N/`) holds the batch (batch.npz),
 the pre-step weights (a tf.train.Checkpoint of the model), meta.json (step, loss scale, policy,
@@ -25,10 +27,8 @@ steps get a folder (the first few, then every M-th), so a storm of skips costs l
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import re
 
 import keras
 import numpy as np
@@ -36,6 +36,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.errors import UserError
+from trainer.insight import op_watch
 from trainer.insight.forensic_folder import (Forensics, folder_for, load,  # noqa: F401
                                             run_of, save, write_report)
 from trainer.insight.hooks import (Call, float32, float_leaves, is_float, quantized_calls_compiled,
@@ -58,8 +59,10 @@ class Report:
   max_abs_float32: float | None = None  # the same value computed in float32 (None: not run)
   loss: float | None = None
   loss_scale: float = 1.0
-  detail: str = ''  # e.g. the variable, or why no range is given
+  detail: str = ''  # e.g. the variables, or why no range is given
   skipped: bool = False  # the compiled step skipped this step (else: a replay on request)
+  op_max_abs_float32: float | None = None  # the op's own output computed in float32
+  largest_of: str = ''  # of several non-finite weight gradients, the one max_abs_float32 is of
 
   def line(self) -> str:
     if not self.phase:
@@ -73,26 +76,43 @@ class Report:
     text = f'first non-finite: {self.phase} {self.tensor} of {where}'
     if self.detail:
       text += f' [{self.detail}]'
-    if self.op:
-      text += f", op {self.op}"
     symbol = ('x' if self.phase == FORWARD else
               'dw' if self.tensor == 'weight gradient' else 'dx')
-    if self.max_abs_float32 is not None and self.dtype:
-      limit = _dtype_max(self.dtype)
-      if not math.isfinite(self.max_abs_float32):
-        text += f', non-finite in float32 too (not a range problem of {self.dtype})'
-      elif limit is not None and self.max_abs_float32 > limit:
-        text += (f', max |{symbol}| {self.max_abs_float32:.2g} > {self.dtype} max '
-                 f'{limit:.6g}')
+    of = f' ({self.largest_of})' if self.largest_of else ''
+    tensor = self.max_abs_float32
+    op = self.op_max_abs_float32 if self.dtype else None
+    if op is not None and tensor is not None and f'{op:.2g}' == f'{tensor:.2g}':
+      op = None  # the same value to the digits shown: one figure for both
+    if self.op:
+      text += f", op {self.op}"
+      if op is not None:
+        text += f': {self._range("max", op)}'
+    if tensor is not None and self.dtype:
+      # After the op's own value, say whose this one is: a layer's output can fit while a value
+      # inside the layer overflowed.
+      if op is not None:
+        text += f"; the layer's {self.tensor}{of}: " + self._range(f'max |{symbol}|', tensor)
       else:
-        text += f', max |{symbol}| {self.max_abs_float32:.2g} in float32 ({self.dtype} max ' \
-                f'{limit:.6g})'
+        text += ', ' + self._range(f'max |{symbol}|{of}', tensor)
     if self.phase == BACKWARD:
       text += f' at loss scale {self.loss_scale:g}'
     return text
 
+  def _range(self, what: str, value: float) -> str:
+    """`what` computed in float32 against the compute dtype's largest finite value."""
+    limit = _dtype_max(self.dtype)
+    if not math.isfinite(value):
+      return f'{what} non-finite in float32 too (not a range problem of {self.dtype})'
+    if limit is not None and value > limit:
+      return f'{what} {value:.2g} > {self.dtype} max {limit:.6g}'
+    return f'{what} {value:.2g} in float32 ({self.dtype} max {limit:.6g})'
+
   def to_json(self) -> dict:
-    return {**dataclasses.asdict(self), 'line': self.line()}
+    """The fields and the line, JSON-safe: a non-finite float is written as 'nan' or 'inf'
+    (JSON has no NaN; Python's float() reads them back)."""
+    fields = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+              for k, v in dataclasses.asdict(self).items()}
+    return {**fields, 'line': self.line()}
 
 
 def _dtype_max(dtype: str) -> float | None:
@@ -114,44 +134,22 @@ def max_abs(tensors) -> float:
   return max(values, default=0.0)
 
 
-_OP = re.compile(r'op "?([A-Za-z0-9_]+)"?')
-
-
-@contextlib.contextmanager
-def _check_numerics():
-  tf.debugging.enable_check_numerics()
-  try:
-    yield
-  finally:
-    tf.debugging.disable_check_numerics()
-
-
-def _failing_op(run) -> str:
-  """Runs `run()` with check_numerics on; the type of the first op whose output was non-finite
-  ('' when none was caught)."""
-  try:
-    with _check_numerics():
-      run()
-  except (tf.errors.InvalidArgumentError, tf.errors.OpError) as e:
-    message = str(e)
-    match = re.search(r'eagerly-executing op "([^"]+)"', message) or re.search(
-        r'op "([^"]+)"', message) or _OP.search(message)
-    return match.group(1) if match else ''
-  return ''
-
-
 def _call_layer(call: Call, args, kwargs):
   return call.layer(*args, **kwargs)
 
 
 def _forward_report(call: Call, scale, loss=None) -> Report:
   layer = call.layer
-  dtype = layer.compute_dtype
-  op = _failing_op(lambda: _call_layer(call, call.args, call.kwargs))
+  run = lambda: _call_layer(call, call.args, call.kwargs)  # noqa: E731
+  _, ops = op_watch.watched(run)
+  first = op_watch.first_nonfinite(ops)
+  op = first[0].type if first else op_watch.failing_op(run)  # an op inside a tf.function: by name
   with float32(layer):
-    outputs32 = _call_layer(call, to_float32(call.args), to_float32(call.kwargs))
-  return Report(FORWARD, layer.name, type(layer).__name__, 'output', op, dtype,
-                max_abs(outputs32), loss, scale)
+    outputs32, ops32 = op_watch.watched(
+        lambda: _call_layer(call, to_float32(call.args), to_float32(call.kwargs)))
+  return Report(FORWARD, layer.name, type(layer).__name__, 'output', op, layer.compute_dtype,
+                max_abs(outputs32), loss, scale,
+                op_max_abs_float32=op_watch.value_float32(first, ops, ops32))
 
 
 def _layer_vjp(call: Call, upstream, float32: bool):
@@ -172,20 +170,30 @@ def _layer_vjp(call: Call, upstream, float32: bool):
   return grads[:len(inputs)], grads[len(inputs):]
 
 
-def _backward_report(call: Call, upstream, tensor: str, detail: str, scale, loss) -> Report:
+def _backward_report(call: Call, upstream, tensor: str, bad: list[str], scale, loss) -> Report:
+  """`bad`: the paths of the layer's non-finite weight gradients (tensor 'weight gradient')."""
   layer = call.layer
-
-  def run():
-    _layer_vjp(call, upstream, float32=False)
-
-  op = _failing_op(run)
-  largest = None
+  run = lambda: _layer_vjp(call, upstream, float32=False)  # noqa: E731
+  _, ops = op_watch.watched(run)
+  first = op_watch.first_nonfinite(ops)
+  op = first[0].type if first else op_watch.failing_op(run)
+  largest, largest_of, op_value = None, '', None
   if upstream is not None and not _nonfinite(upstream):
     with float32(layer):
-      dx32, dw32 = _layer_vjp(call, upstream, float32=True)
-    largest = max_abs(dx32 if tensor == 'input gradient' else dw32)
+      (dx32, dw32), ops32 = op_watch.watched(lambda: _layer_vjp(call, upstream, float32=True))
+    if tensor == 'input gradient':
+      largest = max_abs(dx32)
+    else:  # the non-finite weights' gradients only; which one, when several
+      sizes = {v.path: max_abs(g) for v, g in zip(trainable(layer), dw32)
+               if v.path in bad and g is not None}
+      if sizes:
+        largest_of = max(sizes, key=lambda path: sizes[path])
+        largest = sizes[largest_of]
+        largest_of = largest_of if len(sizes) > 1 else ''
+    op_value = op_watch.value_float32(first, ops, ops32)
   return Report(BACKWARD, layer.name, type(layer).__name__, tensor, op, layer.compute_dtype,
-                largest, loss, scale, detail)
+                largest, loss, scale, ', '.join(bad), op_max_abs_float32=op_value,
+                largest_of=largest_of)
 
 
 def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) -> Report:
@@ -254,11 +262,11 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
                     loss_scale=scale)
     upstream = tf.nest.pack_sequence_as(call.outputs, _expand(call.outputs, d_out[i]))
     if _nonfinite(d_in[i]):
-      return _backward_report(call, upstream, 'input gradient', '', scale, loss_value)
+      return _backward_report(call, upstream, 'input gradient', [], scale, loss_value)
     if leaf[i]:
       bad = [v.path for v, g in zip(weights[i], d_w[i]) if g is not None and _nonfinite(g)]
       if bad:
-        return _backward_report(call, upstream, 'weight gradient', bad[0], scale, loss_value)
+        return _backward_report(call, upstream, 'weight gradient', bad, scale, loss_value)
   return Report('', loss=loss_value, loss_scale=scale)
 
 
