@@ -142,6 +142,46 @@ def test_non_finite_gradients_never_fit(tmp_path):
   assert '(every layer fits' not in text and 'not every layer fits mixed_float16' in text
 
 
+class ExpGate(keras.layers.Layer):
+  """h * 16 * softmax(2h) with the softmax written as exp / sum: exp(2h) overflows float16 once
+  h > 5.5, while the output stays below 16 max |h|."""
+
+  def call(self, h):
+    e = keras.ops.exp(2.0 * h)
+    return h * 16.0 * (e / keras.ops.sum(e, axis=-1, keepdims=True))
+
+
+def test_an_overflow_inside_a_layer_is_suggested_though_its_output_fits(tmp_path):
+  """The gate's output has headroom in float32, so headroom alone would suggest nothing; its
+  float16 output is non-finite from finite inputs where float32's is finite, so it is named
+  and suggested. A non-finite share below 0.05 % shows as '< 0.1 %', not '0.0 %'."""
+  import numpy as np
+  from tiny import TinyTrainer, tiny_config
+
+  class GateTrainer(TinyTrainer):
+    def build_model(self):
+      return keras.Sequential([
+          keras.Input((8,)),
+          keras.layers.Dense(
+              16, name='proj',
+              kernel_initializer=keras.initializers.RandomNormal(stddev=2.0, seed=0)),
+          ExpGate(name='gate'),
+          keras.layers.Dense(4, dtype='float32', name='logits')], name='gated')
+
+  advice = advisor.advise(GateTrainer, tiny_config(**{'precision.policy': 'mixed_float16'}),
+                          str(tmp_path / 'advise'), steps=2)
+  gate = next(s for s in advice.layers if s.name == 'gate')
+  assert gate.headroom(gate.max_out) > advisor.HEADROOM_BITS  # its output fits float16
+  assert gate.overflowed > 0 and gate.nonfinite > 0
+  assert advice.suggested == ['gate'], advice.markdown()
+  text = advice.markdown()
+  assert 'Overflowed inside: gate' in text
+  share = 100.0 * gate.nonfinite / gate.outputs
+  row = next(line for line in text.splitlines() if line.startswith('| gate'))
+  assert ('< 0.1 %' if share < 0.05 else f'{share:.1f} %') in row
+  assert np.isfinite(gate.max_out)
+
+
 def test_launch_advise_validates_its_suggestion(tmp_path):
   workdir = tmp_path / 'run'
   result = subprocess.run(

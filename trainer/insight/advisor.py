@@ -23,7 +23,9 @@ layer (every layer, nested ones included) it records:
 
 A layer is suggested for `precision.float32_layers` when its float32 output or input comes
 within `HEADROOM_BITS` powers of two of the dtype's maximum (an input must fit too: a float32
-layer's large output is cast down again by the low-precision layer that consumes it). Its
+layer's large output is cast down again by the low-precision layer that consumes it), or when it
+made a non-finite output from finite inputs where float32 stayed finite: a value inside it
+overflowed (an exp in a hand-written softmax) although its output fits. Its
 output error and gradient underflow are reported, not acted on: the remedy for underflow is the
 loss scale. A layer with non-finite outputs or gradients never "fits": when headroom names no
 layer but something was non-finite, the advice says so instead of suggesting nothing.
@@ -55,6 +57,7 @@ class LayerStats:
   max_out: float = 0.0  # float32 run
   max_in: float = 0.0
   nonfinite: int = 0  # target outputs
+  overflowed: int = 0  # calls whose target output was non-finite from finite inputs, float32's not
   outputs: int = 0
   rel_error_sum: float = 0.0
   rel_error_n: int = 0
@@ -109,7 +112,9 @@ class Advice:
              'grad zero (f32) |',
              '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |']
     def pct(a, b):
-      return f'{100.0 * a / b:.1f} %' if b else '-'
+      if not b:
+        return '-'
+      return '< 0.1 %' if 0 < 100.0 * a / b < 0.05 else f'{100.0 * a / b:.1f} %'
 
     for s in self.layers:
       underflow = (f'non-finite ({pct(s.grad_nonfinite, s.grad_total)}) | -' if s.grad_nonfinite
@@ -129,6 +134,12 @@ class Advice:
                  'non-zero but below its smallest normal in float32 (lost to range); zero (f32) '
                  '= zero in float32 too.')
     lines.append('')
+    inside = [s.name for s in self.layers if s.overflowed]
+    if inside:
+      lines.append(f'Overflowed inside: {", ".join(inside)} (a non-finite output from finite '
+                   'inputs, where float32 stayed finite: a value inside the layer went past the '
+                   'range although its output fits; --mode=diagnose names the op).')
+      lines.append('')
     if self.suggested:
       lines.append(f'Suggested: `precision.float32_layers = \'{self.suggested_value}\'` '
                    f'(`--config.precision.float32_layers={self.suggested_value}`)')
@@ -136,11 +147,15 @@ class Advice:
       lines.append(f'Nothing to advise: the policy {self.policy} computes in float32.')
     elif self.nonfinite_layers:
       names, n = ', '.join(self.nonfinite_layers[:3]), len(self.nonfinite_layers)
+      forward = any(s.nonfinite for s in self.layers)
       lines.append(f'Suggested: nothing by headroom, but not every layer fits {self.policy}: '
                    f'{n} layer{"s" if n != 1 else ""} had non-finite outputs or gradients '
-                   f'(first: {names}) at loss scale {self.loss_scale:g}. A backward overflow: '
-                   'lower precision.initial_scale, or replay a skipped step '
-                   '(--mode=diagnose) to name the layer.')
+                   f'(first: {names}) at loss scale {self.loss_scale:g}. ' +
+                   ('Some outputs were non-finite, a forward problem: replay a skipped step '
+                    '(--mode=diagnose) to name the layer and op.' if forward else
+                    'Only gradients were non-finite, a backward overflow: lower '
+                    'precision.initial_scale, or replay a skipped step (--mode=diagnose) to name '
+                    'the layer.'))
     else:
       lines.append('Suggested: `precision.float32_layers = \'\'` (every layer fits '
                    f'{self.policy}).')
@@ -171,6 +186,15 @@ def _observe(model, compute_loss, batch, scale):
 
 def _float_outputs(call):
   return [t for t in tf.nest.flatten(call.outputs) if forensics.is_float(t)]
+
+
+def _float_inputs(call):
+  return [t for t in tf.nest.flatten((call.args, call.kwargs)) if forensics.is_float(t)]
+
+
+def _has_nonfinite(tensors) -> bool:
+  return any(not bool(tf.reduce_all(tf.math.is_finite(tf.cast(t, tf.float32))))
+             for t in tensors)
 
 
 def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
@@ -204,6 +228,9 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
       assert to_target.get(id(cr.layer)) is layer, 'the two builds called different layers'
       s.max_out = max(s.max_out, forensics.max_abs(cr.outputs))
       s.max_in = max(s.max_in, forensics.max_abs((cr.args, cr.kwargs)))
+      if (_has_nonfinite(_float_outputs(ct)) and not _has_nonfinite(_float_inputs(ct)) and
+          not _has_nonfinite(_float_outputs(cr))):
+        s.overflowed += 1
       for yt, yr in zip(_float_outputs(ct), _float_outputs(cr)):
         yt32, yr32 = tf.cast(yt, tf.float32), tf.cast(yr, tf.float32)
         finite = tf.math.is_finite(yt32)
@@ -235,7 +262,8 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
 
   layers = list(stats.values())
   suggested = [s.name for s in layers if s.compute_dtype in LOW and
-               min(s.headroom(s.max_out), s.headroom(s.max_in)) < HEADROOM_BITS]
+               (min(s.headroom(s.max_out), s.headroom(s.max_in)) < HEADROOM_BITS or
+                s.overflowed)]
   return Advice(policy, steps, scale, layers, list(dict.fromkeys(suggested)))
 
 
