@@ -54,9 +54,9 @@ def test_flags_each_hazard_once(mixed_float16):
   _, hazards = audit.audit(model)
   found = sorted((h.layer, h.kind) for h in hazards)
   assert found == [('float32_inside', 'not autocast'),
+                   ('half_softmax', 'low-precision logits'),  # named by the layer making it
                    ('half_softmax', 'low-precision softmax'),
-                   ('half_weights', 'low-precision variables'),
-                   ('output 0', 'low-precision logits')]
+                   ('half_weights', 'low-precision variables')]
   assert all('float32' in h.message for h in hazards)  # each says what to do
 
 

@@ -89,15 +89,17 @@ def test_default_export_folder_is_next_to_the_run(run):
 
 
 # ---- the config record -------------------------------------------------------------------------
-def test_resume_keeps_the_first_record_and_adds_one_per_change(run):
+def test_resume_keeps_the_first_record_and_adds_one_per_change(run, caplog):
   workdir, _ = run
   first = (workdir / 'config.json').read_bytes()
   train(workdir)  # same config: nothing new
   assert (workdir / 'config.json').read_bytes() == first
   assert not list(workdir.glob('config-step-*.json'))
+  caplog.clear()
   train(workdir, **{'train.steps': 20})  # run length: allowed, recorded
   assert (workdir / 'config.json').read_bytes() == first
   assert json.loads((workdir / 'config-step-10.json').read_text())['train']['steps'] == 20
+  assert 'recorded as config-step-10.json' in caplog.text  # the file's real name
   # The newest record is what the next resume compares with.
   train(workdir, **{'train.steps': 20})
   assert sorted(p.name for p in workdir.glob('config-step-*.json')) == ['config-step-10.json']

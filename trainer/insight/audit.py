@@ -105,8 +105,10 @@ def audit(model: keras.Model, policy: str | None = None) -> tuple[list[Row], lis
                             'trainer/nn/layers.py), or give the layer dtype="float32" if intended'))
   for i, out in enumerate(getattr(model, 'outputs', None) or []):
     dtype = keras.backend.standardize_dtype(out.dtype)
-    if dtype in LOW:
-      hazards.append(Hazard(f'output {i}', 'low-precision logits',
+    if dtype in LOW:  # named by the layer that makes the output, when Keras records it
+      maker = getattr(getattr(getattr(out, '_keras_history', None), 'operation', None), 'name',
+                      None)
+      hazards.append(Hazard(maker or f'output {i}', 'low-precision logits',
                             f'the model outputs {dtype}, so the loss (softmax, log) computes in '
                             f'{dtype}; give the last layer dtype="float32"'))
   return rows, hazards

@@ -327,10 +327,8 @@ class Workdir:
                         f'{more}); resuming would ignore or mix the change. Use a new workdir for '
                         'the new config, or set config.train.accept_config_change=True to resume '
                         'this run with it.')
-    if changed:
-      logging.warning('resuming %s with a changed config (%s); the change is recorded as '
-                      'config-step-<step>.json, config.json keeps the earlier record', self.path,
-                      ', '.join(changed))
+    if changed:  # _record_config names the file once the step resumed from is known
+      logging.warning('resuming %s with a changed config (%s)', self.path, ', '.join(changed))
 
   def _acquire(self) -> None:
     if not self.is_chief or self._lock is not None:
@@ -383,3 +381,5 @@ class Workdir:
       write_json(os.path.join(self.path, CONFIG), current)
     elif changed_keys(saved, current):
       write_json(os.path.join(self.path, f'config-step-{step}.json'), current)
+      logging.warning('the changed config is recorded as config-step-%d.json (config.json keeps '
+                      'the first run\'s record)', step)
