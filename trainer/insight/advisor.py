@@ -134,7 +134,8 @@ class Advice:
                  'non-zero but below its smallest normal in float32 (lost to range); zero (f32) '
                  '= zero in float32 too.')
     lines.append('')
-    inside = [s.name for s in self.layers if s.overflowed]
+    # Non-finite from finite inputs while the float32 output fits the dtype: inside the layer.
+    inside = [s.name for s in self.layers if s.overflowed and s.headroom(s.max_out) >= 0]
     if inside:
       lines.append(f'Overflowed inside: {", ".join(inside)} (a non-finite output from finite '
                    'inputs, where float32 stayed finite: a value inside the layer went past the '
