@@ -128,6 +128,30 @@ def test_unknown_device_is_named(two_replicas):
   assert "'GPU:3'" in message and 'CPU:1' in message
 
 
+def test_a_cpu_split_after_tensorflow_started_is_one_line(two_replicas):
+  message = two_replicas[0]['error/split_late']
+  assert message.startswith("ConfigError: config.distribute.devices='CPU:0,CPU:3': splitting the "
+                            'CPU into 4 logical devices needs TensorFlow not to have started')
+
+
+def test_launch_splits_the_cpu_into_two_replicas_that_skip_together(tmp_path):
+  """docs/guides/distribution.md's command without GPUs: CPU:0,CPU:1 gives two replicas; a
+  non-finite gradient injected on replica 1 at step 12 is one skipped step, and training goes on."""
+  proc = subprocess.run(
+      [sys.executable, 'launch.py', '--config=configs/mnist.py', f'--config.data.dir={DATA}',
+       '--config.distribute.strategy=mirrored', '--config.distribute.devices=CPU:0,CPU:1',
+       '--config.debug.inject_nonfinite_steps=12', '--config.debug.inject_nonfinite_replica=1',
+       '--config.train.steps=20', '--config.train.steps_per_loop=10', '--config.train.log_every=10',
+       '--config.numerics.every=0',
+       f'--workdir={tmp_path / "run"}'],
+      env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out[-3000:]
+  assert 'the CPU is split into 2 logical devices' in out
+  assert '2 replica(s)' in out and 'skipped step 12 ' in out
+  assert 'step 20/20 (100%)' in out and '| skipped 1 |' in out
+
+
 # ---- multi_worker: two processes on loopback ports ------------------------------------------
 def _free_ports(n):
   sockets = [socket.socket() for _ in range(n)]

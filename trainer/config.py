@@ -180,8 +180,8 @@ SCHEMA: dict[str, Key] = {
     'distribute.strategy': Key(str, 'default', "'default' (one device), 'mirrored' (local "
                                "GPUs), 'multi_worker' (hosts from TF_CONFIG) or 'tpu'",
                                _one_of(*STRATEGIES)),
-    'distribute.devices': Key(str, '', "mirrored only: comma-separated devices such as "
-                              "'GPU:0,GPU:1'; '' = all local GPUs"),
+    'distribute.devices': Key(str, '', "mirrored only: devices such as 'GPU:0,GPU:1' "
+                              "('CPU:0,CPU:1' splits the CPU); '' = all local GPUs"),
     'distribute.tpu': Key(str, '', "tpu only: TPU name or 'grpc://host:port'; '' = the TPU "
                           'of this host'),
     'numerics.every': Key(int, 1000, 'per-layer gradients flushed to zero, subnormal and zero, '

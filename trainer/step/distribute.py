@@ -100,8 +100,10 @@ def _mirrored(devices: str) -> tf.distribute.MirroredStrategy:
     gpus = tf.config.list_logical_devices('GPU')
     if not gpus:
       logging.warning("config.distribute.strategy='mirrored' found no GPU: one replica on the "
-                      'CPU. Set config.distribute.devices to choose devices.')
+                      'CPU. Set config.distribute.devices to choose devices (CPU:0,CPU:1 splits '
+                      'the CPU into two replicas, to test multi-replica code).')
     return tf.distribute.MirroredStrategy()
+  _split_cpu(names, devices)
   known = {_short(d.name): d.name for d in tf.config.list_logical_devices()}
   chosen = []
   for name in names:
@@ -112,6 +114,29 @@ def _mirrored(devices: str) -> tf.distribute.MirroredStrategy:
   if len(set(chosen)) != len(chosen):
     raise ConfigError(f'config.distribute.devices={devices!r} names a device twice.')
   return tf.distribute.MirroredStrategy(chosen)
+
+
+def _split_cpu(names: list[str], devices: str) -> None:
+  """Devices CPU:1 and up name logical CPUs: the one physical CPU is split into that many
+  (they share its cores: for testing several replicas, not for speed). TensorFlow allows this
+  only before its runtime starts, which building the Trainer first ensures."""
+  indices = [int(short[4:]) for short in map(_short, names)
+             if short.startswith('CPU:') and short[4:].isdigit()]
+  count = max(indices, default=0) + 1
+  if count == 1:
+    return
+  cpu = tf.config.list_physical_devices('CPU')[0]
+  if len(tf.config.get_logical_device_configuration(cpu) or []) >= count:
+    return  # split already (by this process, before)
+  try:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+  except RuntimeError:
+    raise ConfigError(f'config.distribute.devices={devices!r}: splitting the CPU into {count} '
+                      'logical devices needs TensorFlow not to have started yet in this '
+                      'process; build the Trainer before running any TensorFlow op.') from None
+  logging.info('config.distribute.devices=%r: the CPU is split into %d logical devices',
+               devices, count)
 
 
 def _short(name: str) -> str:
