@@ -91,6 +91,20 @@ def test_misspelled_key_in_a_config_file(tmp_path):
                              'config.train.batch_size?')
 
 
+def test_a_schema_key_given_without_its_section_is_named(tmp_path):
+  """config.learning_rate = 0.1 at the top level was taken as the model's own key and the run
+  trained at the default rate; it is the optimizer's key without its section."""
+  config = config_lib.load_file(config_file(tmp_path, 'config.learning_rate = 0.1'))
+  with pytest.raises(ConfigError) as info:
+    config_lib.validate(config)
+  assert str(info.value) == ('config.learning_rate is not a config key; did you mean '
+                             "config.optimizer.learning_rate? (a key of the model's own goes "
+                             'under config.model_config)')
+  # A model's own top-level key, named like no schema key, still passes.
+  config = config_lib.load_file(config_file(tmp_path, 'config.vocab_size = 65'))
+  assert config_lib.validate(config).vocab_size == 65
+
+
 def test_unknown_key_in_a_section_without_a_near_match(tmp_path):
   config = config_lib.load_file(config_file(tmp_path, 'config.optimizer.frobnicate = 1'))
   with pytest.raises(ConfigError) as info:

@@ -6,6 +6,7 @@ out, checks every value and raises `ConfigError` naming the key (e.g. `config.tr
 """
 from __future__ import annotations
 
+import collections
 import difflib
 import math
 import os
@@ -15,6 +16,8 @@ from collections.abc import Callable
 import ml_collections
 
 from trainer import registry, steps_text
+# Re-exported: config_lib.flatten, config_lib.set_dotted, config_lib.diff.
+from trainer.dotted import diff, flatten, get as _get, set_dotted  # noqa: F401
 from trainer.errors import ConfigError
 
 
@@ -237,39 +240,6 @@ def defaults() -> ml_collections.ConfigDict:
   return config
 
 
-def set_dotted(config, dotted: str, value) -> None:
-  """config['a']['b'] = value for dotted 'a.b', on a ConfigDict or a plain dict; missing parents
-  are created (as ConfigDicts)."""
-  *parents, leaf = dotted.split('.')
-  node = config
-  for part in parents:
-    if part not in node:
-      node[part] = ml_collections.ConfigDict()
-    node = node[part]
-  node[leaf] = value
-
-
-def _get(config, dotted):
-  node = config
-  for part in dotted.split('.'):
-    if not hasattr(node, 'keys') or part not in node:
-      raise KeyError(dotted)
-    node = node[part]
-  return node
-
-
-def flatten(config, prefix='') -> dict[str, Any]:
-  """{'train.batch_size': 128, ...} for every leaf of a (nested) ConfigDict or dict."""
-  flat = {}
-  for key, value in config.items():
-    name = f'{prefix}{key}'
-    if hasattr(value, 'items'):
-      flat.update(flatten(value, name + '.'))
-    else:
-      flat[name] = value
-  return flat
-
-
 def _coerce(name, key, value):
   if key.type is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
@@ -294,6 +264,12 @@ def _coerce(name, key, value):
 # Top-level names the schema owns. Any other top-level key (e.g. `model_config`) belongs to the
 # model, which checks it itself; a key inside a schema section must be a schema key.
 SECTIONS = frozenset(name.split('.')[0] for name in SCHEMA)
+# A schema key's last part, given at the top level, is that key with its section left out (the
+# parts that are one key's only; generic ones such as `name` or `dir` may be the model's own).
+_PARTS = collections.Counter(name.rsplit('.', 1)[-1] for name in SCHEMA if '.' in name)
+_LEAVES = {name.rsplit('.', 1)[-1]: name for name in SCHEMA if '.' in name and
+           _PARTS[name.rsplit('.', 1)[-1]] == 1 and name.rsplit('.', 1)[-1] not in
+           ('name', 'dir', 'every', 'schedule', 'strategy', 'devices', 'tpu', 'remat')}
 
 
 def _check_unknown(config) -> None:
@@ -310,6 +286,10 @@ def _check_unknown(config) -> None:
       close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     else:
       close = difflib.get_close_matches(top, SECTIONS, n=1, cutoff=0.8)
+      if not close and name in _LEAVES:  # e.g. config.learning_rate: a section left out
+        raise ConfigError(f'config.{name} is not a config key; did you mean '
+                          f'config.{_LEAVES[name]}? (a key of the model\'s own goes under '
+                          'config.model_config)')
       if not close:
         continue  # the model's own key
       close = [name.replace(top, close[0], 1)]
@@ -392,9 +372,3 @@ def _check_low_precision(config) -> None:
   if o.state_bits == 8 and o.name not in ('adam', 'adamw'):
     raise ConfigError(f'config.optimizer.state_bits=8 quantizes Adam/AdamW moments; '
                       f'config.optimizer.name={o.name!r} is not adam or adamw: set state_bits=32.')
-
-
-def diff(old: dict, new: dict) -> list[str]:
-  """Flattened keys whose values differ between two configs (as dicts)."""
-  a, b = flatten(old), flatten(new)
-  return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
