@@ -36,6 +36,24 @@ def test_collapse_stops_with_step_scale_and_variable(tmp_path, capfd):
   assert 'loss scale 1024' in lines[0] and trainer.model.trainable_variables[0].path in lines[0]
 
 
+def test_a_collapse_from_step_0_says_the_rate_is_not_the_cause_and_goodput_counts_skips(
+    tmp_path, caplog):
+  """Every step non-finite from the first: no update was ever applied, so the advice is not to
+  lower the learning rate; the goodput line counts the collapsed call's steps as skipped (it
+  said 'startup 100%': the call was never recorded)."""
+  config = tiny_config(**{'precision.max_consecutive_skips': 4, 'train.steps': 30,
+                          'debug.inject_nonfinite_steps': ','.join(map(str, range(30)))})
+  trainer = TinyTrainer(config, str(tmp_path))
+  with pytest.raises(CollapseError) as info:
+    trainer.train()
+  message = str(info.value)
+  assert 'steps 0 to 3' in message and 'No update was ever applied' in message
+  assert 'Lower config.optimizer.learning_rate' not in message
+  line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith('goodput'))
+  assert line.startswith('goodput 0% of the wall time in train steps'), line
+  assert 'startup 100%' not in line and 'skipped 0%' not in line, line
+
+
 def test_last_good_checkpoint_is_intact_and_loads(tmp_path):
   overrides = {'precision.max_consecutive_skips': 4, 'train.steps': 30,
                'debug.inject_nonfinite_steps': STORM}

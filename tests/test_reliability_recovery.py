@@ -123,11 +123,14 @@ def test_goodput_shares_sum_to_one_and_count_compilation():
   clock.steps(4.0, 10, clock.started + 1.0)  # first call: 1 s of steps + 3 s of compilation
   clock.steps(2.0, 20, clock.started + 5.0)  # 0.1 s a step
   clock.redone(5)
+  clock.skipped_from = 7  # the run's skip counter when this process began
+  clock.count_skipped(9)  # 2 steps skipped since: 0.2 s at 0.1 s a step
   clock.spent['eval'] += 1.0
   shares = clock.shares()
   assert sum(shares.values()) == pytest.approx(1.0)
   assert shares['startup'] == pytest.approx(0.1, abs=1e-3)
   assert shares['compile'] == pytest.approx(0.3, abs=1e-3)
   assert shares['redone'] == pytest.approx(0.05, abs=1e-3)
-  assert shares['train'] == pytest.approx(0.25, abs=1e-3)  # 3 s of steps less 0.5 s redone
-  assert clock.line(shares).startswith('goodput 25% of the wall time in train steps')
+  assert shares['skipped'] == pytest.approx(0.02, abs=1e-3)
+  assert shares['train'] == pytest.approx(0.23, abs=1e-3)  # 3 s of steps less 0.5 + 0.2 s
+  assert clock.line(shares).startswith('goodput 23% of the wall time in train steps')

@@ -4,7 +4,8 @@
 start-up (building the model and datasets, restoring, until the first compiled call starts),
 compilation (the first compiled call's time beyond what its steps take at the rate of the
 later calls), train steps, evals, checkpoint saves, work redone (steps run again after a
-recovery restored an earlier checkpoint, at the measured step rate) and the rest (progress
+recovery restored an earlier checkpoint, at the measured step rate), steps skipped for
+non-finite gradients (no update; at that rate too) and the rest (progress
 lines, TensorBoard, forensics outside the compiled call). The end of a run logs one line
 (`line`) and writes `goodput/<kind>` TensorBoard scalars (shares of the wall time). Steps a
 restarted process redoes (those after its newest checkpoint) happened in the previous process
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-KINDS = ('train', 'startup', 'compile', 'eval', 'checkpoint', 'redone', 'other')
+KINDS = ('train', 'startup', 'compile', 'eval', 'checkpoint', 'redone', 'skipped', 'other')
 
 
 class Clock:
@@ -25,6 +26,8 @@ class Clock:
     self.first_call: tuple[float, int] | None = None  # (seconds, steps) of the first call
     self.later = [0.0, 0]  # seconds, steps of the later calls
     self.redone_steps = 0
+    self.skipped_steps = 0  # this process's steps skipped for non-finite gradients
+    self.skipped_from: int | None = None  # the run's skip counter when this process began
     self._first_start: float | None = None
 
   @contextlib.contextmanager
@@ -44,6 +47,10 @@ class Clock:
       self.later[0] += seconds
       self.later[1] += n
 
+  def count_skipped(self, total: int) -> None:
+    """The run's skip counter now (`skipped_from` holds it at this process's start)."""
+    self.skipped_steps = total - (total if self.skipped_from is None else self.skipped_from)
+
   def redone(self, n: int) -> None:
     self.redone_steps += max(0, int(n))
 
@@ -60,8 +67,10 @@ class Clock:
       train = first - compile_time + self.later[0]
       per_step = rate if rate is not None else first / max(n, 1)
       redone = min(train, self.redone_steps * per_step)
+      skipped = min(train - redone, self.skipped_steps * per_step)
       spent['redone'] += redone
-      spent['train'] += train - redone
+      spent['skipped'] += skipped
+      spent['train'] += train - redone - skipped
     else:
       spent['startup'] += wall - sum(spent.values())
     spent['other'] = max(0.0, wall - sum(v for k, v in spent.items() if k != 'other'))

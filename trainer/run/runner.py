@@ -149,6 +149,7 @@ class Runner:
                          self.config.precision.allow_low_precision_variables,
                          bfloat16_masters=self.config.precision.master_weights != 'float32')
     step = self.restore()
+    self.clock.skipped_from = int(tr.train_step.skipped_steps.numpy())  # this process's skips
     total = tr.total_steps
     logging.info('training %s: %d steps, global batch %d, policy %s, loss scale %s, %d '
                  'replica(s)', type(tr).__name__, total, t.batch_size, tr.policy,
@@ -177,7 +178,9 @@ class Runner:
           start = time.perf_counter()
           try:
             step = watcher.call(self.run_steps, iterator, n)  # Ctrl-C twice: at once
-          except CollapseError as e:
+          except CollapseError as e:  # its steps ran (all skipped): train time, not start-up
+            ran = max(int(tr.global_step.numpy()) - step, 1)
+            self.clock.steps(time.perf_counter() - start, ran, start)
             step = self.recover(str(e), error=e)  # or raises e: no recovery left
             continue
           elapsed += time.perf_counter() - start
@@ -353,6 +356,7 @@ class Runner:
     """The goodput line and its scalars (trainer/run/goodput.py); never raises (it runs while
     a run ends, maybe with an error that must not be masked)."""
     try:
+      self.clock.count_skipped(int(self.trainer.train_step.skipped_steps.numpy()))
       shares = self.clock.shares()
       logging.info(self.clock.line(shares))
       if self.workdir.latest_checkpoint is not None:  # the run folder is open for writing

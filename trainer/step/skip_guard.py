@@ -95,9 +95,14 @@ class SkipGuard(tf.Module):
              'the gradients were finite but the loss was not')
     kept = (f'The newest checkpoint, {checkpoint}, is finite (checked when saved)' if checkpoint
             else 'No checkpoint was written yet') + (f'; {healthy}' if healthy else '')
+    # From step 0 no update was ever applied: the initial weights fail in this precision, and
+    # the learning rate cannot be the cause.
+    advice = ('No update was ever applied, so the learning rate is not the cause: the model is '
+              'non-finite at its initial weights in this precision; the forensic lines above '
+              '(or --mode=diagnose) name the layer and --advise suggests float32 layers'
+              if step == run else 'Lower config.optimizer.learning_rate, check the input data')
     raise CollapseError(
         f'training collapsed at step {step}: {run} steps in a row (steps {step - run} to '
         f'{step - 1}) were skipped for non-finite gradients or had a non-finite loss; loss scale '
-        f'{float(scale.numpy()):g}; {where}. {kept}. Lower config.optimizer.learning_rate, '
-        'check the input data, or raise config.precision.max_consecutive_skips '
-        f'(now {limit}; 0 turns the guard off).')
+        f'{float(scale.numpy()):g}; {where}. {kept}. {advice}, or raise '
+        f'config.precision.max_consecutive_skips (now {limit}; 0 turns the guard off).')
