@@ -105,6 +105,16 @@ def test_a_schema_key_given_without_its_section_is_named(tmp_path):
   assert config_lib.validate(config).vocab_size == 65
 
 
+def test_every_unknown_key_is_named_in_one_line(tmp_path):
+  config = config_lib.load_file(config_file(tmp_path, 'config.train.batch_sise = 16',
+                                            'config.optimizer.learning_rat = 0.1'))
+  with pytest.raises(ConfigError) as info:
+    config_lib.validate(config)
+  message = str(info.value)
+  assert 'did you mean config.train.batch_size?' in message
+  assert 'did you mean config.optimizer.learning_rate?' in message and '\n' not in message
+
+
 def test_unknown_key_in_a_section_without_a_near_match(tmp_path):
   config = config_lib.load_file(config_file(tmp_path, 'config.optimizer.frobnicate = 1'))
   with pytest.raises(ConfigError) as info:

@@ -273,29 +273,34 @@ _LEAVES = {name.rsplit('.', 1)[-1]: name for name in SCHEMA if '.' in name and
 
 
 def _check_unknown(config) -> None:
-  """ConfigError with a did-you-mean for a key the schema does not know: any key under a schema
-  section (train, optimizer, ...), or a top-level key that is a near miss of a schema name."""
-  known = list(SCHEMA)
+  """ConfigError with a did-you-mean for each key the schema does not know (all of them, in one
+  line): any key under a schema section (train, optimizer, ...), a top-level key that is a near
+  miss of a section, or one named like a schema key without its section."""
+  known, problems = list(SCHEMA), []
   for name in flatten(config):
     top = name.split('.')[0]
     if name in SCHEMA:
       continue
     if top in SECTIONS:
       if top in SCHEMA:  # a scalar key such as `seed` given sub-keys
-        raise ConfigError(f'config.{top} is a single value, not a section (config.{name}).')
+        problems.append(f'config.{top} is a single value, not a section (config.{name})')
+        continue
       close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     else:
       close = difflib.get_close_matches(top, SECTIONS, n=1, cutoff=0.8)
       if not close and name in _LEAVES:  # e.g. config.learning_rate: a section left out
-        raise ConfigError(f'config.{name} is not a config key; did you mean '
-                          f'config.{_LEAVES[name]}? (a key of the model\'s own goes under '
-                          'config.model_config)')
+        problems.append(f'config.{name} is not a config key; did you mean '
+                        f'config.{_LEAVES[name]}? (a key of the model\'s own goes under '
+                        'config.model_config)')
+        continue
       if not close:
         continue  # the model's own key
       close = [name.replace(top, close[0], 1)]
     hint = (f'did you mean config.{close[0]}?' if close else
             f'the keys of config.{top} are listed in configs/mnist.py.')
-    raise ConfigError(f'config.{name} is not a config key; {hint}')
+    problems.append(f'config.{name} is not a config key; {hint}')
+  if problems:
+    raise ConfigError('; '.join(problems) if len(problems) > 1 else problems[0])
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
