@@ -15,9 +15,9 @@ every layer's `call` hooked (nested layers included, so the innermost layer is n
 The culprit layer alone is then run twice more, with every op it executes watched (TF's op
 callbacks, the hook `tf.debugging.enable_check_numerics` uses): in its own dtype, which names the
 first op whose output is non-finite, and in float32, which says how large that op's value and the
-named tensor would have been (`op Exp (its output: max 8.4e+04 > float16 max 65504)`,
-`max |x| 7.1e+02 in float32`): a layer's output can fit while a value inside it overflowed. For
-a Cast, the op's value is its input. The result is a `Report`, whose `line()` is one log line.
+named tensor would have been (`op Exp: max 8.4e+04 > float16 max 65504; the layer's output:
+max |x| 7.1e+02 in float32`): a layer's output can fit while a value inside it overflowed. For a
+Cast, the op's value is its input. The result is a `Report`, whose `line()` is one log line.
 
 A forensic folder (`save` / `load`, `<workdir>/forensics/step-N/`) holds the batch (batch.npz),
 the pre-step weights (a tf.train.Checkpoint of the model), meta.json (step, loss scale, policy,
