@@ -1,4 +1,4 @@
-"""Dotted names in nested configs: 'train.batch_size' for config['train']['batch_size'].
+"""Dotted names in nested configs: `train.batch_size` for `config['train']['batch_size']`.
 
 `set_dotted` and `get` on a ConfigDict or a plain dict, `flatten` to {dotted name: leaf} and
 `diff`, the dotted names whose values differ between two configs. trainer/config.py re-exports
@@ -12,8 +12,8 @@ import ml_collections
 
 
 def set_dotted(config, dotted: str, value) -> None:
-  """config['a']['b'] = value for dotted 'a.b', on a ConfigDict or a plain dict; missing parents
-  are created (as ConfigDicts)."""
+  """`config['a']['b'] = value` for dotted 'a.b', on a ConfigDict or a plain dict; missing
+  parents are created (as ConfigDicts)."""
   *parents, leaf = dotted.split('.')
   node = config
   for part in parents:
@@ -24,7 +24,7 @@ def set_dotted(config, dotted: str, value) -> None:
 
 
 def get(config, dotted: str):
-  """config['a']['b'] for dotted 'a.b'; KeyError(dotted) when a part is missing."""
+  """`config['a']['b']` for dotted 'a.b'; KeyError(dotted) when a part is missing."""
   node = config
   for part in dotted.split('.'):
     if not hasattr(node, 'keys') or part not in node:
