@@ -95,11 +95,10 @@ class SkipGuard(tf.Module):
              'the gradients were finite but the loss was not')
     kept = (f'The newest checkpoint, {checkpoint}, is finite (checked when saved)' if checkpoint
             else 'No checkpoint was written yet') + (f'; {healthy}' if healthy else '')
-    # From step 0 no update was ever applied: the initial weights fail in this precision, and
-    # the learning rate cannot be the cause.
-    advice = ('No update was ever applied, so the learning rate is not the cause: the model is '
-              'non-finite at its initial weights in this precision; the forensic lines above '
-              '(or --mode=diagnose) name the layer and --advise suggests float32 layers'
+    # From step 0 no update was ever applied: the learning rate cannot be the cause.
+    advice = ('No update was ever applied, so the learning rate is not the cause: the model or '
+              'the data is non-finite from the start; the forensic lines above (or '
+              '--mode=diagnose) name the layer or the batch, and --advise suggests float32 layers'
               if step == run else 'Lower config.optimizer.learning_rate, check the input data')
     raise CollapseError(
         f'training collapsed at step {step}: {run} steps in a row (steps {step - run} to '
