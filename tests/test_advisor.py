@@ -151,10 +151,23 @@ class ExpGate(keras.layers.Layer):
     return h * 16.0 * (e / keras.ops.sum(e, axis=-1, keepdims=True))
 
 
-def test_an_overflow_inside_a_layer_is_suggested_though_its_output_fits(tmp_path):
+class Holder(keras.layers.Layer):
+  """A layer that only calls the gate inside it."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.gate = ExpGate(name='gate')
+
+  def call(self, h):
+    return self.gate(h)
+
+
+@pytest.mark.parametrize('nested', [False, True])
+def test_an_overflow_inside_a_layer_is_suggested_though_its_output_fits(tmp_path, nested):
   """The gate's output has headroom in float32, so headroom alone would suggest nothing; its
   float16 output is non-finite from finite inputs where float32's is finite, so it is named
-  and suggested. A non-finite share below 0.05 % shows as '< 0.1 %', not '0.0 %'."""
+  and suggested (not the layer holding it, whose output is non-finite only through the gate). A
+  non-finite share below 0.05 % shows as '< 0.1 %', not '0.0 %'."""
   import numpy as np
   from tiny import TinyTrainer, tiny_config
 
@@ -165,7 +178,7 @@ def test_an_overflow_inside_a_layer_is_suggested_though_its_output_fits(tmp_path
           keras.layers.Dense(
               16, name='proj',
               kernel_initializer=keras.initializers.RandomNormal(stddev=2.0, seed=0)),
-          ExpGate(name='gate'),
+          Holder(name='holder') if nested else ExpGate(name='gate'),
           keras.layers.Dense(4, dtype='float32', name='logits')], name='gated')
 
   advice = advisor.advise(GateTrainer, tiny_config(**{'precision.policy': 'mixed_float16'}),

@@ -136,6 +136,54 @@ def test_an_overflow_inside_a_layer_reports_the_ops_own_value(mixed_float16):
   assert "the layer's output: max |x|" in report.line()
 
 
+class MaskThenOverflow(keras.layers.Layer):
+  """An intended -inf (a mask: non-finite in float32 too) before a real float16 overflow
+  (h * 1e4, finite in float32): the overflow is the op to blame."""
+
+  def call(self, h):
+    mask = tf.where(h > 0, tf.zeros_like(h), tf.fill(tf.shape(h), tf.constant(-np.inf, h.dtype)))
+    return tf.nn.softmax(h * 1e4 + mask)
+
+
+class TracedExpGate(keras.layers.Layer):
+  """ExpGate's math inside a tf.function: its ops reach the op callback as one function."""
+
+  def call(self, h):
+    return _traced_gate(h)
+
+
+@tf.function
+def _traced_gate(h):
+  e = tf.exp(2.0 * h)
+  return h * 16.0 * (e / tf.reduce_sum(e, axis=-1, keepdims=True))
+
+
+def _gated(layer):
+  return keras.Sequential([
+      keras.Input((16,)),
+      keras.layers.Dense(16, name='proj',
+                         kernel_initializer=keras.initializers.RandomNormal(stddev=2.0, seed=0)),
+      layer, keras.layers.Dense(4, dtype='float32', name='logits')], name='gated')
+
+
+def test_an_intended_infinity_is_passed_over_for_the_real_overflow(mixed_float16):
+  model = _gated(MaskThenOverflow(name='masked'))
+  x, y = _batch()
+  report = forensics.replay(model, _loss_fn(model), (x, y), loss_scale=SCALE)
+  assert (report.layer, report.op) == ('masked', 'Mul'), report.line()
+  h = model.get_layer('proj')(x).numpy().astype(np.float64)
+  assert report.op_max_abs_float32 == pytest.approx(np.abs(h * 1e4).max(), rel=1e-5)
+  assert report.op_max_abs_float32 > 65504
+
+
+def test_a_traced_function_inside_a_layer_is_not_named_as_the_op(mixed_float16):
+  model = _gated(TracedExpGate(name='gate'))
+  report = forensics.replay(model, _loss_fn(model), _batch(), loss_scale=SCALE)
+  assert (report.phase, report.layer) == ('forward', 'gate')
+  assert not report.op.startswith('__'), report.line()  # not '__inference__traced_gate_12'
+  assert report.op_max_abs_float32 is None
+
+
 def test_a_weight_gradient_overflow_names_each_variable_and_whose_value_it_gives(mixed_float16):
   """Both of 'proj''s weight gradients overflow (batch sums of a finite float16 output
   gradient): the report lists both; the op's value and the largest weight gradient, with its

@@ -100,9 +100,11 @@ def test_a_schema_key_given_without_its_section_is_named(tmp_path):
   assert str(info.value) == ('config.learning_rate is not a config key; did you mean '
                              "config.optimizer.learning_rate? (a key of the model's own goes "
                              'under config.model_config)')
-  # A model's own top-level key, named like no schema key, still passes.
-  config = config_lib.load_file(config_file(tmp_path, 'config.vocab_size = 65'))
-  assert config_lib.validate(config).vocab_size == 65
+  # A model's own top-level keys still pass, generic names shared with the schema too.
+  config = config_lib.load_file(config_file(tmp_path, 'config.vocab_size = 65',
+                                            'config.epsilon = 1e-6', 'config.steps = 3'))
+  validated = config_lib.validate(config)
+  assert (validated.vocab_size, validated.epsilon, validated.steps) == (65, 1e-6, 3)
 
 
 def test_every_unknown_key_is_named_in_one_line(tmp_path):

@@ -134,3 +134,5 @@ def test_goodput_shares_sum_to_one_and_count_compilation():
   assert shares['skipped'] == pytest.approx(0.02, abs=1e-3)
   assert shares['train'] == pytest.approx(0.23, abs=1e-3)  # 3 s of steps less 0.5 + 0.2 s
   assert clock.line(shares).startswith('goodput 23% of the wall time in train steps')
+  clock.count_skipped(5)  # a recovery restored an older counter: no negative share
+  assert clock.skipped_steps == 0 and clock.shares()['skipped'] == 0.0

@@ -6,7 +6,6 @@ out, checks every value and raises `ConfigError` naming the key (e.g. `config.tr
 """
 from __future__ import annotations
 
-import collections
 import difflib
 import math
 import os
@@ -264,12 +263,15 @@ def _coerce(name, key, value):
 # Top-level names the schema owns. Any other top-level key (e.g. `model_config`) belongs to the
 # model, which checks it itself; a key inside a schema section must be a schema key.
 SECTIONS = frozenset(name.split('.')[0] for name in SCHEMA)
-# A schema key's last part, given at the top level, is that key with its section left out (the
-# parts that are one key's only; generic ones such as `name` or `dir` may be the model's own).
-_PARTS = collections.Counter(name.rsplit('.', 1)[-1] for name in SCHEMA if '.' in name)
-_LEAVES = {name.rsplit('.', 1)[-1]: name for name in SCHEMA if '.' in name and
-           _PARTS[name.rsplit('.', 1)[-1]] == 1 and name.rsplit('.', 1)[-1] not in
-           ('name', 'dir', 'every', 'schedule', 'strategy', 'devices', 'tpu', 'remat')}
+# Top-level names that can only mean a schema key given without its section (config.learning_rate
+# for config.optimizer.learning_rate). Generic names (steps, epsilon, momentum, policy, ...) may be
+# a model's own settings and pass.
+_SECTIONLESS = ('learning_rate', 'batch_size', 'loss_scale', 'initial_scale', 'warmup_steps',
+                'weight_decay', 'clip_norm', 'steps_per_loop', 'log_every', 'checkpoint_every',
+                'eval_every', 'grad_accum_steps', 'master_weights', 'state_bits',
+                'float32_layers', 'max_consecutive_skips', 'min_learning_rate')
+_LEAVES = {name.rsplit('.', 1)[-1]: name for name in SCHEMA
+           if name.rsplit('.', 1)[-1] in _SECTIONLESS}
 
 
 def _check_unknown(config) -> None:

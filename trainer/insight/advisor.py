@@ -222,6 +222,7 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
     layers_r = forensics.sublayers(reference.model)
     layers_t = forensics.sublayers(target.model)
     to_target = {id(r): t for r, t in zip(layers_r, layers_t)}
+    overflowed: set[int] = set()  # layers non-finite from finite inputs in this pass
     for ct, cr in zip(calls_t, calls_r):
       layer = ct.layer
       s = stats.setdefault(id(layer), LayerStats(layer.name, type(layer).__name__,
@@ -231,7 +232,11 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
       s.max_in = max(s.max_in, forensics.max_abs((cr.args, cr.kwargs)))
       if (_has_nonfinite(_float_outputs(ct)) and not _has_nonfinite(_float_inputs(ct)) and
           not _has_nonfinite(_float_outputs(cr))):
-        s.overflowed += 1
+        # A layer containing one that overflowed in this pass is not at fault itself (its calls
+        # complete after those of the layers inside it).
+        if not any(id(inner) in overflowed for inner in forensics.sublayers(layer)):
+          s.overflowed += 1
+        overflowed.add(id(layer))
       for yt, yr in zip(_float_outputs(ct), _float_outputs(cr)):
         yt32, yr32 = tf.cast(yt, tf.float32), tf.cast(yr, tf.float32)
         finite = tf.math.is_finite(yt32)

@@ -142,14 +142,12 @@ def _forward_report(call: Call, scale, loss=None) -> Report:
   layer = call.layer
   run = lambda: _call_layer(call, call.args, call.kwargs)  # noqa: E731
   _, ops = op_watch.watched(run)
-  first = op_watch.first_nonfinite(ops)
-  op = first[0].type if first else op_watch.failing_op(run)  # an op inside a tf.function: by name
   with float32(layer):
     outputs32, ops32 = op_watch.watched(
         lambda: _call_layer(call, to_float32(call.args), to_float32(call.kwargs)))
+  op, value = op_watch.culprit(ops, ops32) or (op_watch.failing_op(run), None)
   return Report(FORWARD, layer.name, type(layer).__name__, 'output', op, layer.compute_dtype,
-                max_abs(outputs32), loss, scale,
-                op_max_abs_float32=op_watch.value_float32(first, ops, ops32))
+                max_abs(outputs32), loss, scale, op_max_abs_float32=value)
 
 
 def _layer_vjp(call: Call, upstream, float32: bool):
@@ -175,9 +173,7 @@ def _backward_report(call: Call, upstream, tensor: str, bad: list[str], scale, l
   layer = call.layer
   run = lambda: _layer_vjp(call, upstream, float32=False)  # noqa: E731
   _, ops = op_watch.watched(run)
-  first = op_watch.first_nonfinite(ops)
-  op = first[0].type if first else op_watch.failing_op(run)
-  largest, largest_of, op_value = None, '', None
+  largest, largest_of, ops32 = None, '', []
   if upstream is not None and not _nonfinite(upstream):
     with float32(layer):
       (dx32, dw32), ops32 = op_watch.watched(lambda: _layer_vjp(call, upstream, float32=True))
@@ -190,7 +186,8 @@ def _backward_report(call: Call, upstream, tensor: str, bad: list[str], scale, l
         largest_of = max(sizes, key=lambda path: sizes[path])
         largest = sizes[largest_of]
         largest_of = largest_of if len(sizes) > 1 else ''
-    op_value = op_watch.value_float32(first, ops, ops32)
+  # Without a float32 run (a non-finite upstream) no op but a Cast has a value.
+  op, op_value = op_watch.culprit(ops, ops32) or (op_watch.failing_op(run), None)
   return Report(BACKWARD, layer.name, type(layer).__name__, tensor, op, layer.compute_dtype,
                 largest, loss, scale, ', '.join(bad), op_max_abs_float32=op_value,
                 largest_of=largest_of)

@@ -48,8 +48,10 @@ class Clock:
       self.later[1] += n
 
   def count_skipped(self, total: int) -> None:
-    """The run's skip counter now (`skipped_from` holds it at this process's start)."""
-    self.skipped_steps = total - (total if self.skipped_from is None else self.skipped_from)
+    """The run's skip counter now (`skipped_from` holds it at this process's start; a recovery
+    to an older checkpoint can set the counter back below it: then no skips are counted)."""
+    self.skipped_steps = max(0, total - (total if self.skipped_from is None else
+                                         self.skipped_from))
 
   def redone(self, n: int) -> None:
     self.redone_steps += max(0, int(n))
