@@ -221,6 +221,31 @@ def test_each_update_group_gets_its_own_stream(tmp_path):
   assert not np.array_equal(as_f64(trainer.model.layers[0].kernel), before)
 
 
+def test_a_group_with_a_plain_keras_optimizer_is_refused_under_16_bit_masters(tmp_path):
+  """A Keras Adam on bfloat16 weights computes their update in bfloat16, where it rounds to
+  nothing: the group's weights would stay frozen without a word. It is one ConfigError line."""
+  from trainer import TrainStep, UpdateGroup
+
+  class TwoGroups(TrainStep):
+    def __init__(self, trainer):
+      self.second = keras.optimizers.Adam(1e-3)
+      super().__init__(trainer)
+
+    @property
+    def groups(self):
+      hidden, logits = self.model.layers
+      return [UpdateGroup(self.optimizer, logits.trainable_variables, self.loss_scaler),
+              UpdateGroup(self.second, hidden.trainable_variables, self.loss_scaler)]
+
+  class TwoGroupTrainer(TinyTrainer):
+    def build_train_step(self):
+      return TwoGroups(self)
+
+  with pytest.raises(ConfigError, match="update group 1's optimizer is Adam") as info:
+    TwoGroupTrainer(tiny_config(**runs.overrides('bfloat16_sr')), str(tmp_path / 'work'))
+  assert 'trainer.build_optimizer(learning_rate)' in str(info.value)
+
+
 def test_a_bfloat16_layer_under_float32_masters_with_8_bit_state_rounds_stochastically():
   """A variable built in bfloat16 (precision.allow_low_precision_variables) under float32
   masters and 8-bit state: its update is rounded stochastically, as under bfloat16_sr."""

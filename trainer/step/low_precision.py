@@ -303,13 +303,16 @@ def weight_bytes(variables) -> int:
   return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
 
 
-def check_optimizer(optimizer, config) -> None:
+def check_optimizer(optimizer, config, group: int | None = None) -> None:
   """ConfigError when the config asks for 16-bit masters or 8-bit state and `optimizer` (from
-  Trainer.build_optimizer) cannot provide them."""
+  Trainer.build_optimizer, or update group `group`'s) cannot provide them: a Keras optimizer
+  would compute a bfloat16 weight's update in bfloat16, where most updates round to nothing."""
   from trainer.errors import ConfigError  # pylint: disable=import-outside-toplevel
   if requested(config) and not isinstance(optimizer, _LowPrecision):
+    source = ('build_optimizer returned' if group is None else
+              f'update group {group}\'s optimizer is')
     raise ConfigError(
         f'config.precision.master_weights={config.precision.master_weights!r} / '
         f'config.optimizer.state_bits={config.optimizer.state_bits} need the optimizer '
-        f'Trainer.build_optimizer makes by default; build_optimizer returned '
-        f'{type(optimizer).__name__}.')
+        f'Trainer.build_optimizer makes by default; {source} {type(optimizer).__name__} (make '
+        'each optimizer with trainer.build_optimizer(learning_rate)).')

@@ -58,7 +58,7 @@ import tensorflow as tf
 from trainer.steps_text import steps as parse_steps
 from trainer.errors import ConfigError
 from trainer.step.loss_scale import all_finite, overwritten, state_variable, update_scalers
-from trainer.step import inject, optimizers
+from trainer.step import inject, low_precision, optimizers
 from trainer.step.loop import CompiledLoop
 from trainer.step import outputs as step_outputs
 from trainer.step import user_code
@@ -189,6 +189,7 @@ class TrainStep(CompiledLoop):
     each group's low-precision optimizer its own random bits (its `stream`: the group's index)."""
     streams: dict = {}
     for index, group in enumerate(self.groups):
+      low_precision.check_optimizer(group.optimizer, self.trainer.config, index)
       if hasattr(group.optimizer, 'stream'):
         group.optimizer.stream = streams.setdefault(id(group.optimizer), index)
       optimizers.reset_loss_scale_factor(group.optimizer)  # the loss is scaled here, not there
