@@ -287,3 +287,24 @@ def test_train_resumes_at_saved_step(tiny_trainer):
   second.train()
   assert int(second.global_step.numpy()) == 20
   assert int(second.optimizer.iterations.numpy()) == 20
+
+
+def test_grad_accumulation_with_a_custom_compute_gradients_is_a_warning(tmp_path, caplog):
+  """grad_accum_steps is applied by TrainStep.compute_gradients; an override gets the whole
+  batch, which was silent."""
+  from trainer import TrainStep
+
+  class WholeBatch(TrainStep):
+    def compute_gradients(self, batch):
+      return super().compute_gradients(batch)
+
+  class Custom(TinyTrainer):
+    def build_train_step(self):
+      return WholeBatch(self)
+
+  Custom(tiny_config(**{'train.grad_accum_steps': 2}), str(tmp_path / 'a'))
+  assert ('config.train.grad_accum_steps=2 is applied by TrainStep.compute_gradients, which '
+          'WholeBatch overrides') in caplog.text
+  caplog.clear()
+  TinyTrainer(tiny_config(**{'train.grad_accum_steps': 2}), str(tmp_path / 'b'))
+  assert 'grad_accum_steps' not in caplog.text  # the default step splits the batch itself

@@ -15,6 +15,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
@@ -22,6 +23,7 @@ from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.step import contract, distribute, low_precision, optimizers, precision
 from trainer.step.loss_scale import LossScaler, state_variable
+from trainer.step.train_step import TrainStep
 
 HOOKS = tuple(contract.HOOK_CALLS)  # the hooks the contract checks, the one list of them
 # What the framework sets on a Trainer and the methods it owns. The last line holds names that
@@ -106,7 +108,18 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
         optimizers.once_per_trace(lambda: trainer.learning_rate(step)))
     low_precision.check_optimizer(trainer.optimizer, c)
     trainer.train_step = trainer.build_train_step()
+    _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
   return batch
+
+
+def _check_grad_accum(step, k: int) -> None:
+  """A warning when grad_accum_steps > 1 would not reach a custom compute_gradients: the
+  default one splits the batch into micro-batches, an override gets the whole batch."""
+  if k > 1 and type(step).compute_gradients is not TrainStep.compute_gradients:
+    logging.warning('config.train.grad_accum_steps=%d is applied by TrainStep.compute_gradients, '
+                    'which %s overrides: it gets the whole batch, not %d micro-batches, unless '
+                    'it splits the batch itself (or calls super().compute_gradients)', k,
+                    type(step).__name__, k)
 
 
 def _check_against_the_run(c, total_steps: int, replicas: int) -> None:
