@@ -308,3 +308,40 @@ def test_grad_accumulation_with_a_custom_compute_gradients_is_a_warning(tmp_path
   caplog.clear()
   TinyTrainer(tiny_config(**{'train.grad_accum_steps': 2}), str(tmp_path / 'b'))
   assert 'grad_accum_steps' not in caplog.text  # the default step splits the batch itself
+
+
+@pytest.mark.parametrize('mistake, expected', [
+    ('per_example_loss', "returned 'loss' of shape (32,): return the loss averaged over the "
+                         'global batch, a scalar'),
+    ('swapped', 'returned (grads, outputs); return (outputs, grads)'),
+    ('one_short', 'returned 3 gradients for 4 variables'),
+])
+def test_a_custom_compute_gradients_mistake_is_one_line_naming_the_step(tmp_path, mistake,
+                                                                      expected):
+  """Mistakes a custom compute_gradients makes, which failed deep inside the step (a shape
+  mismatch assigning the guard's counter, a string dtype in the loss scaler, a matmul of the
+  wrong dimensions in Adam): one UserError naming the step class."""
+  from trainer import TrainStep, UserError
+
+  class Mine(TrainStep):
+    def compute_gradients(self, batch):
+      x, y = batch
+      with tf.GradientTape() as tape:
+        logits = tf.cast(self.model(x, training=True), tf.float32)
+        per_example = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+        loss = self.share_loss(per_example)
+      grads = tape.gradient(loss, self.variables)
+      if mistake == 'per_example_loss':
+        return {'loss': per_example}, grads
+      if mistake == 'swapped':
+        return grads, {'loss': loss}
+      return {'loss': loss}, grads[:-1]
+
+  class Custom(TinyTrainer):
+    def build_train_step(self):
+      return Mine(self)
+
+  trainer = Custom(tiny_config(**{'train.steps': 5}), str(tmp_path))
+  with pytest.raises(UserError) as info:
+    trainer.train()
+  assert str(info.value).startswith('Mine.compute_gradients ' + expected), str(info.value)

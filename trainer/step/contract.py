@@ -369,3 +369,31 @@ def _warn_nonfinite_loss(loss) -> None:
                     'will be skipped; look for log(0), a division by zero or an overflow in the '
                     'loss (a log of a probability: use from_logits=True losses, or clip it)',
                     kinds, bad, values.size)
+
+
+def step_gradients(step, result, variables) -> tuple:
+  """What a step's `compute_gradients` returned, checked while it is traced: (outputs, grads),
+  a scalar 'loss', one gradient per variable of `variables` (self.variables, in its order) with
+  the variable's shape. A violation is one UserError line naming the step class."""
+  name = f'{type(step).__name__}.compute_gradients'
+  if not isinstance(result, (tuple, list)) or len(result) != 2:
+    raise UserError(f'{name} returned {type(result).__name__}; return (outputs, grads): a dict '
+                    'with the scalar loss and a gradient per variable of self.variables')
+  outputs, grads = result
+  if not isinstance(outputs, Mapping) and isinstance(grads, Mapping):
+    raise UserError(f'{name} returned (grads, outputs); return (outputs, grads)')
+  loss = outputs.get('loss') if isinstance(outputs, Mapping) else None
+  if loss is not None and getattr(loss, 'shape', None) is not None and loss.shape.rank:
+    raise UserError(f"{name} returned 'loss' of shape {loss.shape}: return the loss averaged "
+                    'over the global batch, a scalar (self.share_loss(per_example_loss))')
+  grads = list(grads)
+  if len(grads) != len(variables):
+    raise UserError(f'{name} returned {len(grads)} gradients for {len(variables)} variables: '
+                    'return one per variable of self.variables, in its order (None for none)')
+  for g, v in zip(grads, variables):
+    shape = getattr(g, 'shape', None) if not isinstance(g, tf.IndexedSlices) else None
+    if shape is not None and shape.is_fully_defined() and shape != v.shape:
+      raise UserError(f'{name} returned a gradient of shape {shape} for '
+                      f'{getattr(v, "path", v.name)} of shape '
+                      f'{tuple(v.shape)}: the gradients must follow self.variables, in its order')
+  return outputs, grads

@@ -58,7 +58,7 @@ import tensorflow as tf
 from trainer.steps_text import steps as parse_steps
 from trainer.errors import ConfigError
 from trainer.step.loss_scale import all_finite, overwritten, state_variable, update_scalers
-from trainer.step import inject, low_precision, optimizers
+from trainer.step import contract, inject, low_precision, optimizers
 from trainer.step.loop import CompiledLoop
 from trainer.step import outputs as step_outputs
 from trainer.step import user_code
@@ -331,8 +331,9 @@ class TrainStep(CompiledLoop):
     gradients, the debug injection and this replica's non-finite count per group ([groups]
     int32, 0 or 1 each)."""
     saved = [v.read_value() for v in self._forward_state]
-    outputs, grads = user_code.converted(self.compute_gradients)(batch)
-    grads = self._maybe_inject(list(grads))
+    outputs, grads = contract.step_gradients(
+        self, user_code.converted(self.compute_gradients)(batch), self.variables)
+    grads = self._maybe_inject(grads)
     nonfinite = tf.stack([tf.cast(tf.logical_not(all_finite(part)), tf.int32)
                           for part in self._split(grads)])
     return outputs, grads, nonfinite, saved
