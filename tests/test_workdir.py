@@ -105,6 +105,15 @@ def test_resume_keeps_the_first_record_and_adds_one_per_change(run, caplog):
   assert sorted(p.name for p in workdir.glob('config-step-*.json')) == ['config-step-10.json']
 
 
+def test_diagnostics_frequency_may_change_on_resume(run, caplog):
+  """numerics.every and the forensics rate only set how often diagnostics run."""
+  workdir, _ = run
+  caplog.clear()
+  train(workdir, **{'train.steps': 20, 'numerics.every': 7, 'numerics.forensics_every': 3})
+  assert 'numerics.every' in caplog.text and 'numerics.forensics_every' in caplog.text
+  assert json.loads((workdir / 'config-step-10.json').read_text())['numerics']['every'] == 7
+
+
 def test_changed_config_is_an_error_naming_the_keys_and_writes_nothing(run):
   workdir, _ = run
   before = snapshot(workdir)

@@ -17,9 +17,9 @@ Two ways in:
     A failed restore (another model) leaves every file as it was.
 
 A resume with a changed config. The config is compared with the newest record (config.json or the
-highest config-step-N.json). Keys in RESUMABLE (run length, bookkeeping, where the data is, how
-the run is distributed) may change with a warning; any other change is a ConfigError naming the
-keys, unless `config.train.accept_config_change=True`. An accepted change is recorded as
+highest config-step-N.json). Keys in RESUMABLE (run length, bookkeeping, diagnostics, where the
+data is, how the run is distributed) may change with a warning; any other change is a ConfigError
+naming the keys, unless `config.train.accept_config_change=True`. An accepted change is recorded as
 config-step-<N>.json (N = the step resumed from); config.json stays the first run's record.
 A workdir with no checkpoint holds no progress to protect: a new config replaces config.json (and
 drops the config-step records of the checkpoints that are gone).
@@ -66,6 +66,7 @@ RESUMABLE = frozenset({
     'train.checkpoint_every', 'train.max_to_keep', 'train.recover_tries', 'train.profile_steps',
     'train.async_checkpoint',
     'train.jit_compile',
+    'numerics.every', 'numerics.forensics_first', 'numerics.forensics_every',  # diagnostics only
     'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
 
 
