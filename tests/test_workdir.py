@@ -111,7 +111,17 @@ def test_diagnostics_frequency_may_change_on_resume(run, caplog):
   caplog.clear()
   train(workdir, **{'train.steps': 20, 'numerics.every': 7, 'numerics.forensics_every': 3})
   assert 'numerics.every' in caplog.text and 'numerics.forensics_every' in caplog.text
+  assert 'cosine learning-rate schedule' not in caplog.text  # tiny's schedule is constant
   assert json.loads((workdir / 'config-step-10.json').read_text())['numerics']['every'] == 7
+
+
+def test_a_longer_run_under_a_cosine_schedule_says_the_rate_follows_the_new_curve(tmp_path,
+                                                                                   caplog):
+  workdir = tmp_path / 'run'
+  train(workdir, **{'optimizer.schedule': 'cosine'})
+  caplog.clear()
+  train(workdir, **{'optimizer.schedule': 'cosine', 'train.steps': 20})
+  assert 'the cosine learning-rate schedule now spans the new run length' in caplog.text
 
 
 def test_changed_config_is_an_error_naming_the_keys_and_writes_nothing(run):

@@ -330,6 +330,11 @@ class Workdir:
                         'this run with it.')
     if changed:  # _record_config names the file once the step resumed from is known
       logging.warning('resuming %s with a changed config (%s)', self.path, ', '.join(changed))
+      if {'train.steps', 'train.epochs'} & set(changed) and self.config.optimizer.schedule \
+          == 'cosine':
+        logging.warning('the cosine learning-rate schedule now spans the new run length: the '
+                        'rate from the resumed step on follows the new curve (it rises again '
+                        'when the run grows)')
 
   def _acquire(self) -> None:
     if not self.is_chief or self._lock is not None:
