@@ -191,28 +191,36 @@ def test_an_optimizer_stream_draws_other_bits_and_stream_0_the_usual_ones():
   sr_check(one, ref_w)  # still Adam's update, rounded stochastically
 
 
-def test_each_update_group_gets_its_own_stream(tmp_path):
-  """A step with two update groups, both optimizers made by build_optimizer (one config.seed):
-  build_optimizers gives them streams 0 and 1, and the step trains."""
+def two_group_trainer(make_second, second: int):
+  """A TinyTrainer whose step has two update groups: the trainer's optimizer on one of its two
+  Dense layers, `make_second(trainer)` on layer `second` (0 or 1)."""
   from trainer import TrainStep, UpdateGroup
 
   class TwoGroups(TrainStep):
     def __init__(self, trainer):
-      self.second = trainer.build_optimizer(lambda: 1e-3)
+      self.second = make_second(trainer)
       super().__init__(trainer)
 
     @property
     def groups(self):
-      hidden, logits = self.model.layers
-      return [UpdateGroup(self.optimizer, hidden.trainable_variables, self.loss_scaler),
-              UpdateGroup(self.second, logits.trainable_variables, self.loss_scaler)]
+      layers = self.model.layers
+      return [UpdateGroup(self.optimizer, layers[1 - second].trainable_variables,
+                          self.loss_scaler),
+              UpdateGroup(self.second, layers[second].trainable_variables, self.loss_scaler)]
 
   class TwoGroupTrainer(TinyTrainer):
     def build_train_step(self):
       return TwoGroups(self)
 
-  trainer = TwoGroupTrainer(tiny_config(**runs.overrides('bfloat16_sr'), **{'train.steps': 2}),
-                            str(tmp_path / 'work'))
+  return TwoGroupTrainer
+
+
+def test_each_update_group_gets_its_own_stream(tmp_path):
+  """A step with two update groups, both optimizers made by build_optimizer (one config.seed):
+  build_optimizers gives them streams 0 and 1, and the step trains."""
+  trainer_class = two_group_trainer(lambda trainer: trainer.build_optimizer(lambda: 1e-3), 1)
+  trainer = trainer_class(tiny_config(**runs.overrides('bfloat16_sr'), **{'train.steps': 2}),
+                          str(tmp_path / 'work'))
   groups = trainer.train_step.groups
   assert isinstance(groups[1].optimizer, low_precision.LowPrecisionAdamW)
   assert [group.optimizer.stream for group in groups] == [0, 1]
@@ -224,25 +232,9 @@ def test_each_update_group_gets_its_own_stream(tmp_path):
 def test_a_group_with_a_plain_keras_optimizer_is_refused_under_16_bit_masters(tmp_path):
   """A Keras Adam on bfloat16 weights computes their update in bfloat16, where it rounds to
   nothing: the group's weights would stay frozen without a word. It is one ConfigError line."""
-  from trainer import TrainStep, UpdateGroup
-
-  class TwoGroups(TrainStep):
-    def __init__(self, trainer):
-      self.second = keras.optimizers.Adam(1e-3)
-      super().__init__(trainer)
-
-    @property
-    def groups(self):
-      hidden, logits = self.model.layers
-      return [UpdateGroup(self.optimizer, logits.trainable_variables, self.loss_scaler),
-              UpdateGroup(self.second, hidden.trainable_variables, self.loss_scaler)]
-
-  class TwoGroupTrainer(TinyTrainer):
-    def build_train_step(self):
-      return TwoGroups(self)
-
+  trainer_class = two_group_trainer(lambda trainer: keras.optimizers.Adam(1e-3), 0)
   with pytest.raises(ConfigError, match="update group 1's optimizer is Adam") as info:
-    TwoGroupTrainer(tiny_config(**runs.overrides('bfloat16_sr')), str(tmp_path / 'work'))
+    trainer_class(tiny_config(**runs.overrides('bfloat16_sr')), str(tmp_path / 'work'))
   assert 'trainer.build_optimizer(learning_rate)' in str(info.value)
 
 

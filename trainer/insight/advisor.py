@@ -189,15 +189,6 @@ def _float_outputs(call):
   return [t for t in tf.nest.flatten(call.outputs) if forensics.is_float(t)]
 
 
-def _float_inputs(call):
-  return [t for t in tf.nest.flatten((call.args, call.kwargs)) if forensics.is_float(t)]
-
-
-def _has_nonfinite(tensors) -> bool:
-  return any(not bool(tf.reduce_all(tf.math.is_finite(tf.cast(t, tf.float32))))
-             for t in tensors)
-
-
 def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
            steps: int = 10) -> Advice:
   """Builds the config's model in its policy and in float32 and runs `steps` calibration steps
@@ -230,8 +221,8 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
       assert to_target.get(id(cr.layer)) is layer, 'the two builds called different layers'
       s.max_out = max(s.max_out, forensics.max_abs(cr.outputs))
       s.max_in = max(s.max_in, forensics.max_abs((cr.args, cr.kwargs)))
-      if (_has_nonfinite(_float_outputs(ct)) and not _has_nonfinite(_float_inputs(ct)) and
-          not _has_nonfinite(_float_outputs(cr))):
+      if (forensics.nonfinite(ct.outputs) and not forensics.nonfinite((ct.args, ct.kwargs)) and
+          not forensics.nonfinite(cr.outputs)):
         # A layer containing one that overflowed in this pass is not at fault itself (its calls
         # complete after those of the layers inside it).
         if not any(id(inner) in overflowed for inner in forensics.sublayers(layer)):

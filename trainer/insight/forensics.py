@@ -123,7 +123,8 @@ def _dtype_max(dtype: str) -> float | None:
     return None
 
 
-def _nonfinite(tensors) -> bool:
+def nonfinite(tensors) -> bool:
+  """Whether some float tensor in the (nested) `tensors` has a non-finite element."""
   return any(is_float(t) and not bool(tf.reduce_all(tf.math.is_finite(t)))
              for t in tf.nest.flatten(tensors) if t is not None)
 
@@ -174,7 +175,7 @@ def _backward_report(call: Call, upstream, tensor: str, bad: list[str], scale, l
   run = lambda: _layer_vjp(call, upstream, float32=False)  # noqa: E731
   _, ops = op_watch.watched(run)
   largest, largest_of, ops32 = None, '', []
-  if upstream is not None and not _nonfinite(upstream):
+  if upstream is not None and not nonfinite(upstream):
     with float32(layer):
       (dx32, dw32), ops32 = op_watch.watched(lambda: _layer_vjp(call, upstream, float32=True))
     if tensor == 'input gradient':
@@ -210,7 +211,7 @@ def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) 
 
 def _replay(model, compute_loss, batch, scale: float) -> Report:
   batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
-  if _nonfinite(batch):
+  if nonfinite(batch):
     return Report(FORWARD, tensor='input', detail='the batch itself has non-finite values',
                   loss_scale=scale)
   # Not persistent: one gradient call below; and a persistent tape cannot differentiate the
@@ -225,8 +226,8 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
     scaled = loss * scale
   loss_value = float(loss)
   for call in calls:  # forward, in the order the outputs were computed
-    if _nonfinite(call.outputs):
-      if _nonfinite((call.args, call.kwargs)):  # not from a layer: an op between layers
+    if nonfinite(call.outputs):
+      if nonfinite((call.args, call.kwargs)):  # not from a layer: an op between layers
         return Report(FORWARD, call.layer.name, type(call.layer).__name__, 'input',
                       detail='non-finite before this layer: made by an op outside the layers '
                       '(compute_loss or a containing layer\'s own code)', loss_scale=scale)
@@ -252,16 +253,16 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
            [i for i in reversed(range(len(calls))) if not leaf[i]])
   for i in order:
     call = calls[i]
-    if _nonfinite(d_out[i]):
+    if nonfinite(d_out[i]):
       return Report(BACKWARD, call.layer.name, type(call.layer).__name__, 'output gradient',
                     detail='non-finite where it enters this layer (from compute_loss or a cast '
                     'between layers)', dtype=call.layer.compute_dtype, loss=loss_value,
                     loss_scale=scale)
     upstream = tf.nest.pack_sequence_as(call.outputs, _expand(call.outputs, d_out[i]))
-    if _nonfinite(d_in[i]):
+    if nonfinite(d_in[i]):
       return _backward_report(call, upstream, 'input gradient', [], scale, loss_value)
     if leaf[i]:
-      bad = [v.path for v, g in zip(weights[i], d_w[i]) if g is not None and _nonfinite(g)]
+      bad = [v.path for v, g in zip(weights[i], d_w[i]) if g is not None and nonfinite(g)]
       if bad:
         return _backward_report(call, upstream, 'weight gradient', bad, scale, loss_value)
   return Report('', loss=loss_value, loss_scale=scale)
