@@ -21,7 +21,7 @@ from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
-from trainer.step import contract, distribute, low_precision, optimizers, precision
+from trainer.step import contract, distribute, optimizers, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 from trainer.step.train_step import TrainStep
 
@@ -106,7 +106,6 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     step = trainer.global_step
     trainer.optimizer = trainer.build_optimizer(
         optimizers.once_per_trace(lambda: trainer.learning_rate(step)))
-    low_precision.check_optimizer(trainer.optimizer, c)
     trainer.train_step = trainer.build_train_step()
     _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
   return batch

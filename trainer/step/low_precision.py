@@ -304,8 +304,9 @@ def weight_bytes(variables) -> int:
 
 
 def check_optimizer(optimizer, config, group: int | None = None) -> None:
-  """ConfigError when the config asks for 16-bit masters or 8-bit state and `optimizer` (from
-  Trainer.build_optimizer, or update group `group`'s) cannot provide them: a Keras optimizer
+  """ConfigError when the config asks for 16-bit masters or 8-bit state and `optimizer` (the
+  trainer's, from Trainer.build_optimizer, or update group `group`'s; TrainStep.build_optimizers
+  checks each group's) cannot provide them: a Keras optimizer
   would compute a bfloat16 weight's update in bfloat16, where most updates round to nothing."""
   from trainer.errors import ConfigError  # pylint: disable=import-outside-toplevel
   if requested(config) and not isinstance(optimizer, _LowPrecision):

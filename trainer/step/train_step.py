@@ -46,8 +46,7 @@ One `step` (cross-replica context, inside the compiled loop):
 
 The hooks above (and Trainer.compute_loss, a stateful metric's update_state) are converted by
 autograph as in any tf.function; the framework's own pieces are traced as written, without it
-(trainer/step/user_code.py). The compiled loop that runs `step` (`train_loop`) is
-trainer/step/loop.py.
+(trainer/step/user_code.py). The compiled loop running `step` (`train_loop`): trainer/step/loop.py.
 """
 from __future__ import annotations
 
@@ -189,7 +188,8 @@ class TrainStep(CompiledLoop):
     each group's low-precision optimizer its own random bits (its `stream`: the group's index)."""
     streams: dict = {}
     for index, group in enumerate(self.groups):
-      low_precision.check_optimizer(group.optimizer, self.trainer.config, index)
+      own = group.optimizer is self.optimizer  # then the error says "build_optimizer returned"
+      low_precision.check_optimizer(group.optimizer, self.trainer.config, None if own else index)
       if hasattr(group.optimizer, 'stream'):
         group.optimizer.stream = streams.setdefault(id(group.optimizer), index)
       optimizers.reset_loss_scale_factor(group.optimizer)  # the loss is scaled here, not there
