@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import models
+import tiny
 from configs import mnist_mlp
 from trainer.run import lifecycle
 from trainer import steps_text
@@ -126,3 +127,47 @@ def test_launch_modes(trained):
   assert f'accuracy: {metrics["accuracy"]:.4f}' in result.stdout
   result = run('--mode=export')
   assert result.returncode == 2 and 'needs --workdir' in result.stderr
+
+
+class TokensAndScale(keras.Model):
+  """A subclassed model of two inputs: integer token ids and a float scale per example."""
+
+  def __init__(self):
+    super().__init__()
+    self.embed = keras.layers.Embedding(8, 4)
+    self.out = keras.layers.Dense(4, dtype='float32')
+
+  def call(self, tokens, scale, training=False):
+    return self.out(tf.reduce_mean(self.embed(tokens), axis=1) * scale[:, None])
+
+
+class _SubclassedTrainer(tiny.TinyTrainer):
+
+  def build_model(self):
+    return TokensAndScale()
+
+  def compute_loss(self, batch, *, training):
+    x, y = batch
+    tokens = tf.cast(tf.abs(x[:, :3]) * 3, tf.int32) % 8
+    logits = self.model(tokens, x[:, 3], training=training)
+    return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), {}
+
+
+@pytest.mark.parametrize('policy', ['float32', 'mixed_bfloat16'])
+def test_a_subclassed_models_export_takes_its_integer_inputs_and_float32(policy, tmp_path,
+                                                                          caplog):
+  """Keras's own signature for a subclassed model gives every input the compute dtype (bfloat16
+  token ids under mixed_bfloat16, which no int32 binds to; float32 ids under float32). Its
+  __init__ takes no **kwargs, so model.keras would not load back: a warning says so."""
+  config = tiny.tiny_config(**{'train.steps': 5, 'precision.policy': policy})
+  trainer = _SubclassedTrainer(config, str(tmp_path / 'run'))
+  trainer.train()
+  loaded = tf.saved_model.load(lifecycle.export(trainer)['saved_model'])
+  specs = loaded.signatures['serve'].structured_input_signature[1]
+  assert [(s.dtype, s.shape.as_list()) for _, s in sorted(specs.items())] == [
+      (tf.int32, [None, 3]), (tf.float32, [None])]
+  tokens, scale = tf.constant([[1, 2, 3], [7, 0, 5]]), tf.constant([0.5, 2.0])
+  np.testing.assert_allclose(loaded.serve(tokens, scale).numpy(),
+                             trainer.model(tokens, scale).numpy(), rtol=1e-6)
+  assert trainer.model.call.__func__ is TokensAndScale.call  # the recording is gone
+  assert "model.keras will not load back: TokensAndScale.from_config" in caplog.text

@@ -12,14 +12,17 @@ sibling of the run folder), never into the run folder.
 """
 from __future__ import annotations
 
+import inspect
 import os
 
+import keras
 import tensorflow as tf
 from absl import logging
 
 from trainer.run import checkpoints
 from trainer.run import workdir as workdir_lib
 from trainer.errors import ConfigError, UserError
+from trainer.step import contract
 
 
 def restore(trainer, what: str = 'restore') -> int:
@@ -56,10 +59,72 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
   os.makedirs(folder, exist_ok=True)
   paths = {'saved_model': os.path.join(folder, 'saved_model'),
            'keras': os.path.join(folder, 'model.keras')}
-  trainer.model.export(paths['saved_model'], format='tf_saved_model', verbose=False)
+  trainer.model.export(paths['saved_model'], format='tf_saved_model', verbose=False,
+                       input_signature=serving_signature(trainer))
   trainer.model.save(paths['keras'])
+  _check_reload(trainer.model)
   logging.info('exported step %d to %s', step, folder)
   return paths
+
+
+def serving_signature(trainer) -> list | None:
+  """The SavedModel's input signature: None (Keras's own) for a model with Input layers
+  (Functional, Sequential), whose dtypes it takes. For a subclassed model Keras knows only the
+  shapes of the first call and gives every input the policy's compute dtype: bfloat16 images, and
+  bfloat16 token ids that no integer input then binds to. Here compute_loss runs once on the
+  first eval batch and the tensors the model's `call` receives give the signature: an integer
+  input keeps its dtype, a float one is float32 (the model casts it to its compute dtype, as in
+  training), the batch axis is None. None when compute_loss does not call the model."""
+  model = trainer.model
+  if getattr(model, 'inputs', None):
+    return None
+  method = type(model).call
+  parameters = [name for name in inspect.signature(method).parameters][1:]  # without self
+  seen: list = []
+
+  def recording(*args, **kwargs):
+    if not seen:
+      bound = dict(zip(parameters, args), **kwargs)
+      seen.extend(bound[name] for name in parameters if name not in ('training', 'mask')
+                  and name in bound and _is_tensors(bound[name]))
+    return method(model, *args, **kwargs)
+
+  object.__setattr__(model, 'call', recording)  # not Keras's __setattr__: nothing is tracked
+  try:
+    with trainer.strategy.scope():
+      trainer.compute_loss(contract.first_eval_batch(trainer.datasets), training=False)
+  finally:
+    object.__delattr__(model, 'call')
+  return [tf.nest.map_structure(_spec, x) for x in seen] or None
+
+
+def _check_reload(model) -> None:
+  """A warning when model.keras will not load back: Keras recreates a subclassed model as
+  `cls.from_config(model.get_config())`, which fails when __init__ takes no **kwargs (the config
+  holds 'trainable' and 'dtype') or arguments get_config does not return. Building the object
+  allocates no weights."""
+  if getattr(model, 'inputs', None):
+    return  # Functional and Sequential models reload from their config
+  try:
+    type(model).from_config(model.get_config())
+  except Exception as e:  # pylint: disable=broad-except  (the user's __init__)
+    logging.warning('model.keras will not load back: %s.from_config(get_config()) raised %s: %s. '
+                    'The SavedModel is complete. For model.keras, give %s.__init__ **kwargs '
+                    'passed to super().__init__, and a get_config() returning its own '
+                    'arguments', type(model).__name__, type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else '', type(model).__name__)
+
+
+def _is_tensors(x) -> bool:
+  leaves = tf.nest.flatten(x)
+  return bool(leaves) and all(hasattr(t, 'dtype') and hasattr(t, 'shape') for t in leaves)
+
+
+def _spec(t) -> tf.TensorSpec:
+  dtype = tf.as_dtype(keras.backend.standardize_dtype(t.dtype))
+  shape = list(t.shape)
+  return tf.TensorSpec([None] + shape[1:] if shape else [],
+                       tf.float32 if dtype.is_floating else dtype)
 
 
 def init_from(trainer, source: str) -> str:
