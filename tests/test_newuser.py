@@ -178,6 +178,27 @@ def test_build_model_returning_none(tmp_path):
   assert message.startswith('build_model returned None; return a keras.Model')
 
 
+def test_a_model_class_named_with_an_underscore(tmp_path):
+  """Keras names a model `_Net` '__net', which TensorFlow refuses as a root name scope: it
+  trained, then failed at the first evaluation (Keras's fit fails at its first step)."""
+  class _Net(keras.Model):  # pylint: disable=invalid-name
+    def __init__(self, **kwargs):
+      super().__init__(**kwargs)
+      self.dense = keras.layers.Dense(4, dtype='float32')
+
+    def call(self, x):
+      return self.dense(x)
+
+  class Underscore(TinyTrainer):
+    def build_model(self):
+      return _Net()
+  message = rejected(Underscore, tmp_path)
+  assert message.startswith("build_model returned a model named '__net' (Keras names it after "
+                            'its class, _Net)')
+  _Net.__name__ = 'Net'  # the same model, named 'net': trains and evaluates
+  Underscore(tiny_config(**{'train.steps': 2}), str(tmp_path / 'named')).train()
+
+
 def test_build_metrics_returning_a_list(tmp_path):
   class ListOfMetrics(TinyTrainer):
     def build_metrics(self):

@@ -8,16 +8,16 @@ and tells the metric names). Together they check what the user's hooks returned:
   compute_loss(batch, training=...) -> (loss, {name: value}): the loss floating-point with shape
       [B], every metric numeric with shape [B], B being the batch's leading dimension.
 
-A violation raises UserError: one line naming the hook, what it returned (shapes, dtypes) and
-the fix. The check runs before the workdir is opened, so a failed check writes nothing. Shapes
-that only broadcast by accident (labels [B, 1] against predictions [B] give a [B, B] metric)
-and a batch mean returned in place of per-example values (shape []) are caught here; an
-unbatched eval set is caught from its element_spec before the model sees it (the model would
-fail deep inside a kernel).
+A violation raises UserError (one line: the hook, what it returned, the fix) before the workdir
+is opened, so a failed check writes nothing. Caught here: shapes that only broadcast by accident
+(labels [B, 1] against predictions [B] give a [B, B] metric), a batch mean in place of
+per-example values (shape []), an unbatched eval set (from its element_spec, before the model
+fails deep inside a kernel).
 """
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping
 
 import keras
@@ -114,14 +114,10 @@ def _check_train_batch(train, batch_size: int) -> None:
 
 # How the trainer calls each hook: positional argument names, keyword arguments.
 HOOK_CALLS = {
-    'build_datasets': ((), {}),
-    'build_model': ((), {}),
+    'build_datasets': ((), {}), 'build_model': ((), {}),
     'compute_loss': (('batch',), {'training': False}),
-    'build_optimizer': (('learning_rate',), {}),
-    'build_metrics': ((), {}),
-    'build_train_step': ((), {}),
-    'checkpoint_items': ((), {}),
-    'build_actions': ((), {}),
+    'build_optimizer': (('learning_rate',), {}), 'build_metrics': ((), {}),
+    'build_train_step': ((), {}), 'checkpoint_items': ((), {}), 'build_actions': ((), {}),
 }
 REQUIRED_HOOKS = ('build_datasets', 'build_model', 'compute_loss')
 
@@ -160,13 +156,17 @@ def check_hooks(trainer, base: type) -> None:
 
 
 def check_model(model) -> None:
-  """build_model()'s result is a Keras model."""
+  """build_model()'s result is a Keras model whose name TensorFlow takes as a scope name."""
   if not isinstance(model, keras.Model):
-    raise UserError('build_model returned None; return a keras.Model, e.g. '
-                    'keras.Sequential([keras.Input(shape), ...]) or keras.Model(inputs, outputs) '
-                    '(did you forget the return?)' if model is None else
-                    f'build_model returned {type(model).__name__}; return a keras.Model, e.g. '
-                    'keras.Sequential([keras.Input(shape), ...]) or keras.Model(inputs, outputs)')
+    hint = ' (did you forget the return?)' if model is None else ''
+    raise UserError(f'build_model returned {"None" if model is None else type(model).__name__}; '
+                    'return a keras.Model, e.g. keras.Sequential([keras.Input(shape), ...]) or '
+                    f'keras.Model(inputs, outputs){hint}')
+  if not re.fullmatch(r'[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*', model.name):  # TF's root scope names
+    raise UserError(f'build_model returned a model named {model.name!r} (Keras names it after its '
+                    f'class, {type(model).__name__}), which TensorFlow refuses as a name scope: '
+                    'evaluation and export would fail; give it a name that starts with a letter '
+                    "(in a subclass: super().__init__(name='net', **kwargs))")
 
 
 def check_metrics(metrics) -> None:
