@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from trainer.insight import hooks
 from trainer.run import checkpoints
 from trainer.run import workdir as workdir_lib
 from trainer.errors import ConfigError, UserError
@@ -78,23 +79,21 @@ def serving_signature(trainer) -> list | None:
   model = trainer.model
   if getattr(model, 'inputs', None):
     return None
-  method = type(model).call
-  parameters = [name for name in inspect.signature(method).parameters][1:]  # without self
   seen: list = []
 
-  def recording(*args, **kwargs):
-    if not seen:
-      bound = dict(zip(parameters, args), **kwargs)
-      seen.extend(bound[name] for name in parameters if name not in ('training', 'mask')
-                  and name in bound and _is_tensors(bound[name]))
-    return method(model, *args, **kwargs)
+  def recorder(call):
+    names = list(inspect.signature(call).parameters)
 
-  object.__setattr__(model, 'call', recording)  # not Keras's __setattr__: nothing is tracked
-  try:
-    with trainer.strategy.scope():
-      trainer.compute_loss(contract.first_eval_batch(trainer.datasets), training=False)
-  finally:
-    object.__delattr__(model, 'call')
+    def recording(*args, **kwargs):
+      if not seen:  # the inputs, positional or keyword, in the order `call` declares them
+        bound = dict(zip(names, args), **kwargs)
+        seen.extend(bound[n] for n in names if n in bound and n not in ('training', 'mask')
+                    and _is_tensors(bound[n]))
+      return call(*args, **kwargs)
+    return recording
+
+  with hooks.hooked(model, 'call', recorder), trainer.strategy.scope():
+    trainer.compute_loss(contract.first_eval_batch(trainer.datasets), training=False)
   return [tf.nest.map_structure(_spec, x) for x in seen] or None
 
 
