@@ -60,6 +60,32 @@ def test_flags_each_hazard_once(mixed_float16):
   assert all('float32' in h.message for h in hazards)  # each says what to do
 
 
+class Subclassed(keras.Model):
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.hidden = keras.layers.Dense(16, name='hidden')
+    self.inside = Float32Inside(name='float32_inside')
+    self.head = keras.layers.Dense(3, name='head')  # float16 logits
+
+  def call(self, x):
+    return self.head(self.inside(self.hidden(x)))
+
+
+def test_a_subclassed_model_is_audited_through_one_forward_pass(mixed_float16):
+  """Keras records no layer outputs for a subclassed model: without `run` its output dtypes
+  are '?' and its float16 logits go unseen."""
+  model = Subclassed()
+  model(tf.zeros([2, 8]))
+  rows, hazards = audit.audit(model)
+  assert [r.output_dtype for r in rows] == ['?'] * 3 and hazards == []
+  rows, hazards = audit.audit(model, run=lambda: model(tf.ones([2, 8])))
+  assert [(r.name, r.output_dtype) for r in rows] == [
+      ('hidden', 'float16'), ('float32_inside', 'float32'), ('head', 'float16')]
+  assert sorted((h.layer, h.kind) for h in hazards) == [('float32_inside', 'not autocast'),
+                                                         ('head', 'low-precision logits')]
+  assert 'call' not in vars(model) and 'call' not in vars(model.head)  # the hooks are gone
+
+
 def test_nested_models_are_walked(mixed_float16):
   inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name='inner_dense')],
                            name='inner')

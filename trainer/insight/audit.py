@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import keras
 
-from trainer.insight import files
+from trainer.insight import files, hooks
 
 LOW = ('float16', 'bfloat16')
 
@@ -46,11 +46,13 @@ def _layers(model, prefix=''):
       yield from _layers(layer, prefix + layer.name + '/')
 
 
-def _output_dtype(layer) -> str:
-  try:
-    outputs = layer.output
-  except (AttributeError, ValueError):
-    return '?'
+def _output_dtype(layer, seen) -> str:
+  outputs = seen.get(id(layer))
+  if outputs is None:
+    try:
+      outputs = layer.output
+    except (AttributeError, ValueError):
+      return '?'
   dtypes = {keras.backend.standardize_dtype(t.dtype) for t in keras.tree.flatten(outputs)}
   return ','.join(sorted(dtypes))
 
@@ -67,17 +69,26 @@ def _applies_softmax(layer) -> bool:
   return activation is keras.activations.softmax or getattr(activation, '__name__', '') == 'softmax'
 
 
-def audit(model: keras.Model, policy: str | None = None) -> tuple[list[Row], list[Hazard]]:
+def audit(model: keras.Model, policy: str | None = None,
+          run=None) -> tuple[list[Row], list[Hazard]]:
   """Rows for every layer of a built model and the hazards found. `policy`: the global policy
-  name the model was built under (default: the current global policy)."""
+  name the model was built under (default: the current global policy). A subclassed model
+  records no layer outputs: `run`, a callable running its forward pass (compute_loss on a
+  batch), is then called once to see every layer's output dtype and the model's."""
   policy = policy or keras.mixed_precision.global_policy().name
   mixed = policy.startswith('mixed_')
   rows, hazards = [], []
+  seen: dict = {}  # id(layer): outputs of its first call in `run`
+  if run is not None and not getattr(model, 'outputs', None):
+    with hooks.recording(model, None, include_self=True) as calls:
+      run()
+    for c in calls:
+      seen.setdefault(id(c.layer), c.outputs)
   for name, layer in _layers(model):
     variables = _own_variables(layer)
     var_dtypes = sorted({keras.backend.standardize_dtype(v.dtype) for v in variables})
     compute = layer.compute_dtype if layer.dtype_policy is not None else '?'
-    output = _output_dtype(layer)
+    output = _output_dtype(layer, seen)
     is_model = isinstance(layer, keras.Model)
     rows.append(Row(name, type(layer).__name__, compute, ','.join(var_dtypes) or '-', output,
                     int(sum(int(v.numpy().size) for v in variables)) if not is_model
@@ -103,11 +114,13 @@ def audit(model: keras.Model, policy: str | None = None) -> tuple[list[Row], lis
                             'add_weight(autocast=False) or a raw tf.Variable, or an explicit '
                             'cast); cast inputs and weights to self.compute_dtype in call (see '
                             'trainer/nn/layers.py), or give the layer dtype="float32" if intended'))
-  for i, out in enumerate(getattr(model, 'outputs', None) or []):
+  outputs = getattr(model, 'outputs', None) or keras.tree.flatten(seen.get(id(model), []))
+  for i, out in enumerate(outputs):
     dtype = keras.backend.standardize_dtype(out.dtype)
     if dtype in LOW:  # named by the layer that makes the output, when Keras records it
       maker = getattr(getattr(getattr(out, '_keras_history', None), 'operation', None), 'name',
-                      None)
+                      None) or next((name for name, layer in _layers(model) if any(
+                          t is out for t in keras.tree.flatten(seen.get(id(layer), [])))), None)
       hazards.append(Hazard(maker or f'output {i}', 'low-precision logits',
                             f'the model outputs {dtype}, so the loss (softmax, log) computes in '
                             f'{dtype}; give the last layer dtype="float32"'))
@@ -134,7 +147,7 @@ def markdown(model: keras.Model, policy: str, rows: list[Row], hazards: list[Haz
 
 def report(trainer) -> str:
   """The audit of a Trainer's model as markdown, also written to <workdir>/audit.md."""
-  rows, hazards = audit(trainer.model, trainer.policy)
+  rows, hazards = audit(trainer.model, trainer.policy, forward(trainer))
   text = markdown(trainer.model, trainer.policy, rows, hazards)
   path = os.path.join(trainer.workdir, 'audit.md')
   files.folder(os.path.dirname(trainer.workdir), trainer.workdir, '--audit')
@@ -142,15 +155,26 @@ def report(trainer) -> str:
   return text
 
 
+def forward(trainer):
+  """compute_loss on the first eval batch, under the strategy: the forward pass `audit` runs
+  for a subclassed model."""
+  from trainer.step import contract
+
+  def run():
+    with trainer.strategy.scope():
+      trainer.compute_loss(contract.first_eval_batch(trainer.datasets), training=False)
+  return run
+
+
 def check_at_start(model: keras.Model, policy: str, allow_low_precision_variables: bool,
-                   bfloat16_masters: bool = False) -> None:
+                   bfloat16_masters: bool = False, run=None) -> None:
   """The hazards, when training starts: one warning line each; low-precision variables are a
   ConfigError unless config.precision.allow_low_precision_variables (then a warning), and
   expected (not reported) with config.precision.master_weights bfloat16_*."""
   from absl import logging
 
   from trainer.errors import ConfigError
-  _, hazards = audit(model, policy)
+  _, hazards = audit(model, policy, run)
   if bfloat16_masters:  # the optimizer rounds them stochastically or Kahan-compensates them
     hazards = [h for h in hazards if h.kind != 'low-precision variables']
   for h in hazards:

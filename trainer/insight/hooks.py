@@ -77,16 +77,17 @@ def quantized_calls_compiled(model):
 
 
 @contextlib.contextmanager
-def recording(model, tape):
+def recording(model, tape, include_self=False):
   """Wraps every layer's `call` (`quantized_call` for a quantized layer; an instance attribute,
   removed on exit) to record its inputs and outputs in call-completion order, watching the
-  inputs on `tape`. Quantized layers' calls run compiled (`quantized_calls_compiled`)."""
+  inputs on `tape` (unless None). Quantized layers' calls run compiled
+  (`quantized_calls_compiled`). `include_self`: the model's own call is recorded too."""
   calls = []
 
   def hook(layer):
     def wrap(original):
       def recorded(*args, **kwargs):
-        for t in float_leaves((args, kwargs)):
+        for t in float_leaves((args, kwargs)) if tape is not None else ():
           tape.watch(t)
         outputs = original(*args, **kwargs)
         calls.append(Call(layer, args, kwargs, outputs))
@@ -96,7 +97,7 @@ def recording(model, tape):
 
   with contextlib.ExitStack() as stack:
     stack.enter_context(quantized_calls_compiled(model))
-    for layer in sublayers(model):
+    for layer in sublayers(model, include_self):
       for method in call_methods(layer):
         stack.enter_context(hooked(layer, method, hook(layer)))
     yield calls

@@ -145,9 +145,9 @@ class Runner:
     """Trains to `total_steps` (resuming from the run folder), evaluates; returns the eval
     metrics. Ends early, with a checkpoint, when an action calls `request_stop`."""
     tr, t = self.trainer, self.config.train
-    audit.check_at_start(tr.model, tr.policy,  # precision hazards: one warning line each
-                         self.config.precision.allow_low_precision_variables,
-                         bfloat16_masters=self.config.precision.master_weights != 'float32')
+    p = self.config.precision  # precision hazards: one warning line each
+    audit.check_at_start(tr.model, tr.policy, p.allow_low_precision_variables,
+                         p.master_weights != 'float32', audit.forward(tr))
     step = self.restore()
     self.clock.skipped_from = int(tr.train_step.skipped_steps.numpy())  # this process's skips
     total = tr.total_steps
