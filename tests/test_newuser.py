@@ -199,6 +199,15 @@ def test_a_model_class_named_with_an_underscore(tmp_path):
   Underscore(tiny_config(**{'train.steps': 2}), str(tmp_path / 'named')).train()
 
 
+@pytest.mark.parametrize('key', ['early_stopping', 'best_checkpoint'])
+def test_a_misspelled_eval_metric_for_an_action(key, tmp_path):
+  """It failed at the first eval, after steps of training and before any checkpoint."""
+  message = rejected(TinyTrainer, tmp_path, **{f'{key}.metric': 'acuracy',
+                                               'train.eval_every': 5})
+  assert message == (f"config.{key}.metric='acuracy' is not an eval metric; the eval reports "
+                     "loss, accuracy (did you mean 'accuracy'?)")
+
+
 def test_build_metrics_returning_a_list(tmp_path):
   class ListOfMetrics(TinyTrainer):
     def build_metrics(self):

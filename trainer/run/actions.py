@@ -16,6 +16,7 @@ counting the evals without improvement, instead of starting from scratch.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from typing import Any, NamedTuple
@@ -53,6 +54,7 @@ def _direction(metric: str, mode: str) -> str:
 
 class _Tracker(tf.Module):
   """The best value of one eval metric so far (checkpointed)."""
+  KEY = ''  # its config section
 
   def __init__(self, metric: str, mode: str, min_delta: float = 0.0):
     super().__init__(name=type(self).__name__)
@@ -87,6 +89,7 @@ class _Tracker(tf.Module):
 class EarlyStopping(_Tracker):
   """Stops training when `metric` has not improved by more than `min_delta` for `patience`
   evals in a row."""
+  KEY = 'early_stopping'
 
   def __init__(self, metric: str, mode: str = 'auto', patience: int = 3, min_delta: float = 0.0):
     super().__init__(metric, mode, min_delta)
@@ -115,6 +118,7 @@ class BestCheckpoint(_Tracker):
   """Keeps the model weights of the best eval by `metric` in <workdir>/best/ (a checkpoint of
   the model alone, loadable with train.init_from=<workdir>/best, and best.json with the step
   and the metric). Only the chief writes."""
+  KEY = 'best_checkpoint'
 
   def __init__(self, metric: str, mode: str = 'auto'):
     super().__init__(metric, mode)
@@ -162,12 +166,20 @@ def state(actions: list) -> tf.Module:
   return module
 
 
-def from_config(config) -> list:
-  """The actions the config asks for (early_stopping.metric, best_checkpoint.metric)."""
-  actions = []
+def from_config(config, reported) -> list:
+  """The actions the config asks for (early_stopping.metric, best_checkpoint.metric). A metric
+  the eval does not report (`reported`: its names) is a ConfigError now, before training, not at
+  the first eval, after steps without a checkpoint."""
+  actions: list[_Tracker] = []
   if config.early_stopping.metric:
     e = config.early_stopping
     actions.append(EarlyStopping(e.metric, e.mode, e.patience, e.min_delta))
   if config.best_checkpoint.metric:
     actions.append(BestCheckpoint(config.best_checkpoint.metric, config.best_checkpoint.mode))
+  for action in actions:
+    if action.metric not in reported:
+      close = difflib.get_close_matches(action.metric, reported, n=1, cutoff=0.6)
+      raise ConfigError(f'config.{action.KEY}.metric={action.metric!r} is not an eval metric; '
+                        f'the eval reports {", ".join(reported)}'
+                        + (f' (did you mean {close[0]!r}?)' if close else ''))
   return actions

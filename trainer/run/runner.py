@@ -53,7 +53,7 @@ class Runner:
                                       batch=self.first_eval_batch)
     user_actions = list(t.build_actions())
     contract.check_actions(user_actions)
-    config_actions = actions.from_config(c)
+    config_actions = actions.from_config(c, self.eval_loop.reports)
     self.actions = [numerics.NumericsLine(self.numerics), *config_actions, *user_actions]
     self.actions_state = actions.state(config_actions + user_actions)  # checkpointed
     self.items = {**t.checkpoint_items(), 'actions': self.actions_state}

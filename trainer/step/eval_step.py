@@ -30,6 +30,7 @@ class EvalLoop:
     self.compute_loss = compute_loss
     self.metrics = dict(metrics or {})
     self.metric_names = ('loss', *(n for n in metric_names if n not in self.metrics))
+    self.reports = (*self.metric_names, *self.metrics)  # the names evaluate() returns
     self.run = tf.function(self._run, autograph=False)
 
   def _replica_sums(self, batch):
