@@ -12,9 +12,8 @@ import tensorflow as tf
 
 from tiny import tiny_config
 from trainer import Datasets, Trainer
-from trainer.data import mnist, ready
+from trainer.data import checks, mnist, ready
 from trainer.errors import DataError
-from trainer.step import contract
 
 
 def labels_of(dataset, batches):
@@ -115,9 +114,9 @@ def test_the_first_eval_batch_is_read_once_by_an_iterator_kept_with_the_dataset(
   then saw 5 of its 6 eval images)."""
   ds = tf.data.Dataset.range(10).batch(4).cache().prefetch(2)
   data = Datasets(train=ds, eval=ds, train_examples=10)
-  first = contract.first_eval_batch(data)
+  first = checks.first_eval_batch(data)
   np.testing.assert_array_equal(first, [0, 1, 2, 3])
-  assert contract.first_eval_batch(data) is first  # not read again
+  assert checks.first_eval_batch(data) is first  # not read again
   assert sorted(np.concatenate([b.numpy() for b in ds])) == list(range(10))
   gone = weakref.ref(ds)
   del data, ds
@@ -141,8 +140,8 @@ def test_an_eval_set_that_takes_no_attributes_is_read_again_each_time():
       return iter([tf.constant([self.reads]), tf.constant([-1])])
 
   data = types.SimpleNamespace(eval=NoAttributes())
-  np.testing.assert_array_equal(contract.first_eval_batch(data), [1])
-  np.testing.assert_array_equal(contract.first_eval_batch(data), [2])  # not kept: read again
+  np.testing.assert_array_equal(checks.first_eval_batch(data), [1])
+  np.testing.assert_array_equal(checks.first_eval_batch(data), [2])  # not kept: read again
 
 
 def test_from_tfds_on_a_locally_built_dataset(tmp_path):

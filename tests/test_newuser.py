@@ -208,6 +208,27 @@ def test_a_misspelled_eval_metric_for_an_action(key, tmp_path):
                      "loss, accuracy (did you mean 'accuracy'?)")
 
 
+def test_a_loss_written_for_whole_batches_passes_the_gradient_check(tmp_path):
+  """The gradient check runs on one example; a loss that reshapes by the batch size failed
+  there with a bare TensorFlow error. It now checks on the whole first eval batch instead."""
+  class WholeBatches(TinyTrainer):
+    def compute_loss(self, batch, *, training):
+      loss, metrics = super().compute_loss(batch, training=training)
+      return tf.reshape(tf.reshape(loss, [self.config.train.batch_size, 1]), [-1]), metrics
+  WholeBatches(tiny_config(**{'train.steps': 2}), str(tmp_path / 'work')).train()
+
+  class Broken(TinyTrainer):
+    def compute_loss(self, batch, *, training):
+      if training:
+        raise RuntimeError('broken')
+      return super().compute_loss(batch, training=training)
+  with pytest.raises(RuntimeError) as info:
+    Broken(tiny_config(), str(tmp_path / 'broken'))
+  assert info.value.__notes__ == [
+      '(raised by compute_loss(batch, training=True) on the first eval batch, float32 [32, 8], '
+      'int32 [32], when the trainer checked its hooks: trainer/step/contract.py)']
+
+
 def test_build_metrics_returning_a_list(tmp_path):
   class ListOfMetrics(TinyTrainer):
     def build_metrics(self):

@@ -63,7 +63,7 @@ def pipelines(config, train: tf.data.Dataset, eval_: tf.data.Dataset, train_exam
            .with_options(_options()))
   # The prefetch comes before the cache, not after: an iterator dropped after a partial read
   # (take(k)) while a prefetch after the cache is still reading can finalize the cache truncated
-  # (trainer/step/contract.py: first_eval_batch). Reading a finished cache needs no prefetch.
+  # (trainer/data/checks.py: first_eval_batch). Reading a finished cache needs no prefetch.
   eval_ = (eval_.batch(batch)
            .map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
            .prefetch(tf.data.AUTOTUNE)

@@ -158,11 +158,11 @@ def report(trainer) -> str:
 def forward(trainer):
   """compute_loss on the first eval batch, under the strategy: the forward pass `audit` runs
   for a subclassed model."""
-  from trainer.step import contract
+  from trainer.data import checks
 
   def run():
     with trainer.strategy.scope():
-      trainer.compute_loss(contract.first_eval_batch(trainer.datasets), training=False)
+      trainer.compute_loss(checks.first_eval_batch(trainer.datasets), training=False)
   return run
 
 

@@ -48,7 +48,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.insight import hooks
-from trainer.step import contract
+from trainer.data import checks
 from trainer.step import user_code
 from trainer.step.eager_then_compiled import EagerThenCompiled
 from trainer.step.forward_state import forward_state_kept
@@ -240,7 +240,7 @@ class Probe:
     iterators share one seed generator, so the probe's iterator changed the order the training
     iterator saw (tests/test_numerics.py)."""
     if self._batch is None:
-      self._batch = contract.first_eval_batch(self.trainer.datasets)
+      self._batch = checks.first_eval_batch(self.trainer.datasets)
     return self._batch
 
   def measure(self, batch=None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:

@@ -21,6 +21,7 @@ from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
+from trainer.data import checks
 from trainer.step import contract, distribute, optimizers, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 from trainer.step.train_step import TrainStep
@@ -93,7 +94,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     trainer.global_step = state_variable(0, tf.int64, 'global_step')  # a loss may read it
     # One eager forward pass builds the model, checks the hooks' contract and tells the metric
     # names (the datasets were checked by epochs.prepare).
-    batch = contract.first_eval_batch(trainer.datasets)
+    batch = checks.first_eval_batch(trainer.datasets)
     trainer.metric_names = tuple(contract.probe(batch, trainer.compute_loss,
                                                 stateful=trainer.train_metrics))
     base = _base(trainer)

@@ -23,13 +23,13 @@ import contextlib
 import tensorflow as tf
 from absl import logging
 
-from trainer.step import contract
+from trainer.data import checks
 from trainer.errors import ConfigError, DataError
 
 
 def prepare(datasets, batch_size: int):
   """(datasets with an endless train, steps per epoch; 0 when unknown)."""
-  contract.check_datasets(datasets, batch_size)
+  checks.check_datasets(datasets, batch_size)
   cardinality = int(tf.data.experimental.cardinality(datasets.train))
   from_examples = int(datasets.train_examples or 0) // batch_size
   if cardinality == tf.data.experimental.INFINITE_CARDINALITY:

@@ -19,11 +19,11 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from trainer.data import checks
 from trainer.insight import hooks
 from trainer.run import checkpoints
 from trainer.run import workdir as workdir_lib
 from trainer.errors import ConfigError, UserError
-from trainer.step import contract
 
 
 def restore(trainer, what: str = 'restore') -> int:
@@ -93,7 +93,7 @@ def serving_signature(trainer) -> list | None:
     return recording
 
   with hooks.hooked(model, 'call', recorder), trainer.strategy.scope():
-    trainer.compute_loss(contract.first_eval_batch(trainer.datasets), training=False)
+    trainer.compute_loss(checks.first_eval_batch(trainer.datasets), training=False)
   return [tf.nest.map_structure(_spec, x) for x in seen] or None
 
 

@@ -29,6 +29,7 @@ from trainer.insight.divergence import DivergenceMonitor
 from trainer.run import (actions, checkpoints, epochs, goodput, health, lifecycle, preemption,
                          profiling, progress)
 from trainer.run.workdir import Workdir
+from trainer.data import checks
 from trainer.step import contract
 from trainer.step.eval_step import EvalLoop
 from trainer.step.loss_scale import state_variable
@@ -41,13 +42,12 @@ class Runner:
     if not flags.FLAGS.is_parsed():  # used from Python, not launch.py: show the progress lines
       logging.set_verbosity(logging.INFO)
     self.trainer = t = trainer
-    c = t.config
-    self.config = c
+    self.config = c = t.config
     with t.strategy.scope():
       self.eval_loop = EvalLoop(strategy=t.strategy, compute_loss=t.compute_loss,
                                 metric_names=t.metric_names, metrics=t.eval_metrics)
     # The first eval batch (read by build unless given): the start-of-run loss, the probe's.
-    self.first_eval_batch = (contract.first_eval_batch(t.datasets) if first_eval_batch is None
+    self.first_eval_batch = (checks.first_eval_batch(t.datasets) if first_eval_batch is None
                              else first_eval_batch)
     self.numerics = numerics.Recorder(t, c.numerics.every, self.write_scalars,
                                       batch=self.first_eval_batch)

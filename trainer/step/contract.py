@@ -1,18 +1,16 @@
 """The hook contract, checked once before training on one eval batch (no cost per step).
 
-`check_datasets(datasets)` reads the datasets' element specs; `probe(batch, compute_loss)`, on
-the first eval batch, runs the eager forward pass the trainer needs anyway (it builds the model
-and tells the metric names). Together they check what the user's hooks returned:
+`probe(batch, compute_loss)`, on the first eval batch (trainer/data/checks.py, which also checks
+build_datasets()'s result), runs the eager forward pass the trainer needs anyway (it builds the
+model and tells the metric names) and checks what compute_loss returned:
 
-  build_datasets() -> Datasets whose `train` and `eval` are batched tf.data.Datasets;
   compute_loss(batch, training=...) -> (loss, {name: value}): the loss floating-point with shape
       [B], every metric numeric with shape [B], B being the batch's leading dimension.
 
-A violation raises UserError (one line: the hook, what it returned, the fix) before the workdir
-is opened, so a failed check writes nothing. Caught here: shapes that only broadcast by accident
-(labels [B, 1] against predictions [B] give a [B, B] metric), a batch mean in place of
-per-example values (shape []), an unbatched eval set (from its element_spec, before the model
-fails deep inside a kernel).
+The other hooks' results and signatures are checked here too. A violation raises UserError (one
+line: the hook, what it returned, the fix) before the workdir is opened, so a failed check
+writes nothing. Caught here: shapes that only broadcast by accident (labels [B, 1] against
+predictions [B] give a [B, B] metric), a batch mean in place of per-example values (shape []).
 """
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from trainer.data.checks import shape_text as _shape
 from trainer.errors import UserError
 
 
@@ -39,77 +38,6 @@ def _describe(value) -> str:
     dtype = tf.as_dtype(value.dtype).name
     return f'{dtype} {_shape(value.shape)}'
   return type(value).__name__
-
-
-def _shape(shape) -> str:
-  return '[' + ', '.join('?' if d is None else str(d) for d in tf.TensorShape(shape)) + ']'
-
-
-def _spec_summary(spec) -> str:
-  return ', '.join(f'{s.dtype.name} {_shape(s.shape)}' for s in tf.nest.flatten(spec)
-                   if isinstance(s, tf.TensorSpec)) or str(spec)
-
-
-def check_datasets(datasets, batch_size: int | None = None) -> None:
-  """Structure checks on build_datasets()'s result, from element_specs (no data is read).
-  With `batch_size` (config.train.batch_size), the train batches' size is checked against it."""
-  fields = ('train', 'eval', 'train_examples')
-  if not all(hasattr(datasets, f) for f in fields):
-    raise UserError(f'build_datasets returned {type(datasets).__name__}; return '
-                    'trainer.Datasets(train=..., eval=..., train_examples=...)')
-  for name in ('train', 'eval'):
-    ds = getattr(datasets, name)
-    if not isinstance(ds, tf.data.Dataset):
-      raise UserError(f'build_datasets returned Datasets.{name} of type {type(ds).__name__}; '
-                      'it must be a tf.data.Dataset (tf.data.Dataset.from_tensor_slices(...)'
-                      '.batch(...))')
-    specs = [s for s in tf.nest.flatten(ds.element_spec) if isinstance(s, tf.TensorSpec)]
-    # Every batched component has a leading batch axis; a rank-0 component (a single label)
-    # means the dataset yields single examples.
-    if any(s.shape.rank == 0 for s in specs):
-      batch = ('.batch(config.train.batch_size, drop_remainder=True)' if name == 'train'
-               else '.batch(config.train.batch_size)')
-      raise UserError(f'build_datasets returned an unbatched Datasets.{name}: its elements are '
-                      f'single examples ({_spec_summary(ds.element_spec)}); add {batch}')
-  if batch_size:
-    _check_train_batch(datasets.train, batch_size)
-  train = tf.nest.flatten(datasets.train.element_spec)
-  eval_ = tf.nest.flatten(datasets.eval.element_spec)
-  if len(train) == len(eval_):
-    for t, e in zip(train, eval_):
-      if (isinstance(t, tf.TensorSpec) and isinstance(e, tf.TensorSpec)
-          and t.shape.rank is not None and e.shape.rank is not None
-          and e.shape.rank + 1 == t.shape.rank):
-        raise UserError('build_datasets returned an unbatched Datasets.eval: its elements '
-                        f'({_spec_summary(datasets.eval.element_spec)}) have one axis fewer '
-                        f'than the train batches ({_spec_summary(datasets.train.element_spec)}); '
-                        'add .batch(config.train.batch_size) to the eval dataset')
-
-
-def _check_train_batch(train, batch_size: int) -> None:
-  """The trainer divides the summed loss by config.train.batch_size: train batches of another
-  size silently rescale the loss (and so the learning rate); an error. Batches of unknown size
-  (no drop_remainder=True) end each pass with a smaller one: a warning."""
-  specs = [s for s in tf.nest.flatten(train.element_spec)
-           if isinstance(s, tf.TensorSpec) and s.shape.rank]
-  sizes = {s.shape[0] for s in specs}
-  if not sizes:
-    return
-  got = _spec_summary(train.element_spec)
-  if None in sizes:
-    logging.warning('build_datasets returned Datasets.train with batches of unknown size (%s): '
-                    'unless the data is repeated before .batch(), the last batch of each pass '
-                    'is smaller, its examples weigh less (the loss is divided by '
-                    'config.train.batch_size=%d) and it may not split over the replicas; use '
-                    '.batch(config.train.batch_size, drop_remainder=True), which also makes the '
-                    'size known', got, batch_size)
-  elif batch_size not in sizes:
-    size = ' or '.join(str(n) for n in sorted(sizes))
-    raise UserError(f'build_datasets returned Datasets.train with leading dimension {size} '
-                    f'({got}), not config.train.batch_size={batch_size} (unbatched, or batched '
-                    'by another size): the trainer divides the loss by '
-                    'config.train.batch_size, so the loss and the learning rate would be off; '
-                    'batch with .batch(config.train.batch_size, drop_remainder=True)')
 
 
 # How the trainer calls each hook: positional argument names, keyword arguments.
@@ -280,48 +208,22 @@ def check_outputs(batch, outputs, stateful=()) -> dict:
   return dict(metrics)
 
 
-_FIRST_BATCH = '_trainer_first_batch'  # an attribute of the eval dataset
-
-
-def first_eval_batch(datasets):
-  """The first batch of `datasets.eval` (checked by check_datasets), which the checks below
-  run on; an error when the eval set is empty. Read once per eval dataset: later calls return
-  the same batch."""
-  # The batch is kept on the dataset with the iterator that read it. Why the iterator is kept:
-  # dropping an iterator that read part of a `.cache()` while a consumer after it (a prefetch, a
-  # parallel map) is still reading can leave the cache finalized with what was read so far (TF's
-  # memory cache takes the end of input that its cancelled upstream reports for the true end),
-  # so every later evaluation would see a truncated set. Seen with
-  # `batch().map().cache().prefetch()` on a loaded machine: 4 or 5 of 6 images. A live iterator
-  # never ends; the first full evaluation completes the cache on its own. Both go with the
-  # dataset (the iterator refers to it: a cycle the garbage collector frees).
-  kept = getattr(datasets.eval, _FIRST_BATCH, None)
-  if kept is not None:
-    return kept[0]
-  iterator = iter(datasets.eval)
-  batch = next(iterator, None)
-  if batch is None:
-    raise UserError('build_datasets returned an empty Datasets.eval (it yields no batch: an empty '
-                    'source, a filter, or drop_remainder=True on fewer examples than a batch; '
-                    f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
-                    'one example')
+def _called(compute_loss, batch, training: bool, what: str = 'the first eval batch'):
+  """compute_loss(batch, training=training); an error in it (the user's code) keeps its
+  traceback and gains a line saying which call of the trainer's checks it was."""
   try:
-    setattr(datasets.eval, _FIRST_BATCH, (batch, iterator))
-  except (AttributeError, TypeError):  # a dataset that takes no attributes: nothing kept
-    pass
-  return batch
+    return compute_loss(batch, training=training)
+  except Exception as e:
+    shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
+    e.add_note(f'(raised by compute_loss(batch, training={training}) on {what}, {shapes}, when '
+               'the trainer checked its hooks: trainer/step/contract.py)')
+    raise
 
 
 def probe(batch, compute_loss, stateful=()) -> dict:
   """Runs compute_loss eagerly on `batch` (the first eval batch; the call builds the model)
   and checks its result; returns the metrics dict. Call it under the strategy's scope."""
-  try:
-    outputs = compute_loss(batch, training=False)
-  except Exception as e:  # the user's code: keep the traceback, say which call it was
-    shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
-    e.add_note(f'(raised by compute_loss(batch, training=False) on the first eval batch, '
-               f'{shapes}, when the trainer checked its hooks: trainer/step/contract.py)')
-    raise
+  outputs = _called(compute_loss, batch, False)
   metrics = check_outputs(batch, outputs, stateful)
   _warn_nonfinite_loss(outputs[0])
   return metrics
@@ -329,22 +231,26 @@ def probe(batch, compute_loss, stateful=()) -> dict:
 
 def check_gradient(batch, compute_loss, model) -> None:
   """The default train step's loss has a gradient for at least one trainable variable of
-  `model`: compute_loss(batch, training=True) on the first eval batch, as the step
-  differentiates it (an eval path may use other weights, e.g. an average), the state that
+  `model`: compute_loss(batch, training=True) as the step differentiates it (an eval path may
+  use other weights, e.g. an average), on the first example of the first eval batch (on all of
+  it when the loss fails on one example, e.g. a reshape by the batch size), the state the
   forward pass assigns (BatchNorm statistics) put back. Call it before float8 quantization
-  (Keras's float8 layers' custom gradient fails under this eager tape). A distributed
-  variable has no handle outside a replica context: checked under TF's default strategy
-  (distribute.strategy='default') only."""
+  (Keras's float8 layers' custom gradient fails under this eager tape). Checked under TF's
+  default strategy only: a distributed variable has no handle outside a replica context."""
   variables = model.trainable_variables
   if not variables or tf.distribute.has_strategy():
     return
   from trainer.step.forward_state import forward_state_kept
-  # On the batch's first example only: whether a gradient reaches the variables does not depend
-  # on the batch, and an eager tape over the whole batch keeps every activation of the model (at
-  # context 512 it set the process's peak RSS, above the compiled step's: docs/guides/memory.md).
+  # One example: whether a gradient reaches the variables does not depend on the batch, and an
+  # eager tape over the whole batch keeps every activation of the model (at context 512 it set
+  # the process's peak RSS, above the compiled step's: docs/guides/memory.md).
   first = tf.nest.map_structure(lambda t: t[:1], batch)
-  with forward_state_kept(model), tf.GradientTape() as tape:
-    loss = compute_loss(first, training=True)[0]
+  try:
+    with forward_state_kept(model), tf.GradientTape() as tape:
+      loss = compute_loss(first, training=True)[0]
+  except Exception:  # pylint: disable=broad-except  (the batch below raises it, with a note)
+    with forward_state_kept(model), tf.GradientTape() as tape:
+      loss = _called(compute_loss, batch, True)[0]
   if all(g is None for g in tape.gradient(tf.convert_to_tensor(loss), variables)):
     with forward_state_kept(model):  # the whole batch's loss, for the message
       loss = compute_loss(batch, training=True)[0]

@@ -1,0 +1,114 @@
+"""The data contract: build_datasets()'s result checked from its element specs (no data read),
+and the first eval batch, read once, that the hook checks (trainer/step/contract.py), the
+numerics probe and the audit run on. A violation raises UserError: one line naming the hook,
+what it returned and the fix, before the workdir is opened."""
+from __future__ import annotations
+
+import tensorflow as tf
+from absl import logging
+
+from trainer.errors import UserError
+
+
+def shape_text(shape) -> str:
+  """'[128, ?, 10]'."""
+  return '[' + ', '.join('?' if d is None else str(d) for d in tf.TensorShape(shape)) + ']'
+
+
+def _spec_summary(spec) -> str:
+  return ', '.join(f'{s.dtype.name} {shape_text(s.shape)}' for s in tf.nest.flatten(spec)
+                   if isinstance(s, tf.TensorSpec)) or str(spec)
+
+
+def check_datasets(datasets, batch_size: int | None = None) -> None:
+  """Structure checks on build_datasets()'s result, from element_specs (no data is read).
+  With `batch_size` (config.train.batch_size), the train batches' size is checked against it."""
+  fields = ('train', 'eval', 'train_examples')
+  if not all(hasattr(datasets, f) for f in fields):
+    raise UserError(f'build_datasets returned {type(datasets).__name__}; return '
+                    'trainer.Datasets(train=..., eval=..., train_examples=...)')
+  for name in ('train', 'eval'):
+    ds = getattr(datasets, name)
+    if not isinstance(ds, tf.data.Dataset):
+      raise UserError(f'build_datasets returned Datasets.{name} of type {type(ds).__name__}; '
+                      'it must be a tf.data.Dataset (tf.data.Dataset.from_tensor_slices(...)'
+                      '.batch(...))')
+    specs = [s for s in tf.nest.flatten(ds.element_spec) if isinstance(s, tf.TensorSpec)]
+    # Every batched component has a leading batch axis; a rank-0 component (a single label)
+    # means the dataset yields single examples.
+    if any(s.shape.rank == 0 for s in specs):
+      batch = ('.batch(config.train.batch_size, drop_remainder=True)' if name == 'train'
+               else '.batch(config.train.batch_size)')
+      raise UserError(f'build_datasets returned an unbatched Datasets.{name}: its elements are '
+                      f'single examples ({_spec_summary(ds.element_spec)}); add {batch}')
+  if batch_size:
+    _check_train_batch(datasets.train, batch_size)
+  train = tf.nest.flatten(datasets.train.element_spec)
+  eval_ = tf.nest.flatten(datasets.eval.element_spec)
+  if len(train) == len(eval_):
+    for t, e in zip(train, eval_):
+      if (isinstance(t, tf.TensorSpec) and isinstance(e, tf.TensorSpec)
+          and t.shape.rank is not None and e.shape.rank is not None
+          and e.shape.rank + 1 == t.shape.rank):
+        raise UserError('build_datasets returned an unbatched Datasets.eval: its elements '
+                        f'({_spec_summary(datasets.eval.element_spec)}) have one axis fewer '
+                        f'than the train batches ({_spec_summary(datasets.train.element_spec)}); '
+                        'add .batch(config.train.batch_size) to the eval dataset')
+
+
+def _check_train_batch(train, batch_size: int) -> None:
+  """The trainer divides the summed loss by config.train.batch_size: train batches of another
+  size silently rescale the loss (and so the learning rate); an error. Batches of unknown size
+  (no drop_remainder=True) end each pass with a smaller one: a warning."""
+  specs = [s for s in tf.nest.flatten(train.element_spec)
+           if isinstance(s, tf.TensorSpec) and s.shape.rank]
+  sizes = {s.shape[0] for s in specs}
+  if not sizes:
+    return
+  got = _spec_summary(train.element_spec)
+  if None in sizes:
+    logging.warning('build_datasets returned Datasets.train with batches of unknown size (%s): '
+                    'unless the data is repeated before .batch(), the last batch of each pass '
+                    'is smaller, its examples weigh less (the loss is divided by '
+                    'config.train.batch_size=%d) and it may not split over the replicas; use '
+                    '.batch(config.train.batch_size, drop_remainder=True), which also makes the '
+                    'size known', got, batch_size)
+  elif batch_size not in sizes:
+    size = ' or '.join(str(n) for n in sorted(sizes))
+    raise UserError(f'build_datasets returned Datasets.train with leading dimension {size} '
+                    f'({got}), not config.train.batch_size={batch_size} (unbatched, or batched '
+                    'by another size): the trainer divides the loss by '
+                    'config.train.batch_size, so the loss and the learning rate would be off; '
+                    'batch with .batch(config.train.batch_size, drop_remainder=True)')
+
+
+_FIRST_BATCH = '_trainer_first_batch'  # an attribute of the eval dataset
+
+
+def first_eval_batch(datasets):
+  """The first batch of `datasets.eval` (checked by check_datasets), which the checks below
+  run on; an error when the eval set is empty. Read once per eval dataset: later calls return
+  the same batch."""
+  # The batch is kept on the dataset with the iterator that read it. Why the iterator is kept:
+  # dropping an iterator that read part of a `.cache()` while a consumer after it (a prefetch, a
+  # parallel map) is still reading can leave the cache finalized with what was read so far (TF's
+  # memory cache takes the end of input that its cancelled upstream reports for the true end),
+  # so every later evaluation would see a truncated set. Seen with
+  # `batch().map().cache().prefetch()` on a loaded machine: 4 or 5 of 6 images. A live iterator
+  # never ends; the first full evaluation completes the cache on its own. Both go with the
+  # dataset (the iterator refers to it: a cycle the garbage collector frees).
+  kept = getattr(datasets.eval, _FIRST_BATCH, None)
+  if kept is not None:
+    return kept[0]
+  iterator = iter(datasets.eval)
+  batch = next(iterator, None)
+  if batch is None:
+    raise UserError('build_datasets returned an empty Datasets.eval (it yields no batch: an empty '
+                    'source, a filter, or drop_remainder=True on fewer examples than a batch; '
+                    f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
+                    'one example')
+  try:
+    setattr(datasets.eval, _FIRST_BATCH, (batch, iterator))
+  except (AttributeError, TypeError):  # a dataset that takes no attributes: nothing kept
+    pass
+  return batch
