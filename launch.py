@@ -153,14 +153,14 @@ def _diagnose(folder: str | None):
   folder: restores --workdir's latest checkpoint and records its next batch as a new folder."""
   import ml_collections
   import models
-  from trainer.run import checkpoints
+  from trainer.run import checkpoint_files
   from trainer.insight import forensics
   from trainer.run import lifecycle
   if not folder:
     trainer = models.get_trainer_class(_CONFIG.value.model)(_CONFIG.value, _WORKDIR.value)
     # Read-only, as eval and export (no lock, config record or event file); only the forensic
     # folder is written. No checkpoint: the initial weights (a model that overflows at once).
-    if checkpoints.find(trainer.runner.workdir.checkpoint_dir):
+    if checkpoint_files.find(trainer.runner.workdir.checkpoint_dir):
       step = lifecycle.restore(trainer, '--mode=diagnose')
     else:
       logging.warning('--mode=diagnose: no checkpoint in %s; replaying the first batch from the '

@@ -7,31 +7,17 @@ in the state file and loadable (tests/test_reliability_checkpoints.py kills one 
 still happen is a damaged file (a full disk, a bad copy): then the newest checkpoint that reads
 is restored, with a warning naming the ones skipped.
 
-The state file `checkpoints/checkpoint` only names the checkpoints; the `ckpt-N.index` files are
-what exists. When the state file is missing, empty or garbled while ckpt-N files are on disk, the
-candidates are those files, newest N first, with a warning: never a silent restart from step 0
-over existing checkpoints. (`repair_state` then rewrites the state file, so that a
-CheckpointManager opened for training knows them and rotates them.)
-
-Checkpoint paths stay inside the run. Only ckpt-N files in the folder itself are read, listed or
-deleted: a state file naming a checkpoint by an absolute path (a run copied with `cp -r` or moved
-after TensorFlow or an older `repair_state` wrote one) or in another folder stands for the
-checkpoint of the same name in this folder, or is ignored with a warning when this folder has
-none. Before a CheckpointManager opens the folder for training, `own_state` rewrites such a state
-file with relative names, so that rotation (max_to_keep) can only delete this folder's files; the
-state file is always written with relative paths.
+Which ckpt-N files are the candidates, newest first, is `checkpoint_files.find` (the state file
+and the files on disk).
 
 A restored checkpoint is checked: every variable of the checkpoint items (`variables`: Keras
 and plain tf.Variables, the loss scaler's, the actions' state) must be finite. For training, a
 non-finite one is skipped with a warning and the previous one restored; read-only (eval, export,
 diagnose) it is a one-line error.
 
-Nothing here writes, except `repair_state` and `own_state`: restoring works on a read-only run
-folder.
-
-A save that cannot write (disk full, quota,
-file-size limit) is a UserError naming the checkpoint and the reason; its partial files are
-removed and the previous checkpoint stays the newest one in the state file (`save`).
+Restoring writes nothing: it works on a read-only run folder. A save that cannot write (disk
+full, quota, file-size limit) is a UserError naming the checkpoint and the reason; its partial
+files are removed and the previous checkpoint stays the newest one in the state file (`save`).
 """
 from __future__ import annotations
 
@@ -44,11 +30,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
-from google.protobuf import text_format
 from tensorflow.core.protobuf import trackable_object_graph_pb2
-from tensorflow.python.checkpoint import checkpoint_management
 
 from trainer.errors import UserError
+from trainer.run.checkpoint_files import find
 from trainer.step.eager_then_compiled import EagerThenCompiled
 from trainer.step.loss_scale import all_finite
 
@@ -81,16 +66,28 @@ def restore(items: dict, path: str) -> None:
       continue
     try:
       status = tf.train.Checkpoint(**{name: item}).restore(path)
+      status.expect_partial()  # the other items are restored by their own Checkpoint
       if name != 'actions':  # an action added on resume starts fresh; a removed one's is left
         status.assert_existing_objects_matched()
-      status.expect_partial()  # the other items are restored by their own Checkpoint
     except (AssertionError, ValueError) as e:
+      _partial(e)
       # Other variables (AssertionError) or shapes (ValueError) than the item's; any other
       # ValueError is a damaged file.
       if isinstance(e, ValueError) and 'incompatible tensor with shape' not in str(e):
         raise
       first = (str(e).strip().splitlines() or [''])[0]
       raise Mismatch(f'its {name!r} does not match this run\'s ({first[:160]})', name) from e
+
+
+def _partial(e: BaseException) -> None:
+  """A restore that failed half-way leaves TF's restore coordinator in the traceback, to log a
+  'Value in checkpoint could not be found' line per variable when collected (at exit, after the
+  one-line error): each frame's coordinator is marked partial, as status.expect_partial() does."""
+  tb = e.__traceback__
+  while tb is not None:
+    for value in tb.tb_frame.f_locals.values():
+      getattr(getattr(value, '_deleter', None), 'set_expect_partial', lambda _: None)(True)
+    tb = tb.tb_next
 
 
 def variables(items: dict) -> list[tf.Variable]:
@@ -204,130 +201,6 @@ def restore_newest_readable(items: dict, directory: str, *, read_only: bool = Fa
 
 class NonFinite(Exception):
   """A checkpoint that reads but holds inf or NaN (a failure kind of restore_newest_readable)."""
-
-
-STATE_FILE = 'checkpoint'
-
-
-def on_disk(directory: str) -> list[str]:
-  """Prefixes of the ckpt-N checkpoints in `directory` that have an index file, newest N first."""
-  found = []
-  for name in tf.io.gfile.glob(os.path.join(directory, 'ckpt-*.index')):
-    match = re.fullmatch(r'ckpt-(\d+)\.index', os.path.basename(name))
-    if match:
-      found.append((int(match.group(1)), name[:-len('.index')]))
-  return [path for _, path in sorted(found, reverse=True)]
-
-
-def state_problem(directory: str) -> str | None:
-  """'missing', 'empty' or 'unreadable (...)' when the state file cannot name the checkpoints;
-  None when it is fine."""
-  path = os.path.join(directory, STATE_FILE)
-  if not tf.io.gfile.exists(path):
-    return 'missing'
-  try:
-    if not tf.io.gfile.GFile(path, 'rb').read().strip():
-      return 'empty'
-    state = tf.train.get_checkpoint_state(directory)  # None when it does not parse
-  except Exception as e:  # pylint: disable=broad-except  # a folder, unreadable, ...
-    return f'unreadable ({type(e).__name__})'
-  if state is None or not state.model_checkpoint_path:
-    return 'unreadable (not a checkpoint state)'
-  return None
-
-
-def find(directory: str, warn: bool = False) -> list[str]:
-  """The checkpoints to try, newest first: those the state file names, then any others on disk;
-  only those on disk when the state file is missing, empty or garbled (`warn`: say so). Every
-  path is in `directory` (the module docstring: a name elsewhere stands for this folder's
-  checkpoint of that name, or is left out)."""
-  if not tf.io.gfile.isdir(directory):
-    return []
-  disk = on_disk(directory)
-  problem = state_problem(directory)
-  if problem is not None:
-    if disk and warn:
-      logging.warning('%s is %s; using the checkpoints on disk, newest first: %s',
-                      os.path.join(directory, STATE_FILE), problem,
-                      ', '.join(os.path.basename(p) for p in disk))
-    return disk
-  candidates, outside = _named(directory)
-  if outside and warn:
-    logging.warning('%s names checkpoints outside this run (%s); only this folder\'s own '
-                    'checkpoints are used', os.path.join(directory, STATE_FILE),
-                    ', '.join(outside[:3]))
-  return candidates + [p for p in disk if p not in candidates]
-
-
-def _named(directory: str) -> tuple[list[str], list[str]]:
-  """(the state file's checkpoints as paths in `directory`, newest first; the names it holds
-  that point elsewhere and have no checkpoint of that name here)."""
-  state = tf.train.get_checkpoint_state(directory)
-  named = list(reversed(state.all_model_checkpoint_paths))
-  if state.model_checkpoint_path not in named:
-    named.insert(0, state.model_checkpoint_path)
-  here = os.path.normpath(directory)
-  candidates, outside = [], []
-  for path in named:
-    own = os.path.join(here, os.path.basename(path))
-    if os.path.normpath(os.path.dirname(path)) == here or tf.io.gfile.exists(own + '.index'):
-      if own not in candidates:
-        candidates.append(own)
-    else:
-      outside.append(path)
-  return candidates, outside
-
-
-def _write_state(directory: str, paths: list[str]) -> None:
-  """Writes the state file naming `paths` (oldest first, all in `directory`) by relative name,
-  the last as the newest; with their times the manager treats them as its own and rotates them
-  (max_to_keep)."""
-  times = [os.path.getmtime(p + '.index') for p in paths]
-  checkpoint_management.update_checkpoint_state_internal(
-      directory, paths[-1], all_model_checkpoint_paths=paths, save_relative_paths=True,
-      all_model_checkpoint_timestamps=times, last_preserved_timestamp=min(times) - 1)
-
-
-def repair_state(directory: str, restored: str) -> None:
-  """Rewrites a missing, empty or garbled state file to name `restored` (newest) and the older
-  ckpt-N files on disk, so that rotation (max_to_keep) knows them; then `own_state`. A no-op
-  when it is fine."""
-  if state_problem(directory) is None:
-    own_state(directory)
-    return
-  older = [p for p in reversed(on_disk(directory)) if step_of(p) < step_of(restored)]
-  _write_state(directory, older + [restored])
-  logging.warning('rewrote %s naming %s', os.path.join(directory, STATE_FILE),
-                  ', '.join(os.path.basename(p) for p in older + [restored]))
-
-
-def own_state(directory: str) -> None:
-  """Rewrites a state file that names a checkpoint by an absolute path or in another folder
-  (a copied or moved run) with the relative names of this folder's own checkpoints, so that a
-  CheckpointManager opened on it rotates (deletes) only this folder's files. A no-op when every
-  name is relative already, or the state file is missing or garbled."""
-  if state_problem(directory) is not None:
-    return
-  state = checkpoint_management.CheckpointState()
-  with tf.io.gfile.GFile(os.path.join(directory, STATE_FILE)) as f:
-    text_format.Merge(f.read(), state)  # the names as written (get_checkpoint_state joins)
-  names = [state.model_checkpoint_path, *state.all_model_checkpoint_paths]
-  if not any(os.path.isabs(p) or os.path.dirname(p) for p in names):
-    return  # bare relative names only: as the manager writes them
-  candidates, outside = _named(directory)
-  kept = [p for p in reversed(candidates) if tf.io.gfile.exists(p + '.index')]
-  if not kept:
-    return  # nothing of this folder's own to name; restore_for_training found none either
-  _write_state(directory, kept)
-  logging.warning('rewrote %s with relative names of this folder\'s checkpoints (%s)%s',
-                  os.path.join(directory, STATE_FILE), ', '.join(os.path.basename(p) for p in kept),
-                  f'; dropped {", ".join(outside)} (outside this run)' if outside else '')
-
-
-def step_of(path: str) -> int:
-  """N of a ckpt-N checkpoint path (0 for a name without a number)."""
-  match = re.search(r'-(\d+)$', path)
-  return int(match.group(1)) if match else 0
 
 
 def save(manager: tf.train.CheckpointManager, step: int, *, resumed_from: bool = True,

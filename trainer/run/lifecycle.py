@@ -21,7 +21,7 @@ from absl import logging
 
 from trainer.data import checks
 from trainer.insight import hooks
-from trainer.run import checkpoints
+from trainer.run import checkpoint_files, checkpoints
 from trainer.run import workdir as workdir_lib
 from trainer.errors import ConfigError, UserError
 
@@ -29,7 +29,7 @@ from trainer.errors import ConfigError, UserError
 def restore(trainer, what: str = 'restore') -> int:
   """Restores the newest readable checkpoint of `trainer.workdir` without writing anything;
   returns the global step. UserError naming `what` when the run has no checkpoint."""
-  if not checkpoints.find(trainer.runner.workdir.checkpoint_dir):
+  if not checkpoint_files.find(trainer.runner.workdir.checkpoint_dir):
     raise UserError(f'{what}: no checkpoint in {trainer.runner.workdir.checkpoint_dir}; train '
                     'first (or check --workdir)')
   trainer.runner.workdir.restore_read_only()
@@ -131,7 +131,7 @@ def init_from(trainer, source: str) -> str:
   checkpoint into `trainer.model`; `source` is a workdir or a checkpoint path."""
   path = source
   if os.path.isdir(source):
-    found = checkpoints.find(os.path.join(source, 'checkpoints'))  # read-only, state file or not
+    found = checkpoint_files.find(os.path.join(source, 'checkpoints'))  # read-only
     if not found:
       raise ConfigError(f'config.train.init_from={source!r}: no checkpoint in '
                         f'{os.path.join(source, "checkpoints")}')

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import tensorflow as tf
 from absl import logging
 
-from trainer.run import async_copy, checkpoints
+from trainer.run import async_copy, checkpoint_files, checkpoints
 from trainer.step import distribute
 from trainer.run import lock as workdir_lock
 from trainer import config as config_lib
@@ -186,8 +186,8 @@ class Workdir:
       if restored is None and init is not None:
         init()
       if restored and self.is_chief:
-        checkpoints.repair_state(self.checkpoint_dir, restored)
-      self._open(restored is not None, checkpoints.step_of(restored) if restored else 0)
+        checkpoint_files.repair_state(self.checkpoint_dir, restored)
+      self._open(restored is not None, checkpoint_files.step_of(restored) if restored else 0)
     except BaseException:
       self.close()
       self._remove_if_created_empty()  # a failed start leaves no trace (e.g. a bad init_from)
@@ -298,7 +298,7 @@ class Workdir:
     if self._manager is None:
       self._check()
       self._acquire()
-      self._open(bool(checkpoints.find(self.checkpoint_dir)), step)
+      self._open(bool(checkpoint_files.find(self.checkpoint_dir)), step)
 
   def _check(self) -> None:
     """Read-only checks before anything is written: UserError/ConfigError, one line each."""
@@ -310,12 +310,12 @@ class Workdir:
       if os.path.lexists(sub) and not os.path.isdir(sub):
         raise UserError(f'{sub} is a file, not a folder; move it out of the workdir or use a '
                         'new --workdir.')
-    state = os.path.join(self.checkpoint_dir, checkpoints.STATE_FILE)
+    state = os.path.join(self.checkpoint_dir, checkpoint_files.STATE_FILE)
     if os.path.isdir(state):  # the manager rewrites it by a rename, which a folder refuses
       raise UserError(f'{state} is a folder, not the checkpoint state file; move it out of the '
                       'workdir (the ckpt-N files next to it are kept and resumed from).')
     saved = read_config(self.path)
-    if saved is None or not checkpoints.find(self.checkpoint_dir):
+    if saved is None or not checkpoint_files.find(self.checkpoint_dir):
       return  # nothing to resume: the current config starts (or restarts) the run
     changed = changed_keys(saved, json.loads(json.dumps(self.config.to_dict())))
     other = [k for k in changed if k not in RESUMABLE]
@@ -368,8 +368,8 @@ class Workdir:
       raise ConfigError(f'workdir {self.path}: cannot write the config record ({e.strerror}); '
                         'free some space or pass another --workdir.') from None
     # A copied or moved run's state file may name checkpoints by absolute path: rotation must
-    # delete this run's files only (checkpoints.own_state).
-    checkpoints.own_state(self.checkpoint_dir)
+    # delete this run's files only (checkpoint_files.own_state).
+    checkpoint_files.own_state(self.checkpoint_dir)
     self._manager = tf.train.CheckpointManager(self.checkpoint, self.checkpoint_dir,
                                                max_to_keep=self.config.train.max_to_keep)
     self._writer = tf.summary.create_file_writer(os.path.join(self.path, TENSORBOARD))
