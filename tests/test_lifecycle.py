@@ -53,6 +53,17 @@ def test_eval_mode_reproduces_the_final_eval(trained):
   assert again == pytest.approx(metrics, rel=1e-6)
 
 
+def test_eval_under_another_config_than_the_run_says_so(trained, caplog):
+  """It switched policy silently (the config file's, not the run's); a warning names it."""
+  workdir, _ = trained
+  lifecycle.evaluate_checkpoint(_trainer(_config('float32'), workdir))
+  assert ("was trained with another config (config.precision.policy: 'mixed_bfloat16' -> "
+          "'float32'); this config is used") in caplog.text
+  caplog.clear()
+  lifecycle.evaluate_checkpoint(_trainer(_config('mixed_bfloat16'), workdir))
+  assert 'another config' not in caplog.text
+
+
 def test_eval_without_checkpoint_is_a_user_error(tmp_path):
   with pytest.raises(UserError, match='no checkpoint'):
     lifecycle.evaluate_checkpoint(_trainer(_config(), tmp_path))

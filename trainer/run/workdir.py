@@ -64,8 +64,7 @@ ACCEPT_KEY = 'train.accept_config_change'
 RESUMABLE = frozenset({
     'train.steps', 'train.epochs', 'train.steps_per_loop', 'train.log_every', 'train.eval_every',
     'train.checkpoint_every', 'train.max_to_keep', 'train.recover_tries', 'train.profile_steps',
-    'train.async_checkpoint',
-    'train.jit_compile',
+    'train.async_checkpoint', 'train.jit_compile',
     'numerics.every', 'numerics.forensics_first', 'numerics.forensics_every',  # diagnostics only
     'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
 
@@ -127,6 +126,14 @@ def changed_keys(saved: dict, current: dict) -> list[str]:
   return changed
 
 
+def _shown(saved: dict, config, keys: list[str], head: str) -> str:
+  """'<head> (config.k: old -> new; ... and N more)' for the first four changed keys."""
+  flat_saved, flat_now = config_lib.flatten(saved), config_lib.flatten(config.to_dict())
+  shown = '; '.join(f'config.{k}: {flat_saved.get(k, "(none)")!r} -> '
+                    f'{flat_now.get(k, "(none)")!r}' for k in keys[:4])
+  return f'{head} ({shown}{f" and {len(keys) - 4} more" if len(keys) > 4 else ""})'
+
+
 def write_json(path: str, value: dict) -> None:
   """Writes `path` atomically without following a symlink (see the module docstring)."""
   folder = os.path.dirname(path)
@@ -172,7 +179,13 @@ class Workdir:
   # ---- reading ---------------------------------------------------------------------------------
   def restore_read_only(self) -> str | None:
     """Restores the newest readable checkpoint (eval, export, sampling); writes nothing. Returns
-    its path, or None when there is none."""
+    its path, or None when there is none. A config that differs from the run's record (keys
+    beyond RESUMABLE: another policy, model or data) is a warning: the restore uses this one."""
+    saved = read_config(self.path) or {}
+    now = json.loads(json.dumps(self.config.to_dict()))
+    if other := [k for k in changed_keys(saved, now) if k not in RESUMABLE] if saved else []:
+      logging.warning('%s; this config is used', _shown(
+          saved, self.config, other, f'the run in {self.path} was trained with another config'))
     return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir, read_only=True)
 
   # ---- training --------------------------------------------------------------------------------
@@ -320,14 +333,10 @@ class Workdir:
     changed = changed_keys(saved, json.loads(json.dumps(self.config.to_dict())))
     other = [k for k in changed if k not in RESUMABLE]
     if other and not self.config.train.accept_config_change:
-      flat_saved, flat_now = config_lib.flatten(saved), config_lib.flatten(self.config.to_dict())
-      shown = '; '.join(f'config.{k}: {flat_saved.get(k, "(none)")!r} -> '
-                        f'{flat_now.get(k, "(none)")!r}' for k in other[:4])
-      more = f' and {len(other) - 4} more' if len(other) > 4 else ''
-      raise ConfigError(f'workdir {self.path} holds a run trained with another config ({shown}'
-                        f'{more}); resuming would ignore or mix the change. Use a new workdir for '
-                        'the new config, or set config.train.accept_config_change=True to resume '
-                        'this run with it.')
+      raise ConfigError(_shown(saved, self.config, other, f'workdir {self.path} holds a run '
+                               'trained with another config') + '; resuming would ignore or mix '
+                        'the change. Use a new workdir for the new config, or set '
+                        'config.train.accept_config_change=True to resume this run with it.')
     if changed:  # _record_config names the file once the step resumed from is known
       logging.warning('resuming %s with a changed config (%s)', self.path, ', '.join(changed))
       if {'train.steps', 'train.epochs'} & set(changed) and self.config.optimizer.schedule \
