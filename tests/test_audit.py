@@ -86,6 +86,41 @@ def test_a_subclassed_model_is_audited_through_one_forward_pass(mixed_float16):
   assert 'call' not in vars(model) and 'call' not in vars(model.head)  # the hooks are gone
 
 
+class FloatIds(keras.Model):
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.embed = keras.layers.Embedding(1000, 4, name='embed')
+    self.head = keras.layers.Dense(3, dtype='float32')
+
+  def call(self, ids):
+    return self.head(self.embed(ids))
+
+
+@pytest.mark.parametrize('policy', ['mixed_bfloat16', 'mixed_float16'])
+def test_float_token_ids_into_an_embedding(policy):
+  """Keras casts an Embedding's float ids to the compute dtype: in bfloat16 id 257 looks up
+  row 256. Integer ids are exact."""
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+    def functional(dtype):
+      ids = keras.Input((4,), dtype=dtype)
+      embedded = keras.layers.Embedding(1000, 4, name='embed')(ids)
+      return keras.Model(ids, keras.layers.Dense(3, dtype='float32')(embedded))
+    assert [(h.layer, h.kind) for h in audit.audit(functional('float32'))[1]] == [
+        ('embed', 'float token ids')]
+    assert audit.audit(functional('int32'))[1] == []
+    model = FloatIds()
+    model(tf.zeros([2, 4]))
+    _, hazards = audit.audit(model, run=lambda: model(tf.fill([2, 4], 257.0)))
+    assert [(h.layer, h.kind) for h in hazards] == [('embed', 'float token ids')]
+    limit = '256' if policy == 'mixed_bfloat16' else '2048'
+    assert f'ids above {limit} turn into other ids' in hazards[0].message
+    model(tf.zeros([2, 4], tf.int32))
+    assert audit.audit(model, run=lambda: model(tf.fill([2, 4], 257)))[1] == []
+  finally:
+    keras.mixed_precision.set_global_policy('float32')
+
+
 def test_nested_models_are_walked(mixed_float16):
   inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name='inner_dense')],
                            name='inner')

@@ -6,6 +6,8 @@
   * low-precision softmax: a layer applying softmax computes in float16/bfloat16;
   * low-precision variables: a layer stores float16/bfloat16 weights, so the optimizer's updates
     are rounded away (use a mixed_* policy: float32 variables, low-precision compute);
+  * float token ids: an Embedding gets float ids, which Keras casts to the compute dtype before
+    the lookup, so ids above 256 (bfloat16) or 2048 (float16) become other ids;
   * not autocast: under a mixed policy a layer outputs float32 although its compute dtype is low
     precision (it creates or reads weights Keras cannot autocast, e.g. a raw tf.Variable, or has
     `autocast=False` on its weights), so it silently computes in float32.
@@ -57,6 +59,16 @@ def _output_dtype(layer, seen) -> str:
   return ','.join(sorted(dtypes))
 
 
+def _first_input(layer, inputs):
+  """The layer's first input: as recorded in `inputs`, or Keras's symbolic one; None unknown."""
+  if id(layer) in inputs:
+    return keras.tree.flatten(inputs[id(layer)])[0] if inputs[id(layer)] is not None else None
+  try:
+    return keras.tree.flatten(layer.input)[0]
+  except (AttributeError, ValueError, IndexError):
+    return None
+
+
 def _own_variables(layer):
   nested = {id(v) for sub in getattr(layer, '_layers', []) for v in sub.weights}
   return [v for v in layer.weights if id(v) not in nested]
@@ -79,11 +91,13 @@ def audit(model: keras.Model, policy: str | None = None,
   mixed = policy.startswith('mixed_')
   rows, hazards = [], []
   seen: dict = {}  # id(layer): outputs of its first call in `run`
+  inputs: dict = {}  # id(layer): the first argument of that call
   if run is not None and not getattr(model, 'outputs', None):
     with hooks.recording(model, None, include_self=True) as calls:
       run()
     for c in calls:
       seen.setdefault(id(c.layer), c.outputs)
+      inputs.setdefault(id(c.layer), (c.args or tuple(c.kwargs.values()) or (None,))[0])
   for name, layer in _layers(model):
     variables = _own_variables(layer)
     var_dtypes = sorted({keras.backend.standardize_dtype(v.dtype) for v in variables})
@@ -102,6 +116,13 @@ def audit(model: keras.Model, policy: str | None = None,
                             f'{",".join(d for d in var_dtypes if d in LOW)} ({low_vars[0]}, ...): '
                             'the optimizer updates are rounded away; give the layer a mixed_* '
                             'policy (float32 variables) instead of dtype float16/bfloat16'))
+    ids = _first_input(layer, inputs)
+    ids = keras.backend.standardize_dtype(ids.dtype) if ids is not None else 'int32'
+    if isinstance(layer, keras.layers.Embedding) and compute in LOW and 'float' in ids:
+      hazards.append(Hazard(name, 'float token ids', f'it looks up float ids ({ids}; Keras '
+                            f'casts them to {compute}): ids above '
+                            f'{256 if compute == "bfloat16" else 2048} turn into other ids (257 '
+                            '-> 256 in bfloat16); feed integer ids (tf.int32)'))
     if _applies_softmax(layer) and compute in LOW:
       hazards.append(Hazard(name, 'low-precision softmax',
                             f'softmax computed in {compute}; give this layer dtype="float32"'))
