@@ -111,7 +111,8 @@ def _check_reload(model) -> None:
                     'The SavedModel is complete. For model.keras, give %s.__init__ **kwargs '
                     'passed to super().__init__, and a get_config() returning its own '
                     'arguments', type(model).__name__, type(e).__name__,
-                    str(e).splitlines()[0][:200] if str(e) else '', type(model).__name__)
+                    ([''] + [l for l in str(e).splitlines() if l.strip()])[-1][:300],
+                    type(model).__name__)
 
 
 def _is_tensors(x) -> bool:
