@@ -232,6 +232,22 @@ def test_a_loss_written_for_whole_batches_passes_the_gradient_check(tmp_path):
       'int32 [32], when the trainer checked its hooks: trainer/step/contract.py)']
 
 
+def test_an_unbatched_train_set_of_sequences(tmp_path):
+  """Sequences [T] against eval batches [B, T]: the batch-size check took T for a batch size
+  ('leading dimension 8 ... not config.train.batch_size=32')."""
+  class Sequences(TinyTrainer):
+    def build_datasets(self):
+      tokens = np.zeros([512, 8], np.int32)
+      return Datasets(train=tf.data.Dataset.from_tensor_slices((tokens, tokens)).repeat(),
+                      eval=tf.data.Dataset.from_tensor_slices((tokens, tokens)).batch(32),
+                      train_examples=512)
+  message = rejected(Sequences, tmp_path)
+  assert message == ('build_datasets returned an unbatched Datasets.train: its elements (int32 '
+                     '[8], int32 [8]) have one axis fewer than the eval batches (int32 [?, 8], '
+                     'int32 [?, 8]); add .batch(config.train.batch_size, drop_remainder=True) to '
+                     'the train dataset')
+
+
 def test_build_metrics_returning_a_list(tmp_path):
   class ListOfMetrics(TinyTrainer):
     def build_metrics(self):

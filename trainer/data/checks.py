@@ -41,19 +41,26 @@ def check_datasets(datasets, batch_size: int | None = None) -> None:
                else '.batch(config.train.batch_size)')
       raise UserError(f'build_datasets returned an unbatched Datasets.{name}: its elements are '
                       f'single examples ({_spec_summary(ds.element_spec)}); add {batch}')
+  # A set whose elements are one axis short of the other's is unbatched (sequences [T] against
+  # batches [B, T]); checked before the batch size, which would take T for a batch size.
+  train_specs = tf.nest.flatten(datasets.train.element_spec)
+  eval_specs = tf.nest.flatten(datasets.eval.element_spec)
+  ranks = [(t.shape.rank, e.shape.rank) for t, e in zip(train_specs, eval_specs)
+           if isinstance(t, tf.TensorSpec) and isinstance(e, tf.TensorSpec)
+           and t.shape.rank is not None and e.shape.rank is not None]
+  if len(train_specs) == len(eval_specs):
+    for short, other, batch, fewer in (
+        ('eval', 'train', '.batch(config.train.batch_size)', lambda t, e: e + 1 == t),
+        ('train', 'eval', '.batch(config.train.batch_size, drop_remainder=True)',
+         lambda t, e: t + 1 == e)):
+      if any(fewer(t, e) for t, e in ranks):
+        raise UserError(f'build_datasets returned an unbatched Datasets.{short}: its elements '
+                        f'({_spec_summary(getattr(datasets, short).element_spec)}) have one '
+                        f'axis fewer than the {other} batches '
+                        f'({_spec_summary(getattr(datasets, other).element_spec)}); add {batch} '
+                        f'to the {short} dataset')
   if batch_size:
     _check_train_batch(datasets.train, batch_size)
-  train = tf.nest.flatten(datasets.train.element_spec)
-  eval_ = tf.nest.flatten(datasets.eval.element_spec)
-  if len(train) == len(eval_):
-    for t, e in zip(train, eval_):
-      if (isinstance(t, tf.TensorSpec) and isinstance(e, tf.TensorSpec)
-          and t.shape.rank is not None and e.shape.rank is not None
-          and e.shape.rank + 1 == t.shape.rank):
-        raise UserError('build_datasets returned an unbatched Datasets.eval: its elements '
-                        f'({_spec_summary(datasets.eval.element_spec)}) have one axis fewer '
-                        f'than the train batches ({_spec_summary(datasets.train.element_spec)}); '
-                        'add .batch(config.train.batch_size) to the eval dataset')
 
 
 def _check_train_batch(train, batch_size: int) -> None:
