@@ -89,11 +89,11 @@ def test_a_subclassed_model_is_audited_through_one_forward_pass(mixed_float16):
 class FloatIds(keras.Model):
   def __init__(self, **kwargs):
     super().__init__(**kwargs)
-    self.embed = keras.layers.Embedding(1000, 4, name='embed')
+    self.embed = keras.layers.Embedding(5000, 4, name='embed')
     self.head = keras.layers.Dense(3, dtype='float32')
 
   def call(self, ids):
-    return self.head(self.embed(ids))
+    return self.head(self.embed(ids)), None  # a None beside the logits (a cache, say)
 
 
 @pytest.mark.parametrize('policy', ['mixed_bfloat16', 'mixed_float16'])
@@ -102,23 +102,46 @@ def test_float_token_ids_into_an_embedding(policy):
   row 256. Integer ids are exact."""
   keras.mixed_precision.set_global_policy(policy)
   try:
-    def functional(dtype):
+    def functional(dtype, vocabulary=5000):
       ids = keras.Input((4,), dtype=dtype)
-      embedded = keras.layers.Embedding(1000, 4, name='embed')(ids)
+      embedded = keras.layers.Embedding(vocabulary, 4, name='embed')(ids)
       return keras.Model(ids, keras.layers.Dense(3, dtype='float32')(embedded))
     assert [(h.layer, h.kind) for h in audit.audit(functional('float32'))[1]] == [
         ('embed', 'float token ids')]
     assert audit.audit(functional('int32'))[1] == []
+    assert audit.audit(functional('float32', vocabulary=257))[1] == []  # every id exact
     model = FloatIds()
     model(tf.zeros([2, 4]))
     _, hazards = audit.audit(model, run=lambda: model(tf.fill([2, 4], 257.0)))
     assert [(h.layer, h.kind) for h in hazards] == [('embed', 'float token ids')]
     limit = '256' if policy == 'mixed_bfloat16' else '2048'
-    assert f'ids above {limit} turn into other ids' in hazards[0].message
+    assert f'ids above {limit} of its 5000 turn into other ids' in hazards[0].message
     model(tf.zeros([2, 4], tf.int32))
     assert audit.audit(model, run=lambda: model(tf.fill([2, 4], 257)))[1] == []
   finally:
     keras.mixed_precision.set_global_policy('float32')
+
+
+class Failing(keras.Model):
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.head = keras.layers.Dense(3, dtype='float32')
+    self.fail = False
+
+  def call(self, x):
+    if self.fail:
+      raise RuntimeError('broken')
+    return self.head(x)
+
+
+def test_a_failing_forward_pass_leaves_the_audit_without_output_dtypes(mixed_float16, caplog):
+  """The audit is a diagnostic: a forward pass that fails is a warning, not a stopped run."""
+  model = Failing()
+  model(tf.zeros([2, 8]))
+  model.fail = True
+  rows, hazards = audit.audit(model, run=lambda: model(tf.zeros([2, 8])))
+  assert [r.output_dtype for r in rows] == ['?'] and hazards == []
+  assert 'the forward pass of failing failed (RuntimeError: broken)' in caplog.text
 
 
 def test_nested_models_are_walked(mixed_float16):

@@ -17,9 +17,12 @@ it and writes it to <workdir>/audit.md.
 from __future__ import annotations
 
 import os
+import re
 from typing import NamedTuple
 
 import keras
+import tensorflow as tf
+from absl import logging
 
 from trainer.insight import files, hooks
 
@@ -48,6 +51,12 @@ def _layers(model, prefix=''):
       yield from _layers(layer, prefix + layer.name + '/')
 
 
+def _dtypes(structure) -> list[str]:
+  """The dtypes of a structure's tensors (None and other non-tensor leaves left out)."""
+  return [keras.backend.standardize_dtype(t.dtype) for t in keras.tree.flatten(structure)
+          if hasattr(t, 'dtype')]
+
+
 def _output_dtype(layer, seen) -> str:
   outputs = seen.get(id(layer))
   if outputs is None:
@@ -55,18 +64,16 @@ def _output_dtype(layer, seen) -> str:
       outputs = layer.output
     except (AttributeError, ValueError):
       return '?'
-  dtypes = {keras.backend.standardize_dtype(t.dtype) for t in keras.tree.flatten(outputs)}
-  return ','.join(sorted(dtypes))
+  return ','.join(sorted(set(_dtypes(outputs)))) or '?'
 
 
-def _first_input(layer, inputs):
-  """The layer's first input: as recorded in `inputs`, or Keras's symbolic one; None unknown."""
-  if id(layer) in inputs:
-    return keras.tree.flatten(inputs[id(layer)])[0] if inputs[id(layer)] is not None else None
+def _input_dtype(layer, inputs) -> str | None:
+  """The dtype of the layer's first input: as recorded in `inputs`, or Keras's symbolic one."""
   try:
-    return keras.tree.flatten(layer.input)[0]
-  except (AttributeError, ValueError, IndexError):
+    found = _dtypes(inputs[id(layer)] if id(layer) in inputs else layer.input)
+  except (AttributeError, ValueError):
     return None
+  return found[0] if found else None
 
 
 def _own_variables(layer):
@@ -93,8 +100,18 @@ def audit(model: keras.Model, policy: str | None = None,
   seen: dict = {}  # id(layer): outputs of its first call in `run`
   inputs: dict = {}  # id(layer): the first argument of that call
   if run is not None and not getattr(model, 'outputs', None):
-    with hooks.recording(model, None, include_self=True) as calls:
-      run()
+    try:
+      with hooks.recording(model, None, include_self=True) as calls:
+        run()
+    except Exception as e:  # pylint: disable=broad-except  (the audit never ends a run)
+      # Keras wraps a layer's error: 'Exception encountered when calling X.call().', the
+      # message in bold (ANSI codes), then the arguments.
+      lines = [re.sub(r'\x1b\[[0-9;]*m', '', l).strip() for l in str(e).splitlines()]
+      logging.warning('dtype audit: the forward pass of %s failed (%s: %s); its layers\' output '
+                      'dtypes are not checked', model.name, type(e).__name__, next(
+                          (l for l in lines if l and not l.startswith('Exception encountered')),
+                          '')[:200])
+      calls = []
     for c in calls:
       seen.setdefault(id(c.layer), c.outputs)
       inputs.setdefault(id(c.layer), (c.args or tuple(c.kwargs.values()) or (None,))[0])
@@ -116,13 +133,13 @@ def audit(model: keras.Model, policy: str | None = None,
                             f'{",".join(d for d in var_dtypes if d in LOW)} ({low_vars[0]}, ...): '
                             'the optimizer updates are rounded away; give the layer a mixed_* '
                             'policy (float32 variables) instead of dtype float16/bfloat16'))
-    ids = _first_input(layer, inputs)
-    ids = keras.backend.standardize_dtype(ids.dtype) if ids is not None else 'int32'
-    if isinstance(layer, keras.layers.Embedding) and compute in LOW and 'float' in ids:
+    exact = {'bfloat16': 256, 'float16': 2048}.get(compute, 2**24)  # the integers it holds
+    if isinstance(layer, keras.layers.Embedding) and layer.input_dim > exact + 1 and \
+        keras.backend.is_float_dtype(ids := _input_dtype(layer, inputs) or 'int32'):
       hazards.append(Hazard(name, 'float token ids', f'it looks up float ids ({ids}; Keras '
-                            f'casts them to {compute}): ids above '
-                            f'{256 if compute == "bfloat16" else 2048} turn into other ids (257 '
-                            '-> 256 in bfloat16); feed integer ids (tf.int32)'))
+                            f'casts them to {compute}): ids above {exact} of its '
+                            f'{layer.input_dim} turn into other ids (257 -> 256 in bfloat16); '
+                            'feed integer ids (tf.int32)'))
     if _applies_softmax(layer) and compute in LOW:
       hazards.append(Hazard(name, 'low-precision softmax',
                             f'softmax computed in {compute}; give this layer dtype="float32"'))
@@ -135,7 +152,8 @@ def audit(model: keras.Model, policy: str | None = None,
                             'add_weight(autocast=False) or a raw tf.Variable, or an explicit '
                             'cast); cast inputs and weights to self.compute_dtype in call (see '
                             'trainer/nn/layers.py), or give the layer dtype="float32" if intended'))
-  outputs = getattr(model, 'outputs', None) or keras.tree.flatten(seen.get(id(model), []))
+  outputs = getattr(model, 'outputs', None) or [
+      t for t in keras.tree.flatten(seen.get(id(model), [])) if hasattr(t, 'dtype')]
   for i, out in enumerate(outputs):
     dtype = keras.backend.standardize_dtype(out.dtype)
     if dtype in LOW:  # named by the layer that makes the output, when Keras records it
@@ -177,13 +195,18 @@ def report(trainer) -> str:
 
 
 def forward(trainer):
-  """compute_loss on the first eval batch, under the strategy: the forward pass `audit` runs
-  for a subclassed model."""
+  """The forward pass `audit` runs for a subclassed model: compute_loss on the first example of
+  the first eval batch (dtypes do not depend on the batch; the recording keeps every layer's
+  outputs), on all of it when the loss fails on one example; under the strategy's scope."""
   from trainer.data import checks
 
   def run():
+    batch = checks.first_eval_batch(trainer.datasets)
     with trainer.strategy.scope():
-      trainer.compute_loss(checks.first_eval_batch(trainer.datasets), training=False)
+      try:
+        trainer.compute_loss(tf.nest.map_structure(lambda t: t[:1], batch), training=False)
+      except Exception:  # pylint: disable=broad-except  (e.g. a reshape by the batch size)
+        trainer.compute_loss(batch, training=False)
   return run
 
 
@@ -192,8 +215,6 @@ def check_at_start(model: keras.Model, policy: str, allow_low_precision_variable
   """The hazards, when training starts: one warning line each; low-precision variables are a
   ConfigError unless config.precision.allow_low_precision_variables (then a warning), and
   expected (not reported) with config.precision.master_weights bfloat16_*."""
-  from absl import logging
-
   from trainer.errors import ConfigError
   _, hazards = audit(model, policy, run)
   if bfloat16_masters:  # the optimizer rounds them stochastically or Kahan-compensates them
