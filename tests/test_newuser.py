@@ -12,6 +12,7 @@ from absl import logging
 
 from tiny import TinyTrainer, tiny_config
 from trainer import Datasets, Trainer
+from trainer.data import checks
 from trainer.insight import audit
 from trainer.errors import UserError
 
@@ -246,6 +247,11 @@ def test_an_unbatched_train_set_of_sequences(tmp_path):
                      '[8], int32 [8]) have one axis fewer than the eval batches (int32 [?, 8], '
                      'int32 [?, 8]); add .batch(config.train.batch_size, drop_remainder=True) to '
                      'the train dataset')
+
+  # Ten crops per eval image ([B, 10, 8] against train [B, 8]; labels [B] both) are batched.
+  data = TinyTrainer(tiny_config(**{'train.steps': 1}), str(tmp_path / 'crops')).datasets
+  checks.check_datasets(data._replace(eval=data.eval.map(lambda x, y: (tf.stack([x] * 10, 1), y))),
+                        batch_size=32)
 
 
 def test_build_metrics_returning_a_list(tmp_path):

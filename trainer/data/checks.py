@@ -41,19 +41,23 @@ def check_datasets(datasets, batch_size: int | None = None) -> None:
                else '.batch(config.train.batch_size)')
       raise UserError(f'build_datasets returned an unbatched Datasets.{name}: its elements are '
                       f'single examples ({_spec_summary(ds.element_spec)}); add {batch}')
-  # A set whose elements are one axis short of the other's is unbatched (sequences [T] against
-  # batches [B, T]); checked before the batch size, which would take T for a batch size.
-  train_specs = tf.nest.flatten(datasets.train.element_spec)
-  eval_specs = tf.nest.flatten(datasets.eval.element_spec)
-  ranks = [(t.shape.rank, e.shape.rank) for t, e in zip(train_specs, eval_specs)
+  # An eval set whose elements have one axis fewer than the train batches in any component is
+  # unbatched. A train set whose elements are, in every component, an eval batch without its
+  # batch axis is unbatched too (sequences [T] against batches [B, T]; a multi-crop eval set,
+  # [B, 10, H, W, C] against [B, H, W, C] images but [B] labels both, is not): checked before
+  # the batch size, which would take T for a batch size.
+  train = tf.nest.flatten(datasets.train.element_spec)
+  eval_ = tf.nest.flatten(datasets.eval.element_spec)
+  pairs = [(t.shape, e.shape) for t, e in zip(train, eval_)
            if isinstance(t, tf.TensorSpec) and isinstance(e, tf.TensorSpec)
            and t.shape.rank is not None and e.shape.rank is not None]
-  if len(train_specs) == len(eval_specs):
-    for short, other, batch, fewer in (
-        ('eval', 'train', '.batch(config.train.batch_size)', lambda t, e: e + 1 == t),
+  if pairs and len(train) == len(eval_):
+    for short, other, batch, unbatched in (
+        ('eval', 'train', '.batch(config.train.batch_size)',
+         any(e.rank + 1 == t.rank for t, e in pairs)),
         ('train', 'eval', '.batch(config.train.batch_size, drop_remainder=True)',
-         lambda t, e: t + 1 == e)):
-      if any(fewer(t, e) for t, e in ranks):
+         all(t.rank + 1 == e.rank and t.is_compatible_with(e[1:]) for t, e in pairs))):
+      if unbatched:
         raise UserError(f'build_datasets returned an unbatched Datasets.{short}: its elements '
                         f'({_spec_summary(getattr(datasets, short).element_spec)}) have one '
                         f'axis fewer than the {other} batches '
