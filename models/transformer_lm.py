@@ -206,8 +206,8 @@ def generate(workdir: str, prompt: str = '\n', length: int = 500, temperature: f
              seed: int = 0) -> str:
   """Restores the latest checkpoint of a Transformer LM workdir and samples text from it."""
   from trainer.run import lifecycle
-  from trainer.run import workdir as workdir_lib
-  saved = workdir_lib.read_config(workdir)  # the newest record; reading writes nothing
+  from trainer.run import config_record
+  saved = config_record.read_config(workdir)  # the newest record; reading writes nothing
   if saved is None:
     raise UserError(f'{os.path.join(workdir, "config.json")} not found: --workdir must be a '
                     'folder a training run wrote')

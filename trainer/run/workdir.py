@@ -17,10 +17,12 @@ Two ways in:
     A failed restore (another model) leaves every file as it was.
 
 A resume with a changed config. The config is compared with the newest record (config.json or the
-highest config-step-N.json). Keys in RESUMABLE (run length, bookkeeping, diagnostics, where the
-data is, how the run is distributed) may change with a warning; any other change is a ConfigError
-naming the keys, unless `config.train.accept_config_change=True`. An accepted change is recorded as
-config-step-<N>.json (N = the step resumed from); config.json stays the first run's record.
+highest config-step-N.json; trainer/run/config_record.py). Keys in RESUMABLE (run length,
+bookkeeping, diagnostics, where the data is, how the run is distributed) may change with a
+warning; any other change is a ConfigError naming the keys, unless
+`config.train.accept_config_change=True`. An accepted change is recorded as config-step-<N>.json
+(N = the step resumed from); config.json stays the first run's record. Eval, export and diagnose
+warn when the config differs from the record in what the restored model computes (COMPUTES).
 A workdir with no checkpoint holds no progress to protect: a new config replaces config.json (and
 drops the config-step records of the checkpoints that are gone).
 
@@ -35,7 +37,6 @@ each save (`distribute.scratch_dir`); its summaries go nowhere.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -47,27 +48,15 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.run import async_copy, checkpoint_files, checkpoints
+from trainer.run.config_record import (COMPUTES, CONFIG, RESUMABLE, changed_keys,
+                                       config_records, describe_change, read_config)
 from trainer.step import distribute
 from trainer.run import lock as workdir_lock
-from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
 
-CONFIG = 'config.json'
 HEALTHY = 'healthy.json'  # in checkpoints/: the last healthy checkpoint (trainer/run/health.py)
 CHECKPOINTS = 'checkpoints'
 TENSORBOARD = 'tensorboard'
-ACCEPT_KEY = 'train.accept_config_change'
-
-# Keys a resume may change without config.train.accept_config_change (with a warning): they set
-# how long the run goes, how often it logs or saves, where the data is, and how the same steps
-# are run, not what a step computes.
-RESUMABLE = frozenset({
-    'train.steps', 'train.epochs', 'train.steps_per_loop', 'train.log_every', 'train.eval_every',
-    'train.checkpoint_every', 'train.max_to_keep', 'train.recover_tries', 'train.profile_steps',
-    'train.async_checkpoint', 'train.jit_compile',
-    'numerics.every', 'numerics.forensics_first', 'numerics.forensics_every',  # diagnostics only
-    'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
-
 
 def local_path(path: str, flag: str = '--workdir') -> str:
   """`path` made absolute; ConfigError for a URL (gs://, s3://, hdfs://, ...). The workdir's
@@ -79,59 +68,6 @@ def local_path(path: str, flag: str = '--workdir') -> str:
                       'safely; mount the bucket as a folder (e.g. gcsfuse) or use a shared file '
                       f'system, and pass {flag}=<that folder>/...')
   return os.path.abspath(path)
-
-
-def config_records(path: str) -> list[tuple[int, str]]:
-  """(step, file) of the workdir's config records, oldest first; config.json counts as step -1."""
-  records = []
-  if os.path.isfile(os.path.join(path, CONFIG)):
-    records.append((-1, os.path.join(path, CONFIG)))
-  for name in glob.glob(os.path.join(glob.escape(path), 'config-step-*.json')):
-    match = re.fullmatch(r'config-step-(\d+)\.json', os.path.basename(name))
-    if match:
-      records.append((int(match.group(1)), name))
-  return sorted(records)
-
-
-def read_config(path: str) -> dict | None:
-  """The newest config record of the workdir at `path` as a dict (None when it has none);
-  ConfigError when that file is not a JSON config."""
-  records = config_records(path)
-  if not records:
-    return None
-  name = records[-1][1]
-  try:
-    with open(name) as f:
-      saved = json.load(f)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f'{name} is not a config this framework wrote ({type(e).__name__}: '
-                      f'{str(e)[:100]}); move it out of the workdir or use a new --workdir.') \
-        from None
-  if not isinstance(saved, dict):
-    raise ConfigError(f'{name} is not a config this framework wrote (a JSON '
-                      f'{type(saved).__name__}, not an object); move it out of the workdir or '
-                      'use a new --workdir.')
-  return saved
-
-
-def changed_keys(saved: dict, current: dict) -> list[str]:
-  """Keys whose values differ; a key the record lacks counts as unchanged when the current value
-  is the schema's default (the record was written before that key existed)."""
-  a, b = config_lib.flatten(saved), config_lib.flatten(current)
-  changed = []
-  for key in config_lib.diff(saved, current):
-    if key not in a and key in config_lib.SCHEMA and b.get(key) == config_lib.SCHEMA[key].default:
-      continue
-    changed.append(key)
-  return changed
-
-
-def _shown(saved: dict, config, keys: list[str], head: str) -> str:
-  """'<head> (config.k: old -> new; ... and N more)' for the first four changed keys."""
-  flat_saved, flat_now = config_lib.flatten(saved), config_lib.flatten(config.to_dict())
-  shown = '; '.join(f'config.{k}: {flat_saved.get(k, "(none)")!r} -> '
-                    f'{flat_now.get(k, "(none)")!r}' for k in keys[:4])
-  return f'{head} ({shown}{f" and {len(keys) - 4} more" if len(keys) > 4 else ""})'
 
 
 def write_json(path: str, value: dict) -> None:
@@ -179,12 +115,16 @@ class Workdir:
   # ---- reading ---------------------------------------------------------------------------------
   def restore_read_only(self) -> str | None:
     """Restores the newest readable checkpoint (eval, export, sampling); writes nothing. Returns
-    its path, or None when there is none. A config that differs from the run's record (keys
-    beyond RESUMABLE: another policy, model or data) is a warning: the restore uses this one."""
-    saved = read_config(self.path) or {}
-    now = json.loads(json.dumps(self.config.to_dict()))
-    if other := [k for k in changed_keys(saved, now) if k not in RESUMABLE] if saved else []:
-      logging.warning('%s; this config is used', _shown(
+    its path, or None when there is none. A config that differs from the run's record in what
+    the restored model computes (COMPUTES) is a warning: this config is used."""
+    try:
+      saved = read_config(self.path) or {}
+    except ConfigError:  # a damaged record: the checkpoint may still be read
+      saved = {}
+    changed = changed_keys(saved, json.loads(json.dumps(self.config.to_dict()))) if saved else []
+    if other := [k for k in changed if k in COMPUTES or k.startswith(('model_config.', 'data.'))
+                 and k != 'data.dir']:
+      logging.warning('%s; this config is used', describe_change(
           saved, self.config, other, f'the run in {self.path} was trained with another config'))
     return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir, read_only=True)
 
@@ -333,10 +273,10 @@ class Workdir:
     changed = changed_keys(saved, json.loads(json.dumps(self.config.to_dict())))
     other = [k for k in changed if k not in RESUMABLE]
     if other and not self.config.train.accept_config_change:
-      raise ConfigError(_shown(saved, self.config, other, f'workdir {self.path} holds a run '
-                               'trained with another config') + '; resuming would ignore or mix '
-                        'the change. Use a new workdir for the new config, or set '
-                        'config.train.accept_config_change=True to resume this run with it.')
+      raise ConfigError(describe_change(
+          saved, self.config, other, f'workdir {self.path} holds a run trained with another '
+          'config') + '; resuming would ignore or mix the change. Use a new workdir for the new '
+          'config, or set config.train.accept_config_change=True to resume this run with it.')
     if changed:  # _record_config names the file once the step resumed from is known
       logging.warning('resuming %s with a changed config (%s)', self.path, ', '.join(changed))
       if {'train.steps', 'train.epochs'} & set(changed) and self.config.optimizer.schedule \
