@@ -19,8 +19,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from trainer.data import checks
-from trainer.insight import hooks
+from trainer.insight import audit, hooks
 from trainer.run import checkpoint_files, checkpoints
 from trainer.run import workdir as workdir_lib
 from trainer.errors import ConfigError, UserError
@@ -52,7 +51,8 @@ def default_export_dir(workdir: str) -> str:
 
 def export(trainer, folder: str | None = None) -> dict[str, str]:
   """Writes the latest checkpoint's model as a SavedModel (signature `serve`) and a `.keras`
-  file into `folder` (default `default_export_dir`); returns their paths. Both compute in the
+  file into `folder` (default `default_export_dir`); returns their paths (model.keras left out,
+  with a warning, when Keras cannot serialize the model's config). Both compute in the
   training policy."""
   step = restore(trainer, '--mode=export')
   folder = (workdir_lib.local_path(folder, '--export_dir') if folder
@@ -62,8 +62,16 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
            'keras': os.path.join(folder, 'model.keras')}
   trainer.model.export(paths['saved_model'], format='tf_saved_model', verbose=False,
                        input_signature=serving_signature(trainer))
-  trainer.model.save(paths['keras'])
-  _check_reload(trainer.model)
+  try:
+    trainer.model.save(paths['keras'])
+    _check_reload(trainer.model)
+  except Exception as e:  # pylint: disable=broad-except  (the user's get_config)
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    logging.warning('model.keras was not written: %s: %s The SavedModel is complete. For '
+                    'model.keras, give %s a get_config() returning its __init__ arguments',
+                    type(e).__name__, ' '.join(lines[:3])[:300], type(trainer.model).__name__)
+    if os.path.exists(paths.pop('keras')):  # a partial file, or an older export's
+      os.remove(os.path.join(folder, 'model.keras'))
   logging.info('exported step %d to %s', step, folder)
   return paths
 
@@ -72,47 +80,67 @@ def serving_signature(trainer) -> list | None:
   """The SavedModel's input signature: None (Keras's own) for a model with Input layers
   (Functional, Sequential), whose dtypes it takes. For a subclassed model Keras knows only the
   shapes of the first call and gives every input the policy's compute dtype: bfloat16 images, and
-  bfloat16 token ids that no integer input then binds to. Here compute_loss runs once on the
-  first eval batch and the tensors the model's `call` receives give the signature: an integer
-  input keeps its dtype, a float one is float32 (the model casts it to its compute dtype, as in
-  training), the batch axis is None. None when compute_loss does not call the model."""
+  bfloat16 token ids that no integer input then binds to. Here compute_loss runs once (on the
+  first example of the first eval batch, as the audit's forward pass) and the tensors the
+  model's `call` receives give the signature: an integer input keeps its dtype, a float one is
+  float32 (the model casts it to its compute dtype, as in training), the batch axis is None.
+  The SavedModel passes them positionally: a tensor given to a keyword-only parameter, or after
+  a skipped one, is a UserError. None when compute_loss does not call the model."""
   model = trainer.model
   if getattr(model, 'inputs', None):
     return None
-  seen: list = []
-
-  def recorder(call):
-    names = list(inspect.signature(call).parameters)
-
-    def recording(*args, **kwargs):
-      if not seen:  # the inputs, positional or keyword, in the order `call` declares them
-        bound = dict(zip(names, args), **kwargs)
-        seen.extend(bound[n] for n in names if n in bound and n not in ('training', 'mask')
-                    and _is_tensors(bound[n]))
-      return call(*args, **kwargs)
-    return recording
-
-  with hooks.hooked(model, 'call', recorder), trainer.strategy.scope():
-    trainer.compute_loss(checks.first_eval_batch(trainer.datasets), training=False)
-  return [tf.nest.map_structure(_spec, x) for x in seen] or None
+  with hooks.recording(model, None, include_self=True) as calls:
+    audit.forward(trainer)()
+  first = next((c for c in calls if c.layer is model), None)
+  if first is None:
+    return None
+  bound = inspect.signature(model.call).bind_partial(*first.args, **first.kwargs).arguments
+  positional, refused, gap = [], [], False
+  for name, parameter in inspect.signature(model.call).parameters.items():
+    value = bound.get(name)
+    if parameter.kind is parameter.VAR_POSITIONAL and value:
+      positional += list(value) if not gap else []
+      refused += [name] if gap else []
+    elif name == 'training' or value is None or not _is_tensors(value):
+      gap = gap or parameter.kind is not parameter.VAR_KEYWORD
+    elif parameter.kind in (parameter.KEYWORD_ONLY, parameter.VAR_KEYWORD) or gap:
+      refused.append(name)
+    else:
+      positional.append(value)
+  if refused:
+    raise UserError(f'--mode=export: {type(model).__name__}.call gets tensors for '
+                    f'{", ".join(refused)} by keyword or after a parameter compute_loss leaves '
+                    'out; the SavedModel passes the inputs positionally: declare them first, '
+                    'as positional parameters (call(self, x, y, training=None))')
+  return [tf.nest.map_structure(_spec, x) for x in positional] or None
 
 
 def _check_reload(model) -> None:
   """A warning when model.keras will not load back: Keras recreates a subclassed model as
-  `cls.from_config(model.get_config())`, which fails when __init__ takes no **kwargs (the config
-  holds 'trainable' and 'dtype') or arguments get_config does not return. Building the object
-  allocates no weights."""
-  if getattr(model, 'inputs', None):
-    return  # Functional and Sequential models reload from their config
+  `cls(**model.get_config())`, which fails when __init__ takes no **kwargs (the config holds
+  'name', 'trainable' and 'dtype') or needs an argument get_config does not return. Read from
+  __init__'s signature: nothing is built (an __init__ may build its weights)."""
+  cls = type(model)
+  own = cls.from_config.__func__ is not keras.Model.from_config.__func__
+  if getattr(model, 'inputs', None) or own:
+    return  # a config Keras reloads itself, or the class's own from_config
+  parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
   try:
-    type(model).from_config(model.get_config())
-  except Exception as e:  # pylint: disable=broad-except  (the user's __init__)
-    logging.warning('model.keras will not load back: %s.from_config(get_config()) raised %s: %s. '
-                    'The SavedModel is complete. For model.keras, give %s.__init__ **kwargs '
-                    'passed to super().__init__, and a get_config() returning its own '
-                    'arguments', type(model).__name__, type(e).__name__,
-                    ([''] + [l for l in str(e).splitlines() if l.strip()])[-1][:300],
-                    type(model).__name__)
+    config = model.get_config()
+  except Exception as e:  # pylint: disable=broad-except  (the user's get_config)
+    reason = f'get_config() raised {type(e).__name__}: {str(e)[:150]}'
+  else:
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    unknown = [] if takes_any else [k for k in config if k not in {p.name for p in parameters}]
+    missing = [p.name for p in parameters if p.default is p.empty and p.name not in config
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not unknown and not missing:
+      return
+    reason = (f'__init__ takes no {", ".join(unknown)} (no **kwargs)' if unknown else
+              f'get_config() returns no {", ".join(missing)}, which __init__ needs')
+  logging.warning('model.keras will not load back: %s.%s. The SavedModel is complete. For '
+                  'model.keras, give %s.__init__ **kwargs passed to super().__init__, and a '
+                  'get_config() returning its own arguments', cls.__name__, reason, cls.__name__)
 
 
 def _is_tensors(x) -> bool:
