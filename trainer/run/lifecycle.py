@@ -60,8 +60,15 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
   os.makedirs(folder, exist_ok=True)
   paths = {'saved_model': os.path.join(folder, 'saved_model'),
            'keras': os.path.join(folder, 'model.keras')}
-  trainer.model.export(paths['saved_model'], format='tf_saved_model', verbose=False,
-                       input_signature=serving_signature(trainer))
+  inputs = serving_inputs(trainer)
+  if inputs is None:  # Keras's own signature: the Input layers'
+    trainer.model.export(paths['saved_model'], format='tf_saved_model', verbose=False)
+  else:
+    archive = keras.export.ExportArchive()  # what model.export does, with our signature
+    archive.track(trainer.model)
+    archive.add_endpoint('serve', _serving_call(trainer.model, [k for k, _ in inputs]),
+                         [tf.nest.map_structure(_spec, v) for _, v in inputs])
+    archive.write_out(paths['saved_model'], verbose=False)
   try:
     trainer.model.save(paths['keras'])
     _check_reload(trainer.model)
@@ -76,16 +83,16 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
   return paths
 
 
-def serving_signature(trainer) -> list | None:
-  """The SavedModel's input signature: None (Keras's own) for a model with Input layers
-  (Functional, Sequential), whose dtypes it takes. For a subclassed model Keras knows only the
-  shapes of the first call and gives every input the policy's compute dtype: bfloat16 images, and
-  bfloat16 token ids that no integer input then binds to. Here compute_loss runs once (on the
-  first example of the first eval batch, as the audit's forward pass) and the tensors the
-  model's `call` receives give the signature: an integer input keeps its dtype, a float one is
-  float32 (the model casts it to its compute dtype, as in training), the batch axis is None.
-  The SavedModel passes them positionally: a tensor given to a keyword-only parameter, or after
-  a skipped one, is a UserError. None when compute_loss does not call the model."""
+def serving_inputs(trainer) -> list | None:
+  """The SavedModel's inputs, [(keyword, tensor)], for a subclassed model; None (Keras's own
+  signature) for a model with Input layers (Functional, Sequential), whose dtypes it takes. For
+  a subclassed model Keras knows only the shapes of the first call and gives every input the
+  policy's compute dtype: bfloat16 images, and bfloat16 token ids that no integer input binds
+  to. Here compute_loss runs once (on the first example of the first eval batch, as the audit's
+  forward pass) and the tensors the model's `call` receives are the inputs, in the order `call`
+  declares them; keyword None for one passed positionally (the first parameter, *args), else
+  its parameter's name (a `mask=`, a keyword-only input). `training` is not an input. None
+  when compute_loss does not call the model."""
   model = trainer.model
   if getattr(model, 'inputs', None):
     return None
@@ -94,25 +101,28 @@ def serving_signature(trainer) -> list | None:
   first = next((c for c in calls if c.layer is model), None)
   if first is None:
     return None
+  parameters = inspect.signature(model.call).parameters
   bound = inspect.signature(model.call).bind_partial(*first.args, **first.kwargs).arguments
-  positional, refused, gap = [], [], False
-  for name, parameter in inspect.signature(model.call).parameters.items():
+  inputs: list = []
+  for i, (name, parameter) in enumerate(parameters.items()):
     value = bound.get(name)
-    if parameter.kind is parameter.VAR_POSITIONAL and value:
-      positional += list(value) if not gap else []
-      refused += [name] if gap else []
-    elif name == 'training' or value is None or not _is_tensors(value):
-      gap = gap or parameter.kind is not parameter.VAR_KEYWORD
-    elif parameter.kind in (parameter.KEYWORD_ONLY, parameter.VAR_KEYWORD) or gap:
-      refused.append(name)
-    else:
-      positional.append(value)
-  if refused:
-    raise UserError(f'--mode=export: {type(model).__name__}.call gets tensors for '
-                    f'{", ".join(refused)} by keyword or after a parameter compute_loss leaves '
-                    'out; the SavedModel passes the inputs positionally: declare them first, '
-                    'as positional parameters (call(self, x, y, training=None))')
-  return [tf.nest.map_structure(_spec, x) for x in positional] or None
+    if parameter.kind is parameter.VAR_POSITIONAL:
+      inputs += [(None, v) for v in value or () if _is_tensors(v)]
+    elif parameter.kind is parameter.VAR_KEYWORD:
+      inputs += [(k, v) for k, v in (value or {}).items() if _is_tensors(v)]
+    elif name != 'training' and value is not None and _is_tensors(value):
+      inputs.append((None if i == 0 or parameter.kind is parameter.POSITIONAL_ONLY else name,
+                     value))
+  return inputs or None
+
+
+def _serving_call(model, keywords: list):
+  """The SavedModel's `serve(*args)`: the model called with args_i given positionally or by the
+  keyword `keywords[i]` (None: positionally)."""
+  def serve(*args):
+    return model(*[a for a, k in zip(args, keywords) if k is None],
+                 **{k: a for a, k in zip(args, keywords) if k is not None})
+  return serve
 
 
 def _check_reload(model) -> None:
