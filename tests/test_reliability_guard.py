@@ -54,6 +54,17 @@ def test_a_collapse_from_step_0_says_the_rate_is_not_the_cause_and_goodput_count
   assert 'startup 100%' not in line and 'skipped 0%' not in line, line
 
 
+def test_a_static_loss_scale_too_large_is_named_at_collapse(tmp_path):
+  """A static scale of 1e30 overflows every float16 gradient from the first step: the error
+  blamed only the model or the data, never config.precision.loss_scale."""
+  config = tiny_config(**{'precision.policy': 'mixed_float16', 'precision.loss_scale': '1e30',
+                          'precision.max_consecutive_skips': 4, 'train.steps': 30})
+  with pytest.raises(CollapseError) as info:
+    TinyTrainer(config, str(tmp_path)).train()
+  assert ("not the cause: the static loss scale 1e+30 (config.precision.loss_scale) overflows "
+          "the gradients (lower it, or set it to 'dynamic'), or the model") in str(info.value)
+
+
 def test_last_good_checkpoint_is_intact_and_loads(tmp_path):
   overrides = {'precision.max_consecutive_skips': 4, 'train.steps': 30,
                'debug.inject_nonfinite_steps': STORM}

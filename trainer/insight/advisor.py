@@ -94,6 +94,7 @@ class Advice:
   loss_scale: float
   layers: list[LayerStats]
   suggested: list[str]
+  static_scale: bool = False  # config.precision.loss_scale is a number
 
   @property
   def nonfinite_layers(self) -> list[str]:
@@ -155,8 +156,9 @@ class Advice:
                    ('Some outputs were non-finite, a forward problem: replay a skipped step '
                     '(--mode=diagnose) to name the layer and op.' if forward else
                     'Only gradients were non-finite, a backward overflow: lower '
-                    'precision.initial_scale, or replay a skipped step (--mode=diagnose) to name '
-                    'the layer.'))
+                    + ('precision.loss_scale (static)' if self.static_scale else
+                       'precision.initial_scale') +
+                    ', or replay a skipped step (--mode=diagnose) to name the layer.'))
     else:
       lines.append('Suggested: `precision.float32_layers = \'\'` (every layer fits '
                    f'{self.policy}).')
@@ -261,7 +263,8 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
   suggested = [s.name for s in layers if s.compute_dtype in LOW and
                (min(s.headroom(s.max_out), s.headroom(s.max_in)) < HEADROOM_BITS or
                 s.overflowed)]
-  return Advice(policy, steps, scale, layers, list(dict.fromkeys(suggested)))
+  return Advice(policy, steps, scale, layers, list(dict.fromkeys(suggested)),
+                static_scale=target.loss_scaler.mode == 'static')
 
 
 def validate(trainer_class, config: ml_collections.ConfigDict, workdir: str, suggested: str, *,

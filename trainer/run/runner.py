@@ -255,7 +255,7 @@ class Runner:
       skipped = counters.skipped_steps
       step = counters.global_step
       if counters.consecutive >= ts.guard.max_consecutive_skips > 0:
-        ts.guard.check(step=step, scale=tr.loss_scaler.scale,
+        ts.guard.check(step=step, scaler=tr.loss_scaler,
                        checkpoint=self.workdir.latest_checkpoint,
                        healthy=health.describe(self.workdir.healthy_record()))
       if step >= target:

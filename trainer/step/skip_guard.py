@@ -78,11 +78,11 @@ class SkipGuard(tf.Module):
     """Host side: the variables whose gradients were non-finite at the last skipped step."""
     return [n for n, c in zip(self.names, self.nonfinite.numpy()) if c > 0]
 
-  def check(self, *, step: int, scale: tf.Variable, checkpoint: str | None,
+  def check(self, *, step: int, scaler, checkpoint: str | None,
             healthy: str | None = None) -> None:
     """Host side, between compiled calls: raises CollapseError once the limit is reached.
-    `scale` (the loss scale variable) is read only then; `healthy` names the last healthy
-    checkpoint ('last healthy: ckpt-100, step 100, loss 0.29')."""
+    `scaler` (the LossScaler) is read only then; `healthy` names the last healthy checkpoint
+    ('last healthy: ckpt-100, step 100, loss 0.29')."""
     limit = self.max_consecutive_skips
     if limit <= 0:
       return
@@ -95,13 +95,20 @@ class SkipGuard(tf.Module):
              'the gradients were finite but the loss was not')
     kept = (f'The newest checkpoint, {checkpoint}, is finite (checked when saved)' if checkpoint
             else 'No checkpoint was written yet') + (f'; {healthy}' if healthy else '')
-    # From step 0 no update was ever applied: the learning rate cannot be the cause.
-    advice = ('No update was ever applied, so the learning rate is not the cause: the model or '
-              'the data is non-finite from the start; the forensic lines above (or '
+    # From step 0 no update was ever applied: the learning rate cannot be the cause. A static
+    # scale multiplies every gradient; one too large overflows them from the first step.
+    value, static = float(scaler.scale.numpy()), scaler.mode == 'static'
+    scaled = (f'the static loss scale {value:g} (config.precision.loss_scale) overflows the '
+              "gradients (lower it, or set it to 'dynamic'), or " if static and value > 1 and
+              shown else '')
+    advice = (f'No update was ever applied, so the learning rate is not the cause: {scaled}the '
+              'model or the data is non-finite from the start; the forensic lines above (or '
               '--mode=diagnose) name the layer or the batch, and --advise suggests float32 layers'
-              if step == run else 'Lower config.optimizer.learning_rate, check the input data')
+              if step == run else 'Lower config.optimizer.learning_rate, check the input data'
+              + (f', lower the static loss scale {value:g} (config.precision.loss_scale)'
+                 if static and value > 1 and shown else ''))
     raise CollapseError(
         f'training collapsed at step {step}: {run} steps in a row (steps {step - run} to '
         f'{step - 1}) were skipped for non-finite gradients or had a non-finite loss; loss scale '
-        f'{float(scale.numpy()):g}; {where}. {kept}. {advice}, or raise '
+        f'{value:g}; {where}. {kept}. {advice}, or raise '
         f'config.precision.max_consecutive_skips (now {limit}; 0 turns the guard off).')
