@@ -1,6 +1,8 @@
 """numerics.every: per-layer gradient underflow (flushed, subnormal, exact zeros) and
 activation headroom at log steps, checked against NumPy references."""
 
+import math
+
 import keras
 import ml_dtypes
 import numpy as np
@@ -43,6 +45,13 @@ def test_statistics_name_layers_and_are_written(tmp_path, caplog):
   assert {'numerics/gradient_flushed', 'numerics/gradient_subnormal',
           'numerics/gradient_zero'} <= set(scalars)
   assert 'numerics/wide/loud/grad_flushed' in scalars
+  # Finite outputs: output_nonfinite 0. Scaled by 1e3 more, the loud layer overflows float16:
+  # its output_max and headroom_bits are not finite, and output_nonfinite tells TensorBoard.
+  assert [v for _, v in scalars['numerics/wide/loud/output_nonfinite']] == [0.0] * 3
+  trainer.model.get_layer('loud').kernel.assign(trainer.model.get_layer('loud').kernel * 1e3)
+  stats, _ = trainer.runner.numerics.probe.measure()
+  assert stats['wide/loud']['output_nonfinite'] == 1.0
+  assert stats['wide/loud']['headroom_bits'] == -math.inf
 
 
 def test_underflow_fraction_follows_the_scale(tmp_path):
@@ -288,3 +297,19 @@ def test_the_probe_leaves_a_resume_bit_identical(tmp_path):
     b.train()
     for x, y in zip(weights(a), weights(b)):
       np.testing.assert_array_equal(x, y)
+
+
+def test_the_line_names_layers_in_the_models_order_and_says_which_outputs_are_not_finite():
+  """Four layers all 100 % non-finite: the line named the alphabet's last three and left out
+  the first layer (the culprit) without 'and 1 more'; a non-finite output read '-inf doublings
+  to overflow' in the least-headroom part."""
+  from trainer.insight.numerics import summary_line
+  inf = float('inf')
+  stats = {'net/big': {'grad_nonfinite': 1.0, 'headroom_bits': -inf},
+           'net/norm': {'grad_nonfinite': 1.0, 'headroom_bits': -inf},
+           'net/hidden': {'grad_nonfinite': 1.0, 'headroom_bits': 3.0},
+           'net/head': {'grad_nonfinite': 0.5, 'headroom_bits': 100.0}}
+  overall = {'grad_flushed': 0.0, 'grad_subnormal': 0.0, 'grad_zero': 0.0, 'grad_nonfinite': 0.9}
+  line = summary_line(3, stats, overall, scale=1024.0, dtypes=['float16'])
+  assert ('non-finite gradients in net/big, net/norm, net/hidden and 1 more; non-finite outputs '
+          'in net/big, net/norm; least headroom net/hidden (3.0 doublings to overflow)') in line

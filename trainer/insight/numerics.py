@@ -268,6 +268,9 @@ class Probe:
       value, flushed, subnormal, count = (float(x) for x in row.numpy())
       entry = stats.setdefault(name, {})
       entry['output_max'] = value
+      # 1 when the output held inf or NaN: output_max and headroom_bits are not finite then, and
+      # TensorBoard gets no scalar for them (non-finite scalars are left out), this one instead.
+      entry['output_nonfinite'] = float(not math.isfinite(value))
       if count:
         entry['output_flushed'], entry['output_subnormal'] = flushed / count, subnormal / count
       entry['headroom_bits'] = (math.log2(largest(dtypes[name]) / value) if 0 < value < math.inf
@@ -295,14 +298,25 @@ def summary_line(step: int, stats: dict, overall: dict, *, scale: float | None,
     if flushed and max(flushed)[0] > 0:
       worst, name = max(flushed)
       parts.append(f'most flushed {name} {_pct(worst)}')
-  bad = [(v['grad_nonfinite'], k) for k, v in stats.items() if v.get('grad_nonfinite', 0) > 0]
+  # Layers named in the order of `stats` (the model's variables, then layers without any), so
+  # among equals an earlier layer, where a non-finite value usually starts, comes first (it was
+  # the alphabet's last).
+  bad = [k for _, k in sorted(((-v['grad_nonfinite'], k) for k, v in stats.items()
+                               if v.get('grad_nonfinite', 0) > 0), key=lambda x: x[0])]
   if bad:
-    parts.append('non-finite gradients in ' + ', '.join(k for _, k in sorted(bad)[::-1][:3]))
+    parts.append('non-finite gradients in ' + _first(bad))
   room = [(v['headroom_bits'], k) for k, v in stats.items() if 'headroom_bits' in v]
-  if room:
-    bits, name = min(room)
+  if inf := [k for bits, k in room if bits == -math.inf]:
+    parts.append('non-finite outputs in ' + _first(inf))
+  if room := [(bits, k) for bits, k in room if bits > -math.inf]:
+    bits, name = min(room, key=lambda x: x[0])
     parts.append(f'least headroom {name} ({bits:.1f} doublings to overflow)')
   return '; '.join(parts)
+
+
+def _first(names: list[str], shown: int = 3) -> str:
+  return ', '.join(names[:shown]) + (f' and {len(names) - shown} more' if len(names) > shown
+                                     else '')
 
 
 def _pct(fraction: float) -> str:
