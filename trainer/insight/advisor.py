@@ -293,7 +293,9 @@ def validate(trainer_class, config: ml_collections.ConfigDict, workdir: str, sug
     try:
       trainer.train()
     except Exception as e:  # pylint: disable=broad-except  (a non-finite final eval, say)
-      error = f'{type(e).__name__}: {(str(e).strip().splitlines() or [""])[0][:120]}'
+      # The error's first clause (its advice, after '; ', is for a run of its own).
+      first = (str(e).strip().splitlines() or [''])[0].split('; ')[0]
+      error = f'{type(e).__name__}: {first[:200]}'
     _, overall = numerics.Probe(trainer).measure()
     results.append({'run': name, 'float32_layers': layers,
                     'skipped': int(trainer.train_step.skipped_steps.numpy()),
