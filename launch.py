@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 
 import ml_collections
 from absl import app, flags, logging
@@ -258,7 +259,11 @@ def quiet_tensorflow() -> None:
   machine; the lines TensorFlow's shared libraries print while loading (oneDNN, CUDA drivers,
   each once per library) come before its logging is set up and ignore that level, so stderr is
   captured while importing, and every captured line that is not such a start-up line is passed
-  on. Python-side warnings and errors (absl, exceptions) are unaffected."""
+  on. Python-side warnings and errors (absl, exceptions) are unaffected, but one: TensorFlow's
+  UserWarning about tf.data options in graph mode, which its own distributed-dataset reduce
+  raises (a mirrored eval) and no user code can act on."""
+  warnings.filterwarnings('ignore', message='To make it possible to preserve tf.data options',
+                          category=UserWarning)
   if 'tensorflow' in sys.modules:
     return
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')

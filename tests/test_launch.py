@@ -69,3 +69,15 @@ def test_launch_trains_and_prints_accuracy(mnist_dir, tmp_path):
   assert len(accuracy) == 1 and 0.5 < float(accuracy[0].split()[1]) <= 1.0
   assert (tmp_path / 'config.json').exists()
   assert sorted(os.listdir(tmp_path / 'checkpoints'))[0] == 'checkpoint'
+
+
+def test_tensorflows_tf_data_options_warning_is_hidden_and_others_are_not():
+  """A mirrored eval printed TensorFlow's 'To make it possible to preserve tf.data options ...'
+  UserWarning, raised inside its own distributed-dataset reduce; other warnings still show."""
+  code = ('import warnings, launch; launch.quiet_tensorflow(); '
+          'warnings.warn("To make it possible to preserve tf.data options across '
+          'serialization boundaries, ..."); warnings.warn("a warning of the user\'s own")')
+  result = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=True)
+  assert 'preserve tf.data options' not in result.stderr
+  assert "a warning of the user's own" in result.stderr
