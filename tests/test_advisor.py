@@ -54,6 +54,15 @@ def test_float32_layers_sets_the_named_layers_and_their_insides(mixed_float16):
   assert plain.layers[1].compute_dtype == 'float16'
 
 
+def test_float32_layers_takes_a_path_as_the_numerics_line_prints_it(mixed_float16):
+  """The numerics line names layers by path ('m/keep'); float32_layers refused it."""
+  model = precision.build_model(_model, 'm/keep, m/block/inner')
+  dtypes = {l.name: l.compute_dtype for l in model._flatten_layers(include_self=False)
+            if not isinstance(l, keras.layers.InputLayer)}
+  assert dtypes == {'a': 'float16', 'keep': 'float32', 'block': 'float16', 'inner': 'float32',
+                    'logits': 'float32'}
+
+
 def test_float32_layers_unknown_name_is_a_config_error(mixed_float16):
   with pytest.raises(ConfigError, match=r'config.precision.float32_layers=.*no layer named nope'):
     precision.build_model(_model, 'keep,nope')

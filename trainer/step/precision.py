@@ -134,8 +134,12 @@ def build_model(build, names_text: str, bfloat16_variables: bool = False) -> ker
   contract.check_model(model)
   if names:
     # pylint: disable-next=protected-access
-    found = {layer.name for layer in model._flatten_layers(include_self=False)}
-    missing = [n for n in names if n not in found]
+    layers = list(model._flatten_layers(include_self=False))
+    found = {layer.name for layer in layers}
+    # A path as the numerics line prints it ('net/big') names the layer too.
+    paths = [getattr(layer, 'path', None) or layer.name for layer in layers]
+    missing = [n for n in names if n not in found
+               and not any(p == n or p.endswith('/' + n) for p in paths)]
     if missing:
       raise ConfigError(f'config.precision.float32_layers={names_text!r}: no layer named '
                         f'{", ".join(missing)} in the model; layer names: '
