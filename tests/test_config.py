@@ -34,8 +34,6 @@ def test_missing_keys_are_filled():
     ('train.log_every', 150, 'config.train.log_every=150 must be a multiple'),
     ('train.batch_size', 'big', 'config.train.batch_size must be int'),
     ('debug.inject_nonfinite_steps', '3,x', 'config.debug.inject_nonfinite_steps'),
-    ('distribute.devices', 'CPU:0,CPU:1', "config.distribute.devices='CPU:0,CPU:1' is read by "
-     "the mirrored strategy only, not 'default'"),  # it was ignored: 1 replica, no word
     ('train.jit_compile', 'float32,bf16', "config.train.jit_compile='float32,bf16': must be auto, "
      "true, false or policies from float32, mixed_float16, mixed_bfloat16, comma-separated (not "
      "'bf16')"),

@@ -122,3 +122,12 @@ def test_device_names_are_normalised():
   assert distribute._short('/job:localhost/replica:0/task:0/device:GPU:1') == 'GPU:1'
   assert distribute._short('/gpu:1') == 'GPU:1'
   assert distribute._short('cpu:0') == 'CPU:0'
+
+
+def test_devices_without_the_mirrored_strategy_are_named_as_ignored(caplog):
+  """They were ignored without a word: one replica, where the user asked for two devices."""
+  config = config_lib.defaults()
+  config.distribute.devices = 'CPU:0,CPU:1'
+  assert distribute.build(config).num_replicas_in_sync == 1
+  assert ("config.distribute.devices='CPU:0,CPU:1' is ignored: only the mirrored strategy reads "
+          "it, and config.distribute.strategy is 'default'") in caplog.text

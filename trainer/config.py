@@ -352,9 +352,6 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.early_stopping.metric and not t.eval_every:
     raise ConfigError(f'config.early_stopping.metric={config.early_stopping.metric!r} needs '
                       'evals during training: set config.train.eval_every > 0.')
-  if (d := config.distribute).devices and d.strategy != 'mirrored':
-    raise ConfigError(f'config.distribute.devices={d.devices!r} is read by the mirrored strategy '
-                      f"only, not {d.strategy!r}: set config.distribute.strategy='mirrored'.")
   _check_low_precision(config)
   steps_text.steps(config.debug.inject_nonfinite_steps)
   steps_text.profile_steps(config.train.profile_steps)

@@ -82,6 +82,10 @@ def build(config) -> tf.distribute.Strategy:
   """The strategy named by `config.distribute.strategy` (config already validated)."""
   check_precision(config)
   kind = config.distribute.strategy
+  if config.distribute.devices and kind != 'mirrored':  # not an error: a resume may switch
+    logging.warning("config.distribute.devices=%r is ignored: only the mirrored strategy reads "
+                    "it, and config.distribute.strategy is %r (set it to 'mirrored', or clear "
+                    "devices)", config.distribute.devices, kind)
   if kind == 'default':
     return tf.distribute.get_strategy()
   if kind == 'mirrored':
