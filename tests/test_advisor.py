@@ -219,12 +219,14 @@ def test_launch_advise_validates_its_suggestion(tmp_path):
   assert (workdir / 'advice.md').read_text() in out
 
 
-@pytest.mark.parametrize('static, key', [(False, 'precision.initial_scale'),
-                                         (True, 'precision.loss_scale (static)')])
-def test_a_backward_overflow_names_the_key_that_sets_the_scale(static, key):
-  """Under a static scale it said 'lower precision.initial_scale', which only the dynamic
-  scaler reads."""
+@pytest.mark.parametrize('mode, advice', [
+    ('dynamic', 'lower precision.initial_scale, or replay'),
+    ('static', 'lower precision.loss_scale (static), or replay'),
+    ('none', 'the loss is not scaled, so they overflow by themselves: replay')])
+def test_a_backward_overflow_names_the_key_that_sets_the_scale(mode, advice):
+  """Under a static scale, or none, it said 'lower precision.initial_scale', which only the
+  dynamic scaler reads."""
   layer = advisor.LayerStats('dense', 'Dense', 'float16', max_out=1.0, max_in=1.0,
                              grad_nonfinite=3, grad_total=10)
-  text = advisor.Advice('mixed_float16', 4, 1e6, [layer], [], static_scale=static).markdown()
-  assert f'a backward overflow: lower {key}, or replay' in text
+  text = advisor.Advice('mixed_float16', 4, 1e6, [layer], [], scale_mode=mode).markdown()
+  assert f'a backward overflow: {advice}' in text

@@ -4,10 +4,11 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer.insight import audit
+from trainer.insight import audit, hooks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,9 +88,9 @@ def test_a_subclassed_model_is_audited_through_one_forward_pass(mixed_float16):
 
 
 class FloatIds(keras.Model):
-  def __init__(self, **kwargs):
+  def __init__(self, vocabulary=5000, **kwargs):
     super().__init__(**kwargs)
-    self.embed = keras.layers.Embedding(5000, 4, name='embed')
+    self.embed = keras.layers.Embedding(vocabulary, 4, name='embed')
     self.head = keras.layers.Dense(3, dtype='float32')
 
   def call(self, ids):
@@ -98,26 +99,36 @@ class FloatIds(keras.Model):
 
 @pytest.mark.parametrize('policy', ['mixed_bfloat16', 'mixed_float16'])
 def test_float_token_ids_into_an_embedding(policy):
-  """Keras casts an Embedding's float ids to the compute dtype: in bfloat16 id 257 looks up
-  row 256. Integer ids are exact."""
+  """A subclassed model casts its float inputs to the compute dtype, so float ids reach the
+  Embedding rounded: in bfloat16 id 257 looks up row 256. A Functional model's float32 Input
+  reaches it as float32 (an Embedding does not autocast): exact, as integer ids are."""
   keras.mixed_precision.set_global_policy(policy)
   try:
-    def functional(dtype, vocabulary=5000):
+    def functional(dtype):
       ids = keras.Input((4,), dtype=dtype)
-      embedded = keras.layers.Embedding(vocabulary, 4, name='embed')(ids)
+      embedded = keras.layers.Embedding(5000, 4, name='embed')(ids)
       return keras.Model(ids, keras.layers.Dense(3, dtype='float32')(embedded))
-    assert [(h.layer, h.kind) for h in audit.audit(functional('float32'))[1]] == [
-        ('embed', 'float token ids')]
+    assert audit.audit(functional('float32'))[1] == []
     assert audit.audit(functional('int32'))[1] == []
-    assert audit.audit(functional('float32', vocabulary=257))[1] == []  # every id exact
     model = FloatIds()
     model(tf.zeros([2, 4]))
+    # The premise: the Embedding gets the ids the model cast (id 257 becomes 256 in bfloat16,
+    # 2049 becomes 2048 in float16); given float32 ids itself, it reads the right row.
+    first = 257.0 if policy == 'mixed_bfloat16' else 2049.0
+    with hooks.recording(model, None) as calls:
+      model(tf.fill([1, 4], first))
+    got = next(c.args[0] for c in calls if c.layer is model.embed)
+    assert got.dtype.name == policy[6:] and float(got[0, 0]) == first - 1
+    model.embed.embeddings.assign(np.tile([[0.0], [1.0]], [2500, 4]))  # odd rows 1, even 0
+    assert float(model.embed(tf.constant([first]))[0, 0]) == 1.0
     _, hazards = audit.audit(model, run=lambda: model(tf.fill([2, 4], 257.0)))
     assert [(h.layer, h.kind) for h in hazards] == [('embed', 'float token ids')]
     limit = '256' if policy == 'mixed_bfloat16' else '2048'
     assert f'ids above {limit} of its 5000 turn into other ids' in hazards[0].message
     model(tf.zeros([2, 4], tf.int32))
     assert audit.audit(model, run=lambda: model(tf.fill([2, 4], 257)))[1] == []
+    small = FloatIds(vocabulary=200)  # every id below 257: exact in either dtype
+    assert audit.audit(small, run=lambda: small(tf.fill([2, 4], 7.0)))[1] == []
   finally:
     keras.mixed_precision.set_global_policy('float32')
 

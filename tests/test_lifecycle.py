@@ -254,3 +254,35 @@ def test_a_model_keras_cannot_write_leaves_the_saved_model(tmp_path, caplog):
   trainer.train()
   assert set(lifecycle.export(trainer)) == {'saved_model'}  # Keras's save failed: a warning
   assert 'model.keras was not written: NotImplementedError: Object NoConfig' in caplog.text
+
+
+class Pair(keras.Model):
+  """Two inputs as *xs, dropout on by default, and a None beside the logits (a cache slot)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.drop = keras.layers.Dropout(0.5)
+    self.out = keras.layers.Dense(4, dtype='float32')
+
+  def call(self, *xs, training=True):
+    return self.out(self.drop(xs[0] * xs[1], training=training)), None
+
+
+def test_export_serves_in_inference_mode_several_inputs_and_no_none(tmp_path):
+  """Three ways the SavedModel failed: Keras's default signature of one input (for *xs), a
+  None output, and the model served with its own training default (dropout on)."""
+  class Trainer(tiny.TinyTrainer):
+    def build_model(self):
+      return Pair()
+
+    def compute_loss(self, batch, *, training):
+      x, y = batch
+      logits, _ = self.model(x, x, training=training)
+      return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), {}
+  trainer = Trainer(tiny.tiny_config(**{'train.steps': 5}), str(tmp_path / 'run'))
+  trainer.train()
+  loaded = tf.saved_model.load(lifecycle.export(trainer)['saved_model'])
+  x = tf.random.normal([3, 8], seed=1)
+  expected = trainer.model(x, x, training=False)[0]
+  np.testing.assert_allclose(loaded.serve(x, x), expected, rtol=1e-6)
+  np.testing.assert_allclose(loaded.serve(x, x), expected, rtol=1e-6)  # no dropout draws

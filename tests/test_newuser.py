@@ -252,6 +252,14 @@ def test_an_unbatched_train_set_of_sequences(tmp_path):
   data = TinyTrainer(tiny_config(**{'train.steps': 1}), str(tmp_path / 'crops')).datasets
   checks.check_datasets(data._replace(eval=data.eval.map(lambda x, y: (tf.stack([x] * 10, 1), y))),
                         batch_size=32)
+  # Two views per train image ([32, 2, 8] against eval [?, 8]; labels [B] both) are batched too.
+  checks.check_datasets(data._replace(train=data.train.map(lambda x, y: (tf.stack([x] * 2, 1), y))),
+                        batch_size=32)
+  # And train batches of unknown size against eval crops with per-crop labels.
+  unsized = tf.data.Dataset.from_tensor_slices((np.zeros([64, 8], np.float32),
+                                                np.zeros([64], np.int32))).batch(32)
+  crops = unsized.map(lambda x, y: (tf.stack([x] * 10, 1), tf.stack([y] * 10, 1)))
+  checks.check_datasets(Datasets(train=unsized, eval=crops, train_examples=64))
 
 
 def test_build_metrics_returning_a_list(tmp_path):

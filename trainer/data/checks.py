@@ -41,11 +41,11 @@ def check_datasets(datasets, batch_size: int | None = None) -> None:
                else '.batch(config.train.batch_size)')
       raise UserError(f'build_datasets returned an unbatched Datasets.{name}: its elements are '
                       f'single examples ({_spec_summary(ds.element_spec)}); add {batch}')
-  # An eval set whose elements have one axis fewer than the train batches in any component is
-  # unbatched. A train set whose elements are, in every component, an eval batch without its
-  # batch axis is unbatched too (sequences [T] against batches [B, T]; a multi-crop eval set,
-  # [B, 10, H, W, C] against [B, H, W, C] images but [B] labels both, is not): checked before
-  # the batch size, which would take T for a batch size.
+  # A set whose elements are, in every component, the other's batches without their batch axis
+  # is unbatched: sequences [T] against batches [B, T]. Not a multi-crop or two-view set, where
+  # only the images have the extra axis ([B, 10, H, W, C] against [B, H, W, C], labels [B]
+  # both), nor train batches of unknown size against eval crops with per-crop labels. Checked
+  # before the batch size, which would take T for a batch size.
   train = tf.nest.flatten(datasets.train.element_spec)
   eval_ = tf.nest.flatten(datasets.eval.element_spec)
   pairs = [(t.shape, e.shape) for t, e in zip(train, eval_)
@@ -54,9 +54,10 @@ def check_datasets(datasets, batch_size: int | None = None) -> None:
   if pairs and len(train) == len(eval_):
     for short, other, batch, unbatched in (
         ('eval', 'train', '.batch(config.train.batch_size)',
-         any(e.rank + 1 == t.rank for t, e in pairs)),
+         all(e.rank + 1 == t.rank and e.is_compatible_with(t[1:]) for t, e in pairs)),
         ('train', 'eval', '.batch(config.train.batch_size, drop_remainder=True)',
-         all(t.rank + 1 == e.rank and t.is_compatible_with(e[1:]) for t, e in pairs))):
+         all(t.rank + 1 == e.rank and t.is_compatible_with(e[1:]) and t[0] is not None
+             for t, e in pairs))):
       if unbatched:
         raise UserError(f'build_datasets returned an unbatched Datasets.{short}: its elements '
                         f'({_spec_summary(getattr(datasets, short).element_spec)}) have one '

@@ -94,7 +94,7 @@ class Advice:
   loss_scale: float
   layers: list[LayerStats]
   suggested: list[str]
-  static_scale: bool = False  # config.precision.loss_scale is a number
+  scale_mode: str = 'dynamic'  # the LossScaler's: 'dynamic', 'static' or 'none'
 
   @property
   def nonfinite_layers(self) -> list[str]:
@@ -155,10 +155,11 @@ class Advice:
                    f'(first: {names}) at loss scale {self.loss_scale:g}. ' +
                    ('Some outputs were non-finite, a forward problem: replay a skipped step '
                     '(--mode=diagnose) to name the layer and op.' if forward else
-                    'Only gradients were non-finite, a backward overflow: lower '
-                    + ('precision.loss_scale (static)' if self.static_scale else
-                       'precision.initial_scale') +
-                    ', or replay a skipped step (--mode=diagnose) to name the layer.'))
+                    'Only gradients were non-finite, a backward overflow: ' + {
+                        'static': 'lower precision.loss_scale (static), or ',
+                        'none': 'the loss is not scaled, so they overflow by themselves: ',
+                    }.get(self.scale_mode, 'lower precision.initial_scale, or ') +
+                    'replay a skipped step (--mode=diagnose) to name the layer.'))
     else:
       lines.append('Suggested: `precision.float32_layers = \'\'` (every layer fits '
                    f'{self.policy}).')
@@ -264,7 +265,7 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
                (min(s.headroom(s.max_out), s.headroom(s.max_in)) < HEADROOM_BITS or
                 s.overflowed)]
   return Advice(policy, steps, scale, layers, list(dict.fromkeys(suggested)),
-                static_scale=target.loss_scaler.mode == 'static')
+                scale_mode=target.loss_scaler.mode)
 
 
 def validate(trainer_class, config: ml_collections.ConfigDict, workdir: str, suggested: str, *,

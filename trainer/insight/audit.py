@@ -6,8 +6,8 @@
   * low-precision softmax: a layer applying softmax computes in float16/bfloat16;
   * low-precision variables: a layer stores float16/bfloat16 weights, so the optimizer's updates
     are rounded away (use a mixed_* policy: float32 variables, low-precision compute);
-  * float token ids: an Embedding gets float ids, which Keras casts to the compute dtype before
-    the lookup, so ids above 256 (bfloat16) or 2048 (float16) become other ids;
+  * float token ids: an Embedding gets float16/bfloat16 ids (a subclassed model casts its float
+    inputs to the compute dtype), so ids above 256 (bfloat16) or 2048 (float16) become others;
   * not autocast: under a mixed policy a layer outputs float32 although its compute dtype is low
     precision (it creates or reads weights Keras cannot autocast, e.g. a raw tf.Variable, or has
     `autocast=False` on its weights), so it silently computes in float32.
@@ -133,11 +133,13 @@ def audit(model: keras.Model, policy: str | None = None,
                             f'{",".join(d for d in var_dtypes if d in LOW)} ({low_vars[0]}, ...): '
                             'the optimizer updates are rounded away; give the layer a mixed_* '
                             'policy (float32 variables) instead of dtype float16/bfloat16'))
-    exact = {'bfloat16': 256, 'float16': 2048}.get(compute, 2**24)  # the integers it holds
-    if isinstance(layer, keras.layers.Embedding) and layer.input_dim > exact + 1 and \
-        keras.backend.is_float_dtype(ids := _input_dtype(layer, inputs) or 'int32'):
-      hazards.append(Hazard(name, 'float token ids', f'it looks up float ids ({ids}; Keras '
-                            f'casts them to {compute}): ids above {exact} of its '
+    # An Embedding does not autocast its ids, but a subclassed model casts its float inputs to
+    # the compute dtype before its layers see them: float ids reach the lookup rounded.
+    ids = _input_dtype(layer, inputs) or 'int32'
+    exact = {'bfloat16': 256, 'float16': 2048}.get(ids, 2**24)  # the integers the dtype holds
+    if isinstance(layer, keras.layers.Embedding) and ids in LOW and layer.input_dim > exact + 1:
+      hazards.append(Hazard(name, 'float token ids', f'it looks up {ids} ids (the model cast '
+                            f'its float inputs to {ids}): ids above {exact} of its '
                             f'{layer.input_dim} turn into other ids (257 -> 256 in bfloat16); '
                             'feed integer ids (tf.int32)'))
     if _applies_softmax(layer) and compute in LOW:

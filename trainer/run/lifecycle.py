@@ -65,7 +65,11 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
     trainer.model.export(paths['saved_model'], format='tf_saved_model', verbose=False)
   else:
     archive = keras.export.ExportArchive()  # what model.export does, with our signature
-    archive.track(trainer.model)
+    # The endpoint brings its variables; tracking the layers keeps their other assets (lookup
+    # tables). Not the model: Keras would trace its default signature, self(<one input>), which
+    # fails for a model of several inputs (call(self, *xs)).
+    for layer in trainer.model._flatten_layers(include_self=False, recursive=False):
+      archive.track(layer)
     archive.add_endpoint('serve', _serving_call(trainer.model, [k for k, _ in inputs]),
                          [tf.nest.map_structure(_spec, v) for _, v in inputs])
     archive.write_out(paths['saved_model'], verbose=False)
@@ -118,11 +122,25 @@ def serving_inputs(trainer) -> list | None:
 
 def _serving_call(model, keywords: list):
   """The SavedModel's `serve(*args)`: the model called with args_i given positionally or by the
-  keyword `keywords[i]` (None: positionally)."""
+  keyword `keywords[i]` (None: positionally), with training=False when `call` takes it (its
+  default may be missing or True), and None outputs (a cache slot) left out."""
+  training = {'training': False} if 'training' in inspect.signature(model.call).parameters else {}
+
   def serve(*args):
-    return model(*[a for a, k in zip(args, keywords) if k is None],
-                 **{k: a for a, k in zip(args, keywords) if k is not None})
+    outputs = model(*[a for a, k in zip(args, keywords) if k is None],
+                    **{k: a for a, k in zip(args, keywords) if k is not None}, **training)
+    return _without_none(outputs)
   return serve
+
+
+def _without_none(structure):
+  if isinstance(structure, dict):
+    return {k: _without_none(v) for k, v in structure.items() if v is not None}
+  if isinstance(structure, (list, tuple)):
+    kept = [_without_none(v) for v in structure if v is not None]
+    return kept[0] if len(kept) == 1 else (list(kept) if isinstance(structure, list)
+                                           else tuple(kept))
+  return structure
 
 
 def _check_reload(model) -> None:
