@@ -76,7 +76,8 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
   try:
     trainer.model.save(paths['keras'])
     _check_reload(trainer.model)
-  except Exception as e:  # pylint: disable=broad-except  (the user's get_config)
+  except (NotImplementedError, TypeError, ValueError) as e:  # a config Keras cannot serialize
+    # (an OSError, a full disk say, is not the config's fault: it is raised as it is)
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     logging.warning('model.keras was not written: %s: %s The SavedModel is complete. For '
                     'model.keras, give %s a get_config() returning its __init__ arguments',
