@@ -41,12 +41,16 @@ def _model():
                            keras.layers.Dense(3, dtype='float32', name='logits')], name='m')
 
 
+def _compute_dtypes(float32_layers: str) -> dict[str, str]:
+  model = precision.build_model(_model, float32_layers)
+  return {l.name: l.compute_dtype for l in model._flatten_layers(include_self=False)
+          if not isinstance(l, keras.layers.InputLayer)}
+
+
 def test_float32_layers_sets_the_named_layers_and_their_insides(mixed_float16):
+  assert _compute_dtypes('keep, block') == {'a': 'float16', 'keep': 'float32', 'block': 'float32',
+                                            'inner': 'float32', 'logits': 'float32'}
   model = precision.build_model(_model, 'keep, block')
-  dtypes = {l.name: l.compute_dtype for l in model._flatten_layers(include_self=False)
-            if not isinstance(l, keras.layers.InputLayer)}
-  assert dtypes == {'a': 'float16', 'keep': 'float32', 'block': 'float32', 'inner': 'float32',
-                    'logits': 'float32'}
   out = model.layers[1](keras.ops.ones((2, 8)))
   assert keras.backend.standardize_dtype(out.dtype) == 'float32'  # computes in float32
   assert keras.config.dtype_policy().name == 'mixed_float16'  # the scope restored the policy
@@ -56,11 +60,9 @@ def test_float32_layers_sets_the_named_layers_and_their_insides(mixed_float16):
 
 def test_float32_layers_takes_a_path_as_the_numerics_line_prints_it(mixed_float16):
   """The numerics line names layers by path ('m/keep'); float32_layers refused it."""
-  model = precision.build_model(_model, 'm/keep, m/block/inner')
-  dtypes = {l.name: l.compute_dtype for l in model._flatten_layers(include_self=False)
-            if not isinstance(l, keras.layers.InputLayer)}
-  assert dtypes == {'a': 'float16', 'keep': 'float32', 'block': 'float16', 'inner': 'float32',
-                    'logits': 'float32'}
+  assert _compute_dtypes('m/keep, m/block/inner') == {
+      'a': 'float16', 'keep': 'float32', 'block': 'float16', 'inner': 'float32',
+      'logits': 'float32'}
 
 
 def test_float32_layers_unknown_name_is_a_config_error(mixed_float16):
