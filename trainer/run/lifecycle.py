@@ -147,7 +147,7 @@ def _without_none(structure):
 def _check_reload(model) -> None:
   """A warning when model.keras will not load back: Keras recreates a subclassed model as
   `cls(**model.get_config())`, which fails when __init__ takes no **kwargs (the config holds
-  'name', 'trainable' and 'dtype') or needs an argument get_config does not return. Read from
+  'trainable' and 'dtype') or needs an argument get_config does not return. Read from
   __init__'s signature: nothing is built (an __init__ may build its weights)."""
   cls = type(model)
   own = cls.from_config.__func__ is not keras.Model.from_config.__func__
