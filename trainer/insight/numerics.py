@@ -301,8 +301,8 @@ def summary_line(step: int, stats: dict, overall: dict, *, scale: float | None,
   # Layers named in the order of `stats` (the model's variables, then layers without any), so
   # among equals an earlier layer, where a non-finite value usually starts, comes first (it was
   # the alphabet's last).
-  bad = [k for _, k in sorted(((-v['grad_nonfinite'], k) for k, v in stats.items()
-                               if v.get('grad_nonfinite', 0) > 0), key=lambda x: x[0])]
+  bad = sorted((k for k, v in stats.items() if v.get('grad_nonfinite', 0) > 0),
+               key=lambda k: -stats[k]['grad_nonfinite'])  # stable: ties keep the order
   if bad:
     parts.append('non-finite gradients in ' + _first(bad))
   room = [(v['headroom_bits'], k) for k, v in stats.items() if 'headroom_bits' in v]

@@ -26,9 +26,14 @@ RESUMABLE = frozenset({
     'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
 
 
-# Keys that change what eval, export and diagnose compute from the same weights (with
-# model_config.* and data.* but data.dir).
+# Keys that change what eval, export and diagnose compute from the same weights, with every
+# model_config.* and data.* key but data.dir (`computes`).
 COMPUTES = ('model', 'precision.policy', 'precision.float8', 'precision.float32_layers')
+
+
+def computes(key: str) -> bool:
+  """Whether config key `key` changes what a restored model computes."""
+  return key in COMPUTES or key.startswith(('model_config.', 'data.')) and key != 'data.dir'
 
 
 def config_records(path: str) -> list[tuple[int, str]]:

@@ -106,10 +106,10 @@ def serving_inputs(trainer) -> list | None:
   first = next((c for c in calls if c.layer is model), None)
   if first is None:
     return None
-  parameters = inspect.signature(model.call).parameters
-  bound = inspect.signature(model.call).bind_partial(*first.args, **first.kwargs).arguments
+  signature = inspect.signature(model.call)
+  bound = signature.bind_partial(*first.args, **first.kwargs).arguments
   inputs: list = []
-  for i, (name, parameter) in enumerate(parameters.items()):
+  for i, (name, parameter) in enumerate(signature.parameters.items()):
     value = bound.get(name)
     if parameter.kind is parameter.VAR_POSITIONAL:
       inputs += [(None, v) for v in value or () if _is_tensors(v)]

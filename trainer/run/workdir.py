@@ -48,7 +48,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.run import async_copy, checkpoint_files, checkpoints
-from trainer.run.config_record import (COMPUTES, CONFIG, RESUMABLE, changed_keys,
+from trainer.run.config_record import (CONFIG, RESUMABLE, changed_keys, computes,
                                        config_records, describe_change, read_config)
 from trainer.step import distribute
 from trainer.run import lock as workdir_lock
@@ -122,8 +122,7 @@ class Workdir:
     except ConfigError:  # a damaged record: the checkpoint may still be read
       saved = {}
     changed = changed_keys(saved, json.loads(json.dumps(self.config.to_dict()))) if saved else []
-    if other := [k for k in changed if k in COMPUTES or k.startswith(('model_config.', 'data.'))
-                 and k != 'data.dir']:
+    if other := [k for k in changed if computes(k)]:
       logging.warning('%s; this config is used', describe_change(
           saved, self.config, other, f'the run in {self.path} was trained with another config'))
     return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir, read_only=True)

@@ -97,16 +97,16 @@ class SkipGuard(tf.Module):
             else 'No checkpoint was written yet') + (f'; {healthy}' if healthy else '')
     # From step 0 no update was ever applied: the learning rate cannot be the cause. A static
     # scale multiplies every gradient; one too large overflows them from the first step.
-    value, static = float(scaler.scale.numpy()), scaler.mode == 'static'
+    value = float(scaler.scale.numpy())
+    too_large = scaler.mode == 'static' and value > 1 and bool(shown)  # gradients overflowed
     scaled = (f'the static loss scale {value:g} (config.precision.loss_scale) overflows the '
-              "gradients (lower it, or set it to 'dynamic'), or " if static and value > 1 and
-              shown else '')
+              "gradients (lower it, or set it to 'dynamic'), or " if too_large else '')
     advice = (f'No update was ever applied, so the learning rate is not the cause: {scaled}the '
               'model or the data is non-finite from the start; the forensic lines above (or '
               '--mode=diagnose) name the layer or the batch, and --advise suggests float32 layers'
               if step == run else 'Lower config.optimizer.learning_rate, check the input data'
               + (f', lower the static loss scale {value:g} (config.precision.loss_scale)'
-                 if static and value > 1 and shown else ''))
+                 if too_large else ''))
     raise CollapseError(
         f'training collapsed at step {step}: {run} steps in a row (steps {step - run} to '
         f'{step - 1}) were skipped for non-finite gradients or had a non-finite loss; loss scale '
