@@ -9,6 +9,7 @@ A mistake in the command or config is one line naming the culprit, exit code 2. 
 Ctrl-C saves a checkpoint at the end of the current loop and exits with code 0; the same command
 resumes.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,39 +25,69 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file in configs/.')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Folder for checkpoints, TensorBoard events and '
-                               "config.json (default: a new folder under ./runs/).")
-_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'export', 'diagnose'],
-                          'train (or resume); eval: evaluate the latest checkpoint of --workdir; '
-                          'export: write it as a SavedModel and a .keras file to --export_dir '
-                          '(eval and export only read --workdir); diagnose: replay the forensic '
-                          'folder --forensics (or, without it, the next batch of --workdir\'s '
-                          'latest checkpoint, saved as a forensic folder) and print where the '
-                          'step became non-finite.')
-_EXPORT_DIR = flags.DEFINE_string('export_dir', None, '--mode=export: the folder to write '
-                                  '(default: <workdir>-export, next to the run folder).')
-_AUDIT = flags.DEFINE_bool('audit', False, 'Build the model, print a table of every layer\'s '
-                           'dtypes and parameters with precision hazards, write it to '
-                           '<workdir>/audit.md, and exit without training.')
-_FORENSICS = flags.DEFINE_string('forensics', None, 'With --mode=diagnose: a forensic folder '
-                                 '(<workdir>/forensics/step-N); its saved config is used unless '
-                                 '--config is given.')
-_ADVISE = flags.DEFINE_bool('advise', False, 'Run --advise_steps calibration steps in float32 '
-                            'and in the config\'s policy, print per-layer range, error and '
-                            'gradient underflow with a suggested precision.float32_layers, write '
-                            'it to <workdir>/advice.md, and exit without training.')
-_ADVISE_STEPS = flags.DEFINE_integer('advise_steps', 10, 'Calibration steps of --advise.',
-                                     lower_bound=1)
+_WORKDIR = flags.DEFINE_string(
+  'workdir',
+  None,
+  'Folder for checkpoints, TensorBoard events and '
+  'config.json (default: a new folder under ./runs/).',
+)
+_MODE = flags.DEFINE_enum(
+  'mode',
+  'train',
+  ['train', 'eval', 'export', 'diagnose'],
+  'train (or resume); eval: evaluate the latest checkpoint of --workdir; '
+  'export: write it as a SavedModel and a .keras file to --export_dir '
+  '(eval and export only read --workdir); diagnose: replay the forensic '
+  "folder --forensics (or, without it, the next batch of --workdir's "
+  'latest checkpoint, saved as a forensic folder) and print where the '
+  'step became non-finite.',
+)
+_EXPORT_DIR = flags.DEFINE_string(
+  'export_dir',
+  None,
+  '--mode=export: the folder to write (default: <workdir>-export, next to the run folder).',
+)
+_AUDIT = flags.DEFINE_bool(
+  'audit',
+  False,
+  "Build the model, print a table of every layer's "
+  'dtypes and parameters with precision hazards, write it to '
+  '<workdir>/audit.md, and exit without training.',
+)
+_FORENSICS = flags.DEFINE_string(
+  'forensics',
+  None,
+  'With --mode=diagnose: a forensic folder '
+  '(<workdir>/forensics/step-N); its saved config is used unless '
+  '--config is given.',
+)
+_ADVISE = flags.DEFINE_bool(
+  'advise',
+  False,
+  'Run --advise_steps calibration steps in float32 '
+  "and in the config's policy, print per-layer range, error and "
+  'gradient underflow with a suggested precision.float32_layers, write '
+  'it to <workdir>/advice.md, and exit without training.',
+)
+_ADVISE_STEPS = flags.DEFINE_integer(
+  'advise_steps', 10, 'Calibration steps of --advise.', lower_bound=1
+)
 _ADVISE_VALIDATE = flags.DEFINE_integer(
-    'advise_validate_steps', 0, 'With --advise: then train this many steps as configured and as '
-    'many with the suggestion, and print each run\'s skipped steps and flushed gradient '
-    'fraction; 0 = no validation.', lower_bound=0)
+  'advise_validate_steps',
+  0,
+  'With --advise: then train this many steps as configured and as '
+  "many with the suggestion, and print each run's skipped steps and flushed gradient "
+  'fraction; 0 = no validation.',
+  lower_bound=0,
+)
 flags.register_multi_flags_validator(
-    ['config', 'mode', 'forensics'],
-    lambda f: f['config'] is not None or (f['mode'] == 'diagnose' and bool(f['forensics'])),
-    message='--config is required (only --mode=diagnose --forensics=DIR may leave it out)')
-_TF_LOGS = flags.DEFINE_bool('tf_logs', False, "Show TensorFlow's C++ start-up and info log "
-                             'lines (hidden by default).')
+  ['config', 'mode', 'forensics'],
+  lambda f: f['config'] is not None or (f['mode'] == 'diagnose' and bool(f['forensics'])),
+  message='--config is required (only --mode=diagnose --forensics=DIR may leave it out)',
+)
+_TF_LOGS = flags.DEFINE_bool(
+  'tf_logs', False, "Show TensorFlow's C++ start-up and info log lines (hidden by default)."
+)
 
 
 def _fail(message: str) -> None:
@@ -75,13 +106,17 @@ def parse_flags(argv):
     rest = flags.FLAGS(argv)
     config = _CONFIG.value  # config_flags defers a file's load error to the first access
     if config is not None and not isinstance(config, ml_collections.ConfigDict):
-      _fail(f'--config={path}: get_config() returned a {type(config).__name__}, not an '
-            'ml_collections.ConfigDict; wrap it: return ml_collections.ConfigDict({...})')
+      _fail(
+        f'--config={path}: get_config() returned a {type(config).__name__}, not an '
+        'ml_collections.ConfigDict; wrap it: return ml_collections.ConfigDict({...})'
+      )
     return rest
   except flags.Error as e:
     if path and '--config is required' in str(e):  # the file was given: its get_config() gave None
-      _fail(f'--config={path}: get_config() returned None; end it with `return config` (see '
-            'configs/mnist.py)')
+      _fail(
+        f'--config={path}: get_config() returned None; end it with `return config` (see '
+        'configs/mnist.py)'
+      )
     _fail(_flag_error(str(e)))
   except Exception as e:  # ml_collections raises plain KeyError/AttributeError on bad overrides
     _fail(_config_error(argv, path, e))
@@ -107,12 +142,16 @@ def _flag_error(text: str) -> str:
 
 def _config_error(argv, path, e: Exception) -> str:
   if isinstance(e, AttributeError) and 'get_config' in str(e):
-    return (f'--config={path}: the file defines no get_config(); a config file returns its '
-            'ml_collections.ConfigDict from get_config() (see configs/mnist.py)')
+    return (
+      f'--config={path}: the file defines no get_config(); a config file returns its '
+      'ml_collections.ConfigDict from get_config() (see configs/mnist.py)'
+    )
   overrides = [a for a in argv[1:] if a.startswith('--config.')]
   if path and overrides and _returns_none(path):  # an override found no config to set
-    return (f'--config={path}: get_config() returned None; end it with `return config` (see '
-            'configs/mnist.py)')
+    return (
+      f'--config={path}: get_config() returned None; end it with `return config` (see '
+      'configs/mnist.py)'
+    )
   if isinstance(e, (KeyError, AttributeError)) and overrides:
     known = _config_keys(path)
     names = [a.split('=', 1)[0].removeprefix('--config.') for a in overrides]
@@ -120,8 +159,9 @@ def _config_error(argv, path, e: Exception) -> str:
     # holding the name in the error ("'batch_sise'\nDid you mean ...").
     first_line = (str(e).splitlines() or [''])[0]
     missing = first_line.strip('"\'\\ ')
-    culprit = next((o for o, n in zip(overrides, names) if known and n not in known), None) or \
-        next((o for o, n in zip(overrides, names) if missing in n.split('.')), overrides[0])
+    culprit = next((o for o, n in zip(overrides, names) if known and n not in known), None) or next(
+      (o for o, n in zip(overrides, names) if missing in n.split('.')), overrides[0]
+    )
     key = culprit.split('=', 1)[0].removeprefix('--config.')
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     hint = f'; did you mean {close[0]}?' if close else f'; see the keys in {path}'
@@ -133,6 +173,7 @@ def _config_error(argv, path, e: Exception) -> str:
 def _returns_none(path: str) -> bool:
   """Whether the config file's get_config() returns None (False when it cannot be loaded)."""
   from trainer import config as config_lib
+
   try:
     return config_lib.load_file(path.split(':', 1)[0]) is None
   except Exception:  # only used to name the culprit better; the error is reported anyway
@@ -142,6 +183,7 @@ def _returns_none(path: str) -> bool:
 def _config_keys(path: str) -> list[str]:
   """The dotted keys of the config file's get_config(), or [] when it cannot be loaded."""
   from trainer import config as config_lib
+
   try:
     return list(config_lib.flatten(config_lib.load_file(path.split(':', 1)[0])))
   except Exception:  # only used to name the culprit better; the error is reported anyway
@@ -157,6 +199,7 @@ def _diagnose(folder: str | None):
   from trainer.run import checkpoint_files
   from trainer.insight import forensics
   from trainer.run import lifecycle
+
   if not folder:
     trainer = models.get_trainer_class(_CONFIG.value.model)(_CONFIG.value, _WORKDIR.value)
     # Read-only, as eval and export (no lock, config record or event file); only the forensic
@@ -164,19 +207,23 @@ def _diagnose(folder: str | None):
     if checkpoint_files.find(trainer.runner.workdir.checkpoint_dir):
       step = lifecycle.restore(trainer, '--mode=diagnose')
     else:
-      logging.warning('--mode=diagnose: no checkpoint in %s; replaying the first batch from the '
-                      'initial weights', trainer.runner.workdir.checkpoint_dir)
+      logging.warning(
+        '--mode=diagnose: no checkpoint in %s; replaying the first batch from the initial weights',
+        trainer.runner.workdir.checkpoint_dir,
+      )
       step = 0
     batch = next(iter(trainer.datasets.train.skip(step)))
     report = forensics.record(trainer, batch, step, skipped=False)  # no step skipped it
-    print(f'step {step}, loss scale {float(trainer.loss_scaler.scale.numpy()):g}: '
-          f'{report.line()}\nforensics: {forensics.folder_for(trainer.workdir, step)}')
+    print(
+      f'step {step}, loss scale {float(trainer.loss_scaler.scale.numpy()):g}: '
+      f'{report.line()}\nforensics: {forensics.folder_for(trainer.workdir, step)}'
+    )
     return
   saved = forensics.load(folder)
   config = _CONFIG.value
   if config is None:
     if not saved.config:
-      _fail(f'--forensics={folder}: meta.json holds no config; pass --config=<the run\'s config>')
+      _fail(f"--forensics={folder}: meta.json holds no config; pass --config=<the run's config>")
     config = ml_collections.ConfigDict(saved.config)
   workdir = _WORKDIR.value or os.path.dirname(os.path.dirname(os.path.abspath(folder)))
   trainer = models.get_trainer_class(config.model)(config, workdir)
@@ -198,11 +245,14 @@ def main(argv):
   import models
   from trainer.errors import UserError
   from trainer.run.preemption import Preempted
+
   config = _CONFIG.value
   if _MODE.value == 'diagnose':
     if not _FORENSICS.value and not _WORKDIR.value:
-      _fail('--mode=diagnose needs --forensics=<workdir>/forensics/step-N, or --workdir=<a run> '
-            'to replay the next batch of its latest checkpoint')
+      _fail(
+        '--mode=diagnose needs --forensics=<workdir>/forensics/step-N, or --workdir=<a run> '
+        'to replay the next batch of its latest checkpoint'
+      )
   elif _MODE.value != 'train' and not _WORKDIR.value:
     _fail(f'--mode={_MODE.value} needs --workdir=<the folder of a training run>')
   try:
@@ -211,17 +261,26 @@ def main(argv):
       return
     if _ADVISE.value:
       from trainer.insight import advisor
-      print(advisor.report(models.get_trainer_class(config.model), config,
-                           _WORKDIR.value or _default_workdir(), steps=_ADVISE_STEPS.value,
-                           validate_steps=_ADVISE_VALIDATE.value))
+
+      print(
+        advisor.report(
+          models.get_trainer_class(config.model),
+          config,
+          _WORKDIR.value or _default_workdir(),
+          steps=_ADVISE_STEPS.value,
+          validate_steps=_ADVISE_VALIDATE.value,
+        )
+      )
       return
     trainer_class = models.get_trainer_class(config.model)
     trainer = trainer_class(config, _WORKDIR.value or _default_workdir())
     if _AUDIT.value:
       from trainer.insight import audit
+
       print(audit.report(trainer))
       exit_now(0, config)
     from trainer.run import lifecycle
+
     if _MODE.value == 'export':
       for kind, path in lifecycle.export(trainer, _EXPORT_DIR.value).items():
         print(f'{kind}: {path}')
@@ -262,8 +321,9 @@ def quiet_tensorflow() -> None:
   on. Python-side warnings and errors (absl, exceptions) are unaffected, but one: TensorFlow's
   UserWarning about tf.data options in graph mode, which its own distributed-dataset reduce
   raises (a mirrored eval) and no user code can act on."""
-  warnings.filterwarnings('ignore', message='To make it possible to preserve tf.data options',
-                          category=UserWarning)
+  warnings.filterwarnings(
+    'ignore', message='To make it possible to preserve tf.data options', category=UserWarning
+  )
   if 'tensorflow' in sys.modules:
     return
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
@@ -286,8 +346,10 @@ def quiet_tensorflow() -> None:
 
 # absl's C++ lines before InitializeLog: "I0000 00:00:<time> <thread> <file>:<line>] ..." and
 # the notice about them; the CPU-feature notice's second line.
-_START_UP_LINE = re.compile(r'[IW]0000 00:00:|WARNING: All log messages before absl::'
-                            r'InitializeLog|To enable the following instructions:')
+_START_UP_LINE = re.compile(
+  r'[IW]0000 00:00:|WARNING: All log messages before absl::'
+  r'InitializeLog|To enable the following instructions:'
+)
 
 
 def _hide_tensorflow_info(record) -> bool:
@@ -308,6 +370,7 @@ def exit_now(code: int, config) -> None:
   if config.distribute.strategy in ('multi_worker', 'tpu'):
     sys.exit(code)
   from trainer.run import lock as workdir_lock
+
   workdir_lock.release_all()  # os._exit skips the atexit handler that would
   logging.flush()
   sys.stdout.flush()

@@ -16,6 +16,7 @@ CPU-second of the process, each as a ratio to `fit`:
   fit       Keras `model.fit`, steps_per_execution = steps_per_loop.
 A diagnostic, not a test: every contender but `ours` and `fit` drops something the trainer keeps.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,6 +43,7 @@ def ablated(trainer_class, keep_checks: bool):
   step (keep_checks=False: tape, gradients, apply, global step + 1)."""
   import tensorflow as tf
   from trainer import TrainStep
+
   SUM = tf.distribute.ReduceOp.SUM
 
   class NoCondStep(TrainStep):
@@ -60,10 +62,12 @@ def ablated(trainer_class, keep_checks: bool):
       def replica(batch):
         with tf.GradientTape() as tape:
           per_example_loss, _ = self.compute_loss(batch, training=True)
-          loss = tf.nn.compute_average_loss(per_example_loss,
-                                            global_batch_size=self.global_batch_size)
+          loss = tf.nn.compute_average_loss(
+            per_example_loss, global_batch_size=self.global_batch_size
+          )
         grads = tape.gradient(loss, self.variables)
         self.optimizer.apply_gradients(zip(grads, self.variables))
+
       self.strategy.run(replica, args=(next(iterator),))
       self.global_step.assign_add(1)
       return {'steps': tf.constant(1.0)}
@@ -82,6 +86,7 @@ def main(argv):
   logging.set_verbosity(logging.ERROR)
   import models
   from benchmarks.contenders import KerasFit, Ours
+
   model_config, variant = bench_run.model_config, bench_run.variant
   rounds = bench_run._ROUNDS.value or 6
   trainer_class = models.get_trainer_class(_MODEL.value)
@@ -91,12 +96,14 @@ def main(argv):
   no_forensics.numerics.forensics_first = no_forensics.numerics.forensics_every = 0
   no_guard = config.copy_and_resolve_references()
   no_guard.precision.max_consecutive_skips = 0
-  contenders = {'ours': (trainer_class, config),
-                'no_cond': (ablated(trainer_class, keep_checks=True), config),
-                'bare': (ablated(trainer_class, keep_checks=False), config),
-                'no_forensics': (trainer_class, no_forensics),
-                'no_guard': (trainer_class, no_guard),
-                'fit': (trainer_class, config)}
+  contenders = {
+    'ours': (trainer_class, config),
+    'no_cond': (ablated(trainer_class, keep_checks=True), config),
+    'bare': (ablated(trainer_class, keep_checks=False), config),
+    'no_forensics': (trainer_class, no_forensics),
+    'no_guard': (trainer_class, no_guard),
+    'fit': (trainer_class, config),
+  }
   built = {}
   for name, (cls, cfg) in contenders.items():
     contender = (KerasFit if name == 'fit' else Ours)(cls, cfg)
@@ -111,8 +118,10 @@ def main(argv):
       w, c = contender.timed(steps)
       wall[name].append(steps / w)
       cpu[name].append(steps / c)
-  print(f'{_MODEL.value} {_POLICY.value} steps_per_loop={spl}, {rounds} rounds; '
-        'median (min-max) of per-round ratios to fit')
+  print(
+    f'{_MODEL.value} {_POLICY.value} steps_per_loop={spl}, {rounds} rounds; '
+    'median (min-max) of per-round ratios to fit'
+  )
   print(f'{"":12} {"steps/s":>8} {"/ fit (wall)":>20} {"steps/CPU-s":>12} {"/ fit (CPU)":>20}')
   for name in built:
     row = [name, f'{statistics.median(wall[name]):8.1f}']

@@ -15,6 +15,7 @@ pending background write is waited for. Reported: the median blocked time per sa
 and their ratio (the target of issue 23: async <= 20 % of sync), and the checkpoint size. The
 machine may be shared: the modes alternate round by round so they share its load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ sys.path.insert(0, ROOT)
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--data_dir', default=os.path.join(ROOT, '..', 'shared', 'data',
-                                                         'tinyshakespeare'))
+  parser.add_argument(
+    '--data_dir', default=os.path.join(ROOT, '..', 'shared', 'data', 'tinyshakespeare')
+  )
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--steps_between', type=int, default=10)
   parser.add_argument('--set', action='append', default=[], help='key=value config override')
@@ -40,6 +42,7 @@ def main() -> None:
   import ast
 
   from absl import logging
+
   logging.set_verbosity(logging.WARNING)
   import models
   from trainer import config as config_lib
@@ -71,24 +74,30 @@ def main() -> None:
     runner.save()
   blocked = {False: [], True: []}
   for r in range(args.rounds):
-    for asynchronous in ((False, True) if r % 2 == 0 else (True, False)):
+    for asynchronous in (False, True) if r % 2 == 0 else (True, False):
       trainer.config.train.async_checkpoint = asynchronous  # the Workdir reads the same config
       runner.run_steps(iterator, args.steps_between)
       start = time.perf_counter()
       runner.save()
       blocked[asynchronous].append(time.perf_counter() - start)
   runner.workdir.sync()
-  size = sum(os.path.getsize(os.path.join(runner.workdir.checkpoint_dir, f))
-             for f in os.listdir(runner.workdir.checkpoint_dir)
-             if f.startswith(os.path.basename(runner.workdir.latest_checkpoint) + '.'))
+  size = sum(
+    os.path.getsize(os.path.join(runner.workdir.checkpoint_dir, f))
+    for f in os.listdir(runner.workdir.checkpoint_dir)
+    if f.startswith(os.path.basename(runner.workdir.latest_checkpoint) + '.')
+  )
   sync_ms = statistics.median(blocked[False]) * 1e3
   async_ms = statistics.median(blocked[True]) * 1e3
   params = sum(int(v.numpy().size) for v in trainer.model.weights)
-  print(f'Transformer LM, {params:,} parameters, checkpoint {size / 2**20:.1f} MiB, '
-        f'{args.rounds} rounds, {args.steps_between} steps between saves')
-  print(f'blocked per save: sync median {sync_ms:.1f} ms '
-        f'({", ".join(f"{t * 1e3:.0f}" for t in blocked[False])}); '
-        f'async median {async_ms:.1f} ms ({", ".join(f"{t * 1e3:.0f}" for t in blocked[True])})')
+  print(
+    f'Transformer LM, {params:,} parameters, checkpoint {size / 2**20:.1f} MiB, '
+    f'{args.rounds} rounds, {args.steps_between} steps between saves'
+  )
+  print(
+    f'blocked per save: sync median {sync_ms:.1f} ms '
+    f'({", ".join(f"{t * 1e3:.0f}" for t in blocked[False])}); '
+    f'async median {async_ms:.1f} ms ({", ".join(f"{t * 1e3:.0f}" for t in blocked[True])})'
+  )
   print(f'async / sync: {async_ms / sync_ms:.0%}')
   runner.workdir.close()
 

@@ -3,6 +3,7 @@ result line, with its whole-life wall and CPU-seconds, tried twice: an intermitt
 our final eval, `tf___log_eval() missing 1 required positional argument`, ended some long runs;
 a retry is a fresh run, reported as such), and the table and raw results they print and save.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ def _run(command, env):
   wall = time.perf_counter() - start
   after = resource.getrusage(resource.RUSAGE_CHILDREN)
   if done.returncode:
-    raise RuntimeError(f'{" ".join(command[1:4])[:80]} failed (exit {done.returncode}): '
-                       f'{done.stderr.strip().splitlines()[-3:]}')
+    raise RuntimeError(
+      f'{" ".join(command[1:4])[:80]} failed (exit {done.returncode}): '
+      f'{done.stderr.strip().splitlines()[-3:]}'
+    )
   result = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith('{')][-1])
   return result, wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 

@@ -21,6 +21,7 @@ do), so steps per CPU-second is the fairer comparison on a shared machine:
             execution of each call is not timed: a callback stamps the time after each execution
             and only the executions after the first count.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -98,16 +99,24 @@ class KerasFit:
     if trainer.config.optimizer.clip_norm > 0:  # ours clips the global norm in the step
       optimizer.global_clipnorm = trainer.config.optimizer.clip_norm
     self.model.compile(
-        optimizer=optimizer, loss=keras_loss(trainer), metrics=metrics,
-        steps_per_execution=self.steps_per_loop,
-        jit_compile=trainer.config.train.jit_compile == 'true')
+      optimizer=optimizer,
+      loss=keras_loss(trainer),
+      metrics=metrics,
+      steps_per_execution=self.steps_per_loop,
+      jit_compile=trainer.config.train.jit_compile == 'true',
+    )
     self.loss_scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
     self.untimed_steps = self.steps_per_loop  # timed(): the first execution is not timed
 
   def timed(self, steps: int) -> tuple[float, float]:
     clock = _ExecutionClock()
-    self.model.fit(self.dataset, epochs=1, steps_per_epoch=steps + self.steps_per_loop,
-                   verbose=0, callbacks=[clock])
+    self.model.fit(
+      self.dataset,
+      epochs=1,
+      steps_per_epoch=steps + self.steps_per_loop,
+      verbose=0,
+      callbacks=[clock],
+    )
     (wall0, cpu0), (wall1, cpu1) = clock.stamps[0], clock.stamps[-1]
     return wall1 - wall0, cpu1 - cpu0
 

@@ -10,6 +10,7 @@ floating variables (trainer/run/checkpoints.py) the same way. "Break-even" is th
 calls after which compiling would have been cheaper: 1 + (compiled first - eager first) /
 (eager later - compiled later); "never" when eager calls are not slower than compiled ones.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,21 @@ if ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
-_CONFIGS = flags.DEFINE_list('configs', ['nanogpt_cpu:mixed_bfloat16', 'mnist:mixed_float16',
-                                         'mnist_mlp:float32', 'shakespeare:mixed_bfloat16'],
-                             'config file (in configs/):policy pairs.')
-_DATA_ROOT = flags.DEFINE_string('data_root', os.path.join(ROOT, '..', 'shared', 'data'),
-                                 'Folder holding mnist/ and tinyshakespeare/.')
+_CONFIGS = flags.DEFINE_list(
+  'configs',
+  [
+    'nanogpt_cpu:mixed_bfloat16',
+    'mnist:mixed_float16',
+    'mnist_mlp:float32',
+    'shakespeare:mixed_bfloat16',
+  ],
+  'config file (in configs/):policy pairs.',
+)
+_DATA_ROOT = flags.DEFINE_string(
+  'data_root',
+  os.path.join(ROOT, '..', 'shared', 'data'),
+  'Folder holding mnist/ and tinyshakespeare/.',
+)
 _EAGER_CALLS = flags.DEFINE_integer('eager_calls', 4, 'Eager calls timed per function.')
 _CHILD = flags.DEFINE_string('child', None, 'Internal: the config:policy this process measures.')
 
@@ -46,9 +57,13 @@ def _costs(eager, compiled, calls: int) -> dict:
   compiled_later = min(_timed(compiled) for _ in range(2))
   eager_later = sum(eager_times[1:]) / max(1, calls - 1)
   saved = eager_later - compiled_later
-  return {'eager_first': eager_times[0], 'eager_later': eager_later,
-          'compiled_first': compiled_first, 'compiled_later': compiled_later,
-          'break_even': (1 + (compiled_first - eager_times[0]) / saved) if saved > 0 else None}
+  return {
+    'eager_first': eager_times[0],
+    'eager_later': eager_later,
+    'compiled_first': compiled_first,
+    'compiled_later': compiled_later,
+    'break_even': (1 + (compiled_first - eager_times[0]) / saved) if saved > 0 else None,
+  }
 
 
 def measure(name: str, policy: str) -> dict:
@@ -56,35 +71,53 @@ def measure(name: str, policy: str) -> dict:
   from trainer import config as config_lib
   from trainer.insight import numerics
   from trainer.run import checkpoints
+
   config = config_lib.load_file(os.path.join(ROOT, 'configs', name + '.py'))
   config.precision.policy = policy
-  config.data.dir = os.path.join(_DATA_ROOT.value,
-                                 'mnist' if name.startswith('mnist') else 'tinyshakespeare')
+  config.data.dir = os.path.join(
+    _DATA_ROOT.value, 'mnist' if name.startswith('mnist') else 'tinyshakespeare'
+  )
   config = config_lib.validate(config)
   with tempfile.TemporaryDirectory() as workdir:
     trainer = models.get_trainer_class(config.model)(config, workdir)
     probe = numerics.Probe(trainer)
     batch = probe.next_batch()
-    probe_costs = _costs(lambda: probe._fn.fn(batch)[0].numpy(),
-                         lambda: probe._fn.compiled(batch)[0].numpy(), _EAGER_CALLS.value)
-    variables = [v for v in checkpoints.variables({'model': trainer.model,
-                                                   'optimizer': trainer.optimizer})
-                 if v.dtype.is_floating]
+    probe_costs = _costs(
+      lambda: probe._fn.fn(batch)[0].numpy(),
+      lambda: probe._fn.compiled(batch)[0].numpy(),
+      _EAGER_CALLS.value,
+    )
+    variables = [
+      v
+      for v in checkpoints.variables({'model': trainer.model, 'optimizer': trainer.optimizer})
+      if v.dtype.is_floating
+    ]
     check = checkpoints._all_finite
-    check_costs = _costs(lambda: bool(check.fn(variables)),
-                         lambda: bool(check.compiled(variables)), _EAGER_CALLS.value)
-  return {'config': name, 'policy': policy, 'variables': len(variables), 'probe': probe_costs,
-          'check': check_costs}
+    check_costs = _costs(
+      lambda: bool(check.fn(variables)), lambda: bool(check.compiled(variables)), _EAGER_CALLS.value
+    )
+  return {
+    'config': name,
+    'policy': policy,
+    'variables': len(variables),
+    'probe': probe_costs,
+    'check': check_costs,
+  }
 
 
 def _row(r: dict) -> str:
   def cell(c, unit=1.0, digits=3):
-    even = 'never' if c['break_even'] is None else f"{c['break_even']:.1f}"
-    return (f"{c['eager_first'] * unit:.{digits}f} / {c['eager_later'] * unit:.{digits}f} | "
-            f"{c['compiled_first'] * unit:.{digits}f} / {c['compiled_later'] * unit:.{digits}f} | "
-            f'{even}')
-  return (f"| {r['config']}, {r['policy']} | {cell(r['probe'])} | {r['variables']} | "
-          f"{cell(r['check'], 1000, 1)} |")
+    even = 'never' if c['break_even'] is None else f'{c["break_even"]:.1f}'
+    return (
+      f'{c["eager_first"] * unit:.{digits}f} / {c["eager_later"] * unit:.{digits}f} | '
+      f'{c["compiled_first"] * unit:.{digits}f} / {c["compiled_later"] * unit:.{digits}f} | '
+      f'{even}'
+    )
+
+  return (
+    f'| {r["config"]}, {r["policy"]} | {cell(r["probe"])} | {r["variables"]} | '
+    f'{cell(r["check"], 1000, 1)} |'
+  )
 
 
 def main(argv):
@@ -93,17 +126,28 @@ def main(argv):
   if _CHILD.value:
     print('RESULT ' + json.dumps(measure(*_CHILD.value.split(':'))))
     return
-  print('| config, policy | probe eager s, first / later | probe compiled s, first / later | '
-        'break-even calls | variables | check eager ms, first / later | check compiled ms, '
-        'first / later | break-even calls |')
+  print(
+    '| config, policy | probe eager s, first / later | probe compiled s, first / later | '
+    'break-even calls | variables | check eager ms, first / later | check compiled ms, '
+    'first / later | break-even calls |'
+  )
   print('|---|---|---|---|---|---|---|---|')
   for pair in _CONFIGS.value:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), f'--child={pair}',
-                          f'--data_root={_DATA_ROOT.value}',
-                          f'--eager_calls={_EAGER_CALLS.value}'],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+      [
+        sys.executable,
+        os.path.abspath(__file__),
+        f'--child={pair}',
+        f'--data_root={_DATA_ROOT.value}',
+        f'--eager_calls={_EAGER_CALLS.value}',
+      ],
+      capture_output=True,
+      text=True,
+      check=True,
+      cwd=ROOT,
+    )
     result = [line for line in out.stdout.splitlines() if line.startswith('RESULT ')][-1]
-    print(_row(json.loads(result[len('RESULT '):])), flush=True)
+    print(_row(json.loads(result[len('RESULT ') :])), flush=True)
 
 
 if __name__ == '__main__':

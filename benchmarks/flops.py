@@ -10,6 +10,7 @@ activations, softmax) count 0, so this is a slight under-count: MFU is a lower b
 Peak: a square `tf.matmul` of float32 (and bfloat16, float16) operands, timed best-of-N in the same
 process as the training runs; 2 n^3 FLOPs per product.
 """
+
 from __future__ import annotations
 
 import time
@@ -48,4 +49,4 @@ def matmul_peak(dtype: tf.DType, n: int, repeats: int = 5) -> float:
     start = time.perf_counter()
     matmul(a, b).numpy()
     best = min(best, time.perf_counter() - start)
-  return 2.0 * n ** 3 / best
+  return 2.0 * n**3 / best

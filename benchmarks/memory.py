@@ -40,6 +40,7 @@ Time: every (policy, remat) trainer is built and warmed up in this one process, 
 --time_rounds interleaved rounds; ratios are medians of per-round pairs (the machine may be
 shared: ratios measured seconds apart share its load).
 """
+
 from __future__ import annotations
 
 import json
@@ -60,30 +61,44 @@ from benchmarks import overrides as config_overrides  # noqa: E402
 from benchmarks import run  # noqa: E402  (its flags --data_root, --data_dir apply here too)
 
 _MODEL = flags.DEFINE_string('model', 'transformer_lm', 'Model (module in models/).')
-_CONFIG = flags.DEFINE_string('config', '', 'Config file (default: the one benchmarks/run.py '
-                              'measures --model with).')
+_CONFIG = flags.DEFINE_string(
+  'config', '', 'Config file (default: the one benchmarks/run.py measures --model with).'
+)
 _POLICY_LIST = flags.DEFINE_list('policy', ['float32', 'mixed_bfloat16'], 'Policies.')
 _REMAT = flags.DEFINE_list('remat', ['false', 'true'], 'train.remat settings.')
-_SET = flags.DEFINE_multi_string('set', [], 'dotted=value config overrides, e.g. '
-                                 'model_config.context=512.')
-_BATCH = flags.DEFINE_integer('batch_size', None, 'Global batch (default: the config\'s).')
+_SET = flags.DEFINE_multi_string(
+  'set', [], 'dotted=value config overrides, e.g. model_config.context=512.'
+)
+_BATCH = flags.DEFINE_integer('batch_size', None, "Global batch (default: the config's).")
 _STEPS = flags.DEFINE_integer('steps', 2, 'Steps trained per memory subprocess.')
-_BUDGET = flags.DEFINE_integer('budget_mib', 0, 'Find the largest batch within this many MiB '
-                               '(step MiB); 0 = off.')
-_RESOLUTION = flags.DEFINE_integer('budget_resolution', 4, 'Bisection stops when the batch '
-                                   'interval is this narrow.')
-_ACCOUNT = flags.DEFINE_bool('account', False, 'Tensor-by-tensor account of what the backward '
-                             'pass keeps.')
+_BUDGET = flags.DEFINE_integer(
+  'budget_mib', 0, 'Find the largest batch within this many MiB (step MiB); 0 = off.'
+)
+_RESOLUTION = flags.DEFINE_integer(
+  'budget_resolution', 4, 'Bisection stops when the batch interval is this narrow.'
+)
+_ACCOUNT = flags.DEFINE_bool(
+  'account', False, 'Tensor-by-tensor account of what the backward pass keeps.'
+)
 _TIME_ROUNDS = flags.DEFINE_integer('time_rounds', 0, 'Interleaved timing rounds; 0 = off.')
 _ROUND_STEPS = flags.DEFINE_integer('round_steps', 3, 'Steps per contender per timing round.')
-_BREAKDOWN = flags.DEFINE_bool('breakdown', False, 'The step\'s memory by component, per '
-                               '--setting (a subprocess each).')
-_SETTINGS = flags.DEFINE_multi_string('setting', [], 'A --breakdown row: label:policy[,dotted='
-                                      'value...], e.g. "bf16 sr:mixed_bfloat16,precision.'
-                                      'master_weights=bfloat16_sr".')
-_ALLOCATOR = flags.DEFINE_bool('allocator', True, '--breakdown: run the child on TF\'s BFC '
-                               'allocator (its peak is then known; RSS differs from the default '
-                               'allocator\'s).')
+_BREAKDOWN = flags.DEFINE_bool(
+  'breakdown', False, "The step's memory by component, per --setting (a subprocess each)."
+)
+_SETTINGS = flags.DEFINE_multi_string(
+  'setting',
+  [],
+  'A --breakdown row: label:policy[,dotted='
+  'value...], e.g. "bf16 sr:mixed_bfloat16,precision.'
+  'master_weights=bfloat16_sr".',
+)
+_ALLOCATOR = flags.DEFINE_bool(
+  'allocator',
+  True,
+  "--breakdown: run the child on TF's BFC "
+  'allocator (its peak is then known; RSS differs from the default '
+  "allocator's).",
+)
 _JSON = flags.DEFINE_string('json_out', '', 'Also write the results here as JSON.')
 _CHILD = flags.DEFINE_string('child', '', 'Internal: JSON spec of one memory measurement.')
 
@@ -108,15 +123,25 @@ def rss_mib(pid: int) -> float:
   return 0.0
 
 
-def build_config(model: str, config_file: str, overrides: list[str], *, policy: str,
-                 remat: bool, batch_size: int | None, steps_per_loop: int = 1):
+def build_config(
+  model: str,
+  config_file: str,
+  overrides: list[str],
+  *,
+  policy: str,
+  remat: bool,
+  batch_size: int | None,
+  steps_per_loop: int = 1,
+):
   """The benchmark's contender config (endless, constant rate, no checkpoints) with overrides."""
   from trainer import config as config_lib
+
   if config_file:
     base = config_lib.load_file(os.path.join(ROOT, config_file))
     if not base.data.dir:
-      base.data.dir = os.path.join(ROOT, '..', 'shared', 'data',
-                                   'mnist' if 'mnist' in base.model else 'tinyshakespeare')
+      base.data.dir = os.path.join(
+        ROOT, '..', 'shared', 'data', 'mnist' if 'mnist' in base.model else 'tinyshakespeare'
+      )
   else:
     base = run.model_config(model)
   config = run.variant(base, policy=policy, steps_per_loop=steps_per_loop)
@@ -132,6 +157,7 @@ def kept_bytes(trainer) -> int:
   """Bytes of the forward tensors one gradient computation keeps for the backward pass."""
   import numpy as np
   import tensorflow as tf
+
   batch = next(iter(trainer.datasets.train))
   variables = trainer.model.trainable_variables
 
@@ -143,8 +169,9 @@ def kept_bytes(trainer) -> int:
     return loss, tape.gradient(loss, variables)
 
   kept = kept_for_backward(grads.get_concrete_function(batch).graph)
-  return sum(int(np.prod(t.shape.as_list())) * t.dtype.size for t in kept
-             if t.shape.is_fully_defined())
+  return sum(
+    int(np.prod(t.shape.as_list())) * t.dtype.size for t in kept if t.shape.is_fully_defined()
+  )
 
 
 def child(spec: dict) -> None:
@@ -152,10 +179,16 @@ def child(spec: dict) -> None:
   import models  # noqa: F401  (the imports whose memory is the baseline)
   import keras  # noqa: F401
   import tensorflow as tf
+
   imported = peak_rss_mib()
-  config = build_config(spec['model'], spec['config'], spec['set'] + spec.get('extra', []),
-                        policy=spec['policy'], remat=spec['remat'],
-                        batch_size=spec['batch_size'])
+  config = build_config(
+    spec['model'],
+    spec['config'],
+    spec['set'] + spec.get('extra', []),
+    policy=spec['policy'],
+    remat=spec['remat'],
+    batch_size=spec['batch_size'],
+  )
   trainer_class = models.get_trainer_class(config.model)
   extra = {}
   with tempfile.TemporaryDirectory() as workdir:
@@ -166,6 +199,7 @@ def child(spec: dict) -> None:
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
     if spec.get('breakdown'):
       from trainer.step import low_precision
+
       trainer.train_step.run(iterator, 1)  # traced here
       int(trainer.global_step.numpy())
       times = []
@@ -174,32 +208,65 @@ def child(spec: dict) -> None:
         trainer.train_step.run(iterator, 1)
         int(trainer.global_step.numpy())
         times.append(time.perf_counter() - start)
-      extra.update(step_seconds=statistics.median(times),
-                   weights_mib=low_precision.weight_bytes(trainer.model.weights) / 2**20,
-                   state_mib=low_precision.state_bytes(trainer.optimizer) / 2**20,
-                   kept_mib=kept_bytes(trainer) / 2**20,
-                   params=trainer.model.count_params())
+      extra.update(
+        step_seconds=statistics.median(times),
+        weights_mib=low_precision.weight_bytes(trainer.model.weights) / 2**20,
+        state_mib=low_precision.state_bytes(trainer.optimizer) / 2**20,
+        kept_mib=kept_bytes(trainer) / 2**20,
+        params=trainer.model.count_params(),
+      )
     else:
       trainer.train_step.run(iterator, spec['steps'])
       int(trainer.global_step.numpy())
   peak = peak_rss_mib()
   if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # TF's own account of live tensor bytes
     extra['allocator_peak_mib'] = tf.config.experimental.get_memory_info('CPU:0')['peak'] / 2**20
-  print(json.dumps({**extra, 'imported_mib': imported, 'built_mib': built, 'peak_mib': peak,
-                    'step_mib': peak - imported, 'step_minus_build_mib': peak - built}))
+  print(
+    json.dumps(
+      {
+        **extra,
+        'imported_mib': imported,
+        'built_mib': built,
+        'peak_mib': peak,
+        'step_mib': peak - imported,
+        'step_minus_build_mib': peak - built,
+      }
+    )
+  )
 
 
-def measure(policy: str, remat: bool, batch_size: int | None, kill_mib: float = 0.0,
-            extra=(), breakdown: bool = False) -> dict:
+def measure(
+  policy: str,
+  remat: bool,
+  batch_size: int | None,
+  kill_mib: float = 0.0,
+  extra=(),
+  breakdown: bool = False,
+) -> dict:
   """Runs `child` in a subprocess; {'fits': False} when its resident set passed `kill_mib`
   (killed then). `extra`: more dotted=value overrides; `breakdown`: the components too."""
-  spec = dict(model=_MODEL.value, config=_CONFIG.value, set=_SET.value, policy=policy,
-              remat=remat, batch_size=batch_size, steps=_STEPS.value, extra=list(extra),
-              breakdown=breakdown)
-  argv = [sys.executable, os.path.abspath(__file__), f'--child={json.dumps(spec)}',
-          f'--data_root={run._DATA_ROOT.value}',  # pylint: disable=protected-access
-          *([f'--data_dir={",".join(run._DATA_DIR.value)}']  # pylint: disable=protected-access
-            if run._DATA_DIR.value else [])]  # pylint: disable=protected-access
+  spec = dict(
+    model=_MODEL.value,
+    config=_CONFIG.value,
+    set=_SET.value,
+    policy=policy,
+    remat=remat,
+    batch_size=batch_size,
+    steps=_STEPS.value,
+    extra=list(extra),
+    breakdown=breakdown,
+  )
+  argv = [
+    sys.executable,
+    os.path.abspath(__file__),
+    f'--child={json.dumps(spec)}',
+    f'--data_root={run._DATA_ROOT.value}',  # pylint: disable=protected-access
+    *(
+      [f'--data_dir={",".join(run._DATA_DIR.value)}']  # pylint: disable=protected-access
+      if run._DATA_DIR.value
+      else []
+    ),
+  ]  # pylint: disable=protected-access
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
   if breakdown and _ALLOCATOR.value:
     env['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
@@ -214,8 +281,9 @@ def measure(policy: str, remat: bool, batch_size: int | None, kill_mib: float = 
     out.seek(0)
     err.seek(0)
     if proc.returncode:
-      raise SystemExit(f'memory: {policy} remat={remat} batch={batch_size} failed:\n'
-                       f'{err.read()[-2000:]}')
+      raise SystemExit(
+        f'memory: {policy} remat={remat} batch={batch_size} failed:\n{err.read()[-2000:]}'
+      )
     result = json.loads(out.read().strip().splitlines()[-1])
   return {'fits': True, 'batch_size': batch_size, **result}
 
@@ -230,8 +298,13 @@ def largest_batch(policy: str, remat: bool, budget: float, start: int) -> dict:
     r = measure(policy, remat, batch, kill_limit)
     ok = r['fits'] and r.get('step_mib', 1e18) <= budget
     tried[batch] = r.get('step_mib')
-    logging.warning('  %s remat=%s batch %d: %s', policy, remat, batch,
-                    f'{r["step_mib"]:.0f} MiB' if 'step_mib' in r else 'over the limit, killed')
+    logging.warning(
+      '  %s remat=%s batch %d: %s',
+      policy,
+      remat,
+      batch,
+      f'{r["step_mib"]:.0f} MiB' if 'step_mib' in r else 'over the limit, killed',
+    )
     return ok
 
   low, high = 0, start
@@ -243,8 +316,11 @@ def largest_batch(policy: str, remat: bool, budget: float, start: int) -> dict:
       low = mid
     else:
       high = mid
-  return {'largest_batch': low, 'first_too_large': high,
-          'tried_step_mib': {str(k): v for k, v in sorted(tried.items())}}
+  return {
+    'largest_batch': low,
+    'first_too_large': high,
+    'tried_step_mib': {str(k): v for k, v in sorted(tried.items())},
+  }
 
 
 def kept_for_backward(graph) -> list:
@@ -255,6 +331,7 @@ def kept_for_backward(graph) -> list:
   op the gradients depend on; kept are the forward tensors a backward op reads (Identity,
   IdentityN and Reshape outputs share their input's buffer and count as it).
   """
+
   def ancestors(tensors):
     seen, todo = set(), [t.op for t in tensors]
     while todo:
@@ -280,7 +357,12 @@ def kept_for_backward(graph) -> list:
     for t in op.inputs:
       t = buffer(t)
       if t.op.name in forward and t.op.type not in (
-          'Const', 'ReadVariableOp', 'Placeholder', 'Shape', 'VarHandleOp'):
+        'Const',
+        'ReadVariableOp',
+        'Placeholder',
+        'Shape',
+        'VarHandleOp',
+      ):
         kept[t.name] = t
   return list(kept.values())
 
@@ -292,8 +374,10 @@ def account(policy: str, remat: bool) -> dict:
   import models
   import numpy as np
   import tensorflow as tf
-  config = build_config(_MODEL.value, _CONFIG.value, _SET.value, policy=policy, remat=remat,
-                        batch_size=_BATCH.value)
+
+  config = build_config(
+    _MODEL.value, _CONFIG.value, _SET.value, policy=policy, remat=remat, batch_size=_BATCH.value
+  )
   with tempfile.TemporaryDirectory() as workdir:
     trainer = models.get_trainer_class(config.model)(config, workdir)
     batch = next(iter(trainer.datasets.train))
@@ -322,14 +406,20 @@ def account(policy: str, remat: bool) -> dict:
     rows.append((size, name, t.dtype.name, t.shape.as_list(), t.op.type))
   rows.sort(reverse=True)
   mib = lambda b: round(b / 2**20, 1)
-  return {'total_mib': mib(sum(by_dtype.values())),
-          'by_dtype_mib': {k: mib(v) for k, v in by_dtype.most_common()},
-          'by_layer_mib': {k: mib(v) for k, v in by_layer.most_common(12)},
-          'largest': [{'mib': mib(s), 'tensor': n, 'dtype': d, 'shape': sh, 'op': o}
-                      for s, n, d, sh, o in rows[:12]],
-          # one block, every tensor: what a block keeps (models with blocks named block0...)
-          'block0': [f'{mib(s)} MiB {d} {sh} {n.split("block0_1/", 1)[-1]} ({o})'
-                     for s, n, d, sh, o in rows if 'block0_1/' in n]}
+  return {
+    'total_mib': mib(sum(by_dtype.values())),
+    'by_dtype_mib': {k: mib(v) for k, v in by_dtype.most_common()},
+    'by_layer_mib': {k: mib(v) for k, v in by_layer.most_common(12)},
+    'largest': [
+      {'mib': mib(s), 'tensor': n, 'dtype': d, 'shape': sh, 'op': o} for s, n, d, sh, o in rows[:12]
+    ],
+    # one block, every tensor: what a block keeps (models with blocks named block0...)
+    'block0': [
+      f'{mib(s)} MiB {d} {sh} {n.split("block0_1/", 1)[-1]} ({o})'
+      for s, n, d, sh, o in rows
+      if 'block0_1/' in n
+    ],
+  }
 
 
 def timing(settings: list[tuple]) -> dict:
@@ -340,11 +430,18 @@ def timing(settings: list[tuple]) -> dict:
   import tensorflow as tf
   from benchmarks import flops
   from benchmarks.contenders import Ours
+
   built, policies = [], {}
   for setting in settings:
     key, policy, remat, extra = (setting, *setting, ()) if len(setting) == 2 else setting
-    config = build_config(_MODEL.value, _CONFIG.value, _SET.value + list(extra), policy=policy,
-                          remat=remat, batch_size=_BATCH.value)
+    config = build_config(
+      _MODEL.value,
+      _CONFIG.value,
+      _SET.value + list(extra),
+      policy=policy,
+      remat=remat,
+      batch_size=_BATCH.value,
+    )
     contender = Ours(models.get_trainer_class(config.model), config)
     contender.timed(1)
     contender.timed(1)
@@ -370,11 +467,17 @@ def timing(settings: list[tuple]) -> dict:
     median = statistics.median(values)
     same_policy_off = rates.get((policy, False)) if isinstance(key, tuple) else None
     out['settings'][f'{key[0]} remat={key[1]}' if isinstance(key, tuple) else key] = {
-        'steps_per_sec': median, 'rounds': values,
-        'x_first': statistics.median(a / b for a, b in zip(values, base)),
-        'step_time_x_remat_off': (statistics.median(b / a for a, b in zip(values, same_policy_off))
-                                  if same_policy_off else None),
-        'mfu': step_flops * median / peaks[dtype], 'mfu_of': dtype}
+      'steps_per_sec': median,
+      'rounds': values,
+      'x_first': statistics.median(a / b for a, b in zip(values, base)),
+      'step_time_x_remat_off': (
+        statistics.median(b / a for a, b in zip(values, same_policy_off))
+        if same_policy_off
+        else None
+      ),
+      'mfu': step_flops * median / peaks[dtype],
+      'mfu_of': dtype,
+    }
   return out
 
 
@@ -393,8 +496,9 @@ def breakdown(setting: str) -> dict:
   row = {'label': label, 'policy': policy, 'overrides': items, **m}
   row['bytes_per_param'] = (m['weights_mib'] + m['state_mib']) * 2**20 / m['params']
   if 'allocator_peak_mib' in m:
-    row['transient_mib'] = m['allocator_peak_mib'] - m['weights_mib'] - m['state_mib'] - m[
-        'kept_mib']
+    row['transient_mib'] = (
+      m['allocator_peak_mib'] - m['weights_mib'] - m['state_mib'] - m['kept_mib']
+    )
     row['beyond_allocator_mib'] = m['peak_mib'] - m['allocator_peak_mib']
   logging.warning('%s: step %.0f MiB, %.2f s/step', label, m['step_mib'], m['step_seconds'])
   return row
@@ -402,15 +506,19 @@ def breakdown(setting: str) -> dict:
 
 def markdown(rows: list[dict]) -> str:
   """The --breakdown table, ratios against the first row."""
-  cols = [('bytes/param', 'bytes_per_param', '{:.1f}'), ('weights', 'weights_mib', '{:.1f}'),
-          ('opt. state', 'state_mib', '{:.1f}'), ('kept', 'kept_mib', '{:.0f}'),
-          ('transient', 'transient_mib', '{:.0f}'),
-          ('allocator peak', 'allocator_peak_mib', '{:.0f}'),
-          ('beyond allocator', 'beyond_allocator_mib', '{:.0f}'),
-          ('RSS peak', 'peak_mib', '{:.0f}'),
-          ('step MiB', 'step_mib', '{:.0f}'), ('s/step', 'step_seconds', '{:.2f}')]
-  lines = ['| setting | ' + ' | '.join(c[0] for c in cols) + ' |',
-           '|---' * (len(cols) + 1) + '|']
+  cols = [
+    ('bytes/param', 'bytes_per_param', '{:.1f}'),
+    ('weights', 'weights_mib', '{:.1f}'),
+    ('opt. state', 'state_mib', '{:.1f}'),
+    ('kept', 'kept_mib', '{:.0f}'),
+    ('transient', 'transient_mib', '{:.0f}'),
+    ('allocator peak', 'allocator_peak_mib', '{:.0f}'),
+    ('beyond allocator', 'beyond_allocator_mib', '{:.0f}'),
+    ('RSS peak', 'peak_mib', '{:.0f}'),
+    ('step MiB', 'step_mib', '{:.0f}'),
+    ('s/step', 'step_seconds', '{:.2f}'),
+  ]
+  lines = ['| setting | ' + ' | '.join(c[0] for c in cols) + ' |', '|---' * (len(cols) + 1) + '|']
   first = rows[0]
   for r in rows:
     cells = []
@@ -434,8 +542,14 @@ def main(argv):
     return
   logging.set_verbosity(logging.WARNING)
   settings = [(p, r.lower() == 'true') for p in _POLICY_LIST.value for r in _REMAT.value]
-  results = {'model': _MODEL.value, 'config': _CONFIG.value, 'set': _SET.value,
-             'batch_size': _BATCH.value, 'steps': _STEPS.value, 'load_average': os.getloadavg()}
+  results = {
+    'model': _MODEL.value,
+    'config': _CONFIG.value,
+    'set': _SET.value,
+    'batch_size': _BATCH.value,
+    'steps': _STEPS.value,
+    'load_average': os.getloadavg(),
+  }
   if _BREAKDOWN.value:
     results['breakdown'] = rows = [breakdown(s) for s in _SETTINGS.value]
     results['allocator'] = _ALLOCATOR.value
@@ -446,15 +560,20 @@ def main(argv):
     results['time'] = timing([_parse_setting(s) for s in _SETTINGS.value] or settings)
   elif _BUDGET.value:
     results['budget_mib'] = _BUDGET.value
-    results['largest_batch'] = {f'{p} remat={r}': largest_batch(p, r, _BUDGET.value,
-                                                                _BATCH.value or 16)
-                                for p, r in settings}
+    results['largest_batch'] = {
+      f'{p} remat={r}': largest_batch(p, r, _BUDGET.value, _BATCH.value or 16) for p, r in settings
+    }
   else:
     results['memory'] = {}
     for p, r in settings:
       results['memory'][f'{p} remat={r}'] = m = measure(p, r, _BATCH.value)
-      logging.warning('%s remat=%s: step %.0f MiB (step - build %.0f MiB)', p, r, m['step_mib'],
-                      m['step_minus_build_mib'])
+      logging.warning(
+        '%s remat=%s: step %.0f MiB (step - build %.0f MiB)',
+        p,
+        r,
+        m['step_mib'],
+        m['step_minus_build_mib'],
+      )
   text = json.dumps(results, indent=2)
   print(text)
   if 'table' in results:

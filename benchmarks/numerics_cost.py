@@ -10,6 +10,7 @@ warm-up. The cost at
 interval `every` is probe time / (every x step time): what the statistics add to the training
 time when on. Off, the train step is not changed, so the cost is zero by construction.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,10 @@ def measure(name: str, rounds: int) -> dict:
   import models
   from benchmarks.contenders import Ours
   from trainer.insight.numerics import Probe
-  config = bench_run.variant(bench_run.model_config(name), policy=_POLICY.value,
-                             steps_per_loop=_SPL.value)
+
+  config = bench_run.variant(
+    bench_run.model_config(name), policy=_POLICY.value, steps_per_loop=_SPL.value
+  )
   ours = Ours(models.get_trainer_class(name), config)
   probe = Probe(ours.trainer)
   probe.measure()  # traces
@@ -49,8 +52,12 @@ def measure(name: str, rounds: int) -> dict:
     probe_seconds.append(time.perf_counter() - start)
   ours.close()
   step, cost = statistics.median(step_seconds), statistics.median(probe_seconds)
-  return {'step_ms': 1e3 * step, 'probe_ms': 1e3 * cost,
-          'probe_in_steps': cost / step, 'cost': cost / (_EVERY.value * step)}
+  return {
+    'step_ms': 1e3 * step,
+    'probe_ms': 1e3 * cost,
+    'probe_in_steps': cost / step,
+    'cost': cost / (_EVERY.value * step),
+  }
 
 
 def main(argv):
@@ -62,8 +69,10 @@ def main(argv):
   print(f'{"model":16} {"step ms":>8} {"probe ms":>9} {"probe/step":>11} {"cost":>8}')
   for name in names:
     r = measure(name, rounds)
-    print(f'{name:16} {r["step_ms"]:8.2f} {r["probe_ms"]:9.2f} {r["probe_in_steps"]:11.2f} '
-          f'{100 * r["cost"]:7.2f}%')
+    print(
+      f'{name:16} {r["step_ms"]:8.2f} {r["probe_ms"]:9.2f} {r["probe_in_steps"]:11.2f} '
+      f'{100 * r["cost"]:7.2f}%'
+    )
 
 
 if __name__ == '__main__':

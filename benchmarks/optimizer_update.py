@@ -12,6 +12,7 @@ the one-kernel update trainer/step/fused_optimizers.py used before
 it was made bit-identical to Keras (its `1 - beta` rounds differently); it is here as the speed
 bound.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,12 +26,14 @@ if ROOT not in sys.path:
 
 from absl import app, flags  # noqa: E402
 
-_SHAPES = flags.DEFINE_string('shapes', '784x128,128,128x10,10',
-                              'Variable shapes, comma-separated.')
+_SHAPES = flags.DEFINE_string(
+  'shapes', '784x128,128,128x10,10', 'Variable shapes, comma-separated.'
+)
 _ROUNDS = flags.DEFINE_integer('rounds', 7, 'Interleaved rounds.')
 _UPDATES = flags.DEFINE_integer('updates', 200, 'Updates per contender per round.')
-_LOW = flags.DEFINE_bool('low_precision', True, 'Also time the 16-bit-master and 8-bit-state '
-                         'updates.')
+_LOW = flags.DEFINE_bool(
+  'low_precision', True, 'Also time the 16-bit-master and 8-bit-state updates.'
+)
 
 
 def contenders():
@@ -45,23 +48,35 @@ def contenders():
       handle = lambda v: fused_optimizers._resource(v).handle  # pylint: disable=protected-access
       step = tf.cast(self.iterations + 1, tf.float32)
       tf.raw_ops.ResourceApplyAdam(
-          var=handle(variable), m=handle(self._momentums[index]),
-          v=handle(self._velocities[index]), beta1_power=tf.pow(self.beta_1, step),
-          beta2_power=tf.pow(self.beta_2, step), lr=tf.cast(learning_rate, tf.float32),
-          beta1=self.beta_1, beta2=self.beta_2, epsilon=self.epsilon, grad=gradient)
+        var=handle(variable),
+        m=handle(self._momentums[index]),
+        v=handle(self._velocities[index]),
+        beta1_power=tf.pow(self.beta_1, step),
+        beta2_power=tf.pow(self.beta_2, step),
+        lr=tf.cast(learning_rate, tf.float32),
+        beta1=self.beta_1,
+        beta2=self.beta_2,
+        epsilon=self.epsilon,
+        grad=gradient,
+      )
 
-  out = {'keras': keras.optimizers.Adam, 'tf_kernel': TfKernelAdam,
-         'ours': fused_optimizers.FusedAdam}
+  out = {
+    'keras': keras.optimizers.Adam,
+    'tf_kernel': TfKernelAdam,
+    'ours': fused_optimizers.FusedAdam,
+  }
   if _LOW.value:
     import functools
 
     from trainer.step import low_precision
-    for name, kwargs in (('bfloat16_sr', dict(master_weights='bfloat16_sr')),
-                         ('bfloat16_kahan', dict(master_weights='bfloat16_kahan')),
-                         ('state_bits_8', dict(state_bits=8)),
-                         ('bfloat16_sr_8', dict(master_weights='bfloat16_sr', state_bits=8)),
-                         ('bfloat16_kahan_8', dict(master_weights='bfloat16_kahan',
-                                                   state_bits=8))):
+
+    for name, kwargs in (
+      ('bfloat16_sr', dict(master_weights='bfloat16_sr')),
+      ('bfloat16_kahan', dict(master_weights='bfloat16_kahan')),
+      ('state_bits_8', dict(state_bits=8)),
+      ('bfloat16_sr_8', dict(master_weights='bfloat16_sr', state_bits=8)),
+      ('bfloat16_kahan_8', dict(master_weights='bfloat16_kahan', state_bits=8)),
+    ):
       out[name] = functools.partial(low_precision.LowPrecisionAdam, **kwargs)
   return out
 
@@ -70,14 +85,14 @@ def main(argv):
   del argv
   import numpy as np
   import tensorflow as tf
+
   shapes = [tuple(int(d) for d in s.split('x')) for s in _SHAPES.value.split(',')]
   rng = np.random.default_rng(0)
   grads = [tf.constant(rng.normal(size=s).astype(np.float32) * 1e-2) for s in shapes]
   runs = {}
   for name, cls in contenders().items():
     dtype = tf.bfloat16 if name.startswith('bfloat16') else tf.float32
-    variables = [tf.Variable(tf.cast(rng.normal(size=s).astype(np.float32), dtype))
-                 for s in shapes]
+    variables = [tf.Variable(tf.cast(rng.normal(size=s).astype(np.float32), dtype)) for s in shapes]
     optimizer = cls(learning_rate=1e-3)
     optimizer.build(variables)
 
@@ -100,8 +115,10 @@ def main(argv):
   print('|---|---|---|')
   for name, ts in times.items():
     ratio = statistics.median(k / t for k, t in zip(times['keras'], ts))
-    print(f'| {name} | {statistics.median(ts) * 1e6:.1f} ({min(ts) * 1e6:.1f}-'
-          f'{max(ts) * 1e6:.1f}) | {ratio:.2f}x |')
+    print(
+      f'| {name} | {statistics.median(ts) * 1e6:.1f} ({min(ts) * 1e6:.1f}-'
+      f'{max(ts) * 1e6:.1f}) | {ratio:.2f}x |'
+    )
 
 
 if __name__ == '__main__':

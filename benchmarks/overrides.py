@@ -1,4 +1,5 @@
 """The benchmarks' --set: 'dotted.key=value' overrides of a config, typed like the key."""
+
 from __future__ import annotations
 
 from trainer import config as config_lib
@@ -14,5 +15,12 @@ def apply(config, items) -> None:
       node = node[part] if hasattr(node, 'keys') and part in node else None
       if node is None:
         break
-    config_lib.set_dotted(config, key, value.lower() in ('1', 'true') if isinstance(node, bool)
-                          else type(node)(value) if node is not None else value)
+    config_lib.set_dotted(
+      config,
+      key,
+      value.lower() in ('1', 'true')
+      if isinstance(node, bool)
+      else type(node)(value)
+      if node is not None
+      else value,
+    )

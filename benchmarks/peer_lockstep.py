@@ -19,6 +19,7 @@ way, so both run one update rule; 'torch' leaves PyTorch's own, to see what the 
 changes. Prints the per-step losses side by side at a few steps, the largest difference over all
 steps and both validation losses; --out writes lockstep.md and lockstep.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,11 +39,13 @@ from benchmarks import child  # noqa: E402
 from benchmarks import peer_torch  # noqa: E402  (its flags: --data, --steps, --out, --set)
 
 _SHAPE = flags.DEFINE_enum('shape', 'shakespeare', list(peer_torch.SHAPES), 'The shape.')
-_PRECISION = flags.DEFINE_enum('precision', 'float32', list(peer_torch.PRECISIONS),
-                               'float32 or bfloat16.')
+_PRECISION = flags.DEFINE_enum(
+  'precision', 'float32', list(peer_torch.PRECISIONS), 'float32 or bfloat16.'
+)
 _SEED = flags.DEFINE_integer('seed', 123, 'NumPy seed of the training windows.')
-_EPSILON = flags.DEFINE_enum('epsilon', 'keras', ['keras', 'torch'], "The PyTorch side's Adam "
-                             'epsilon convention.')
+_EPSILON = flags.DEFINE_enum(
+  'epsilon', 'keras', ['keras', 'torch'], "The PyTorch side's Adam epsilon convention."
+)
 
 
 def torch_name(path: str) -> str:
@@ -52,11 +55,15 @@ def torch_name(path: str) -> str:
     return {'token_table': 'tokens.weight', 'position_table': 'positions.weight'}[weight]
   suffix = {'gamma': 'weight', 'beta': 'bias', 'kernel': 'weight', 'bias': 'bias'}
   if layer in ('final_ln', 'logits'):
-    return f"{'ln' if layer == 'final_ln' else 'logits'}.{suffix[weight]}"
+    return f'{"ln" if layer == "final_ln" else "logits"}.{suffix[weight]}'
   block, part = layer.split('_', 1)  # block3_mlp_in -> block3, mlp_in
   if part == 'attention':
-    part, weight = {'qkv_kernel': ('qkv', 'kernel'), 'qkv_bias': ('qkv', 'bias'),
-                    'out_kernel': ('proj', 'kernel'), 'out_bias': ('proj', 'bias')}[weight]
+    part, weight = {
+      'qkv_kernel': ('qkv', 'kernel'),
+      'qkv_bias': ('qkv', 'bias'),
+      'out_kernel': ('proj', 'kernel'),
+      'out_bias': ('proj', 'bias'),
+    }[weight]
   return f'blocks.{int(block[5:])}.{part}.{suffix[weight]}'
 
 
@@ -74,12 +81,15 @@ def run_ours(config, seed: int, folder: str) -> dict:
       data = super().build_datasets()  # reads the corpus: self.corpus, self.m
       span, train = self.m.context + 1, self.corpus.train
       starts = np.random.default_rng(seed).integers(
-          0, len(train) - span + 1, size=(config.train.steps, config.train.batch_size))
+        0, len(train) - span + 1, size=(config.train.steps, config.train.batch_size)
+      )
       windows = train[starts[..., None] + np.arange(span)].astype(np.int32)
       np.save(os.path.join(folder, 'windows.npy'), windows)
-      return Datasets(train=tf.data.Dataset.from_tensor_slices((windows[:, :, :-1],
-                                                                windows[:, :, 1:])),
-                      eval=data.eval, train_examples=windows.shape[0] * windows.shape[1])
+      return Datasets(
+        train=tf.data.Dataset.from_tensor_slices((windows[:, :, :-1], windows[:, :, 1:])),
+        eval=data.eval,
+        train_examples=windows.shape[0] * windows.shape[1],
+      )
 
   losses = []
 
@@ -92,8 +102,10 @@ def run_ours(config, seed: int, folder: str) -> dict:
 
   with tempfile.TemporaryDirectory(prefix='lockstep_') as workdir:
     trainer = Lockstep(config, workdir)
-    np.savez(os.path.join(folder, 'init.npz'),
-             **{torch_name(v.path): torch_layout(v.path, v.numpy()) for v in trainer.model.weights})
+    np.savez(
+      os.path.join(folder, 'init.npz'),
+      **{torch_name(v.path): torch_layout(v.path, v.numpy()) for v in trainer.model.weights},
+    )
     trainer.runner.actions.append(record)
     metrics = trainer.train()
   return {'side': 'ours', 'losses': losses, 'val_loss': float(metrics['loss'])}
@@ -108,26 +120,48 @@ def main(argv):
   config.numerics.every = 0
   with tempfile.TemporaryDirectory(prefix='lockstep_') as folder:
     ours = run_ours(config, _SEED.value, folder)
-    settings = {**peer_torch.torch_settings(config, precision),
-                'init': os.path.join(folder, 'init.npz'),
-                'windows': os.path.join(folder, 'windows.npy'),
-                'keras_epsilon': _EPSILON.value == 'keras', 'losses': True}
-    torch, _, _ = child.run([peer_torch._TORCH_PYTHON.value,
-                             os.path.join(ROOT, 'benchmarks', 'peer_torch_model.py'),
-                             json.dumps(settings)])
+    settings = {
+      **peer_torch.torch_settings(config, precision),
+      'init': os.path.join(folder, 'init.npz'),
+      'windows': os.path.join(folder, 'windows.npy'),
+      'keras_epsilon': _EPSILON.value == 'keras',
+      'losses': True,
+    }
+    torch, _, _ = child.run(
+      [
+        peer_torch._TORCH_PYTHON.value,
+        os.path.join(ROOT, 'benchmarks', 'peer_torch_model.py'),
+        json.dumps(settings),
+      ]
+    )
   a, b = np.array(ours['losses']), np.array(torch['losses'])
   shown = sorted({1, 2, 10, 50, 100, steps // 2, steps} & set(range(1, steps + 1)))
-  lines = [f'Lockstep, {shape}, {precision}, {steps} steps, windows seed {_SEED.value}, '
-           f"PyTorch's epsilon: {_EPSILON.value} convention", '',
-           '| step | ours train loss | PyTorch train loss | difference |', '|---|---|---|---|']
-  lines += [f'| {s} | {a[s - 1]:.4f} | {b[s - 1]:.4f} | {a[s - 1] - b[s - 1]:+.5f} |'
-            for s in shown]
+  lines = [
+    f'Lockstep, {shape}, {precision}, {steps} steps, windows seed {_SEED.value}, '
+    f"PyTorch's epsilon: {_EPSILON.value} convention",
+    '',
+    '| step | ours train loss | PyTorch train loss | difference |',
+    '|---|---|---|---|',
+  ]
+  lines += [
+    f'| {s} | {a[s - 1]:.4f} | {b[s - 1]:.4f} | {a[s - 1] - b[s - 1]:+.5f} |' for s in shown
+  ]
   worst = int(np.argmax(np.abs(a - b)))
-  lines += ['', f'Largest difference over the {steps} steps: {a[worst] - b[worst]:+.5f} at step '
-            f"{worst + 1}. Validation loss (full split): ours {ours['val_loss']:.4f}, PyTorch "
-            f"{torch['val_loss']:.4f} ({ours['val_loss'] - torch['val_loss']:+.4f})."]
-  result = {'shape': shape, 'precision': precision, 'steps': steps, 'seed': _SEED.value,
-            'epsilon': _EPSILON.value, 'ours': ours, 'torch': torch}
+  lines += [
+    '',
+    f'Largest difference over the {steps} steps: {a[worst] - b[worst]:+.5f} at step '
+    f'{worst + 1}. Validation loss (full split): ours {ours["val_loss"]:.4f}, PyTorch '
+    f'{torch["val_loss"]:.4f} ({ours["val_loss"] - torch["val_loss"]:+.4f}).',
+  ]
+  result = {
+    'shape': shape,
+    'precision': precision,
+    'steps': steps,
+    'seed': _SEED.value,
+    'epsilon': _EPSILON.value,
+    'ours': ours,
+    'torch': torch,
+  }
   child.report(peer_torch._OUT.value, 'lockstep', '\n'.join(lines), [result])
 
 

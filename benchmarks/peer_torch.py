@@ -22,6 +22,7 @@ Trainer.train() minus a second, warm, evaluate(); PyTorch: its training loop), p
 used = CPU-seconds / wall; the validation loss of the full split, computed the same way on both
 sides. Prints markdown tables; --out writes peer.md and peer.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,35 +43,49 @@ from benchmarks import child  # noqa: E402
 from benchmarks import overrides as config_overrides  # noqa: E402
 
 SHAPES = {  # name: (config file, steps, quick steps)
-    'nanogpt_cpu': ('configs/nanogpt_cpu.py', 2000, 30),
-    'shakespeare': ('configs/shakespeare.py', 300, 10),
+  'nanogpt_cpu': ('configs/nanogpt_cpu.py', 2000, 30),
+  'shakespeare': ('configs/shakespeare.py', 300, 10),
 }
 PRECISIONS = {'float32': 'float32', 'bfloat16': 'mixed_bfloat16'}  # ours per precision
 
-_QUICK = flags.DEFINE_bool('quick', False, 'A few steps of each, one round: checks that both '
-                           'sides run and report; the figures mean nothing.')
+_QUICK = flags.DEFINE_bool(
+  'quick',
+  False,
+  'A few steps of each, one round: checks that both '
+  'sides run and report; the figures mean nothing.',
+)
 _SHAPES = flags.DEFINE_list('shapes', list(SHAPES), 'Shapes to run.')
 _PRECISIONS = flags.DEFINE_list('precisions', list(PRECISIONS), 'float32 and/or bfloat16.')
 _ROUNDS = flags.DEFINE_integer('rounds', 1, 'Interleaved rounds (ours, PyTorch) per cell.')
-_STEPS = flags.DEFINE_integer('steps', 0, 'Override every shape\'s steps (0 = the shape\'s).')
-_DATA = flags.DEFINE_string('data', os.path.join(ROOT, '..', 'shared', 'data', 'tinyshakespeare'),
-                            'Folder holding input.txt.')
-_TORCH_PYTHON = flags.DEFINE_string('torch_python', '/work/torchvenv/bin/python',
-                                    'Python of the virtual environment holding PyTorch.')
-_TORCH_THREADS = flags.DEFINE_integer('torch_threads', 0, "PyTorch's intra-op threads "
-                                      "(torch.set_num_threads); 0 = PyTorch's default (one per "
-                                      'core). On a machine shared with other jobs its default '
-                                      'OpenMP threads spin waiting for each other (see '
-                                      'docs/references.md).')
+_STEPS = flags.DEFINE_integer('steps', 0, "Override every shape's steps (0 = the shape's).")
+_DATA = flags.DEFINE_string(
+  'data', os.path.join(ROOT, '..', 'shared', 'data', 'tinyshakespeare'), 'Folder holding input.txt.'
+)
+_TORCH_PYTHON = flags.DEFINE_string(
+  'torch_python', '/work/torchvenv/bin/python', 'Python of the virtual environment holding PyTorch.'
+)
+_TORCH_THREADS = flags.DEFINE_integer(
+  'torch_threads',
+  0,
+  "PyTorch's intra-op threads "
+  "(torch.set_num_threads); 0 = PyTorch's default (one per "
+  'core). On a machine shared with other jobs its default '
+  'OpenMP threads spin waiting for each other (see '
+  'docs/references.md).',
+)
 _OUT = flags.DEFINE_string('out', '', "Folder for peer.md and peer.json; '' = print only.")
-_SET = flags.DEFINE_multi_string('set', [], 'key=value overrides of our side\'s config only '
-                                 '(e.g. train.intra_op_threads=2), to try settings.')
-_TF_CHILD = flags.DEFINE_string('tf_child', None, 'Internal: JSON settings of our side\'s run.')
+_SET = flags.DEFINE_multi_string(
+  'set',
+  [],
+  "key=value overrides of our side's config only (e.g. train.intra_op_threads=2), to try settings.",
+)
+_TF_CHILD = flags.DEFINE_string('tf_child', None, "Internal: JSON settings of our side's run.")
 
 
 def config_for(shape: str, precision: str, steps: int, overrides=()):
   """The validated config our trainer runs for (shape, precision)."""
   from trainer import config as config_lib
+
   path, _, _ = SHAPES[shape]
   config = config_lib.load_file(os.path.join(ROOT, path))
   config.data.dir = _DATA.value
@@ -90,23 +105,38 @@ def config_for(shape: str, precision: str, steps: int, overrides=()):
 def torch_settings(config, precision: str) -> dict:
   """What the PyTorch side needs, read from our validated config (one source of truth)."""
   from models import transformer_lm
+
   m, o = transformer_lm.model_config(config), config.optimizer
-  return {'data': os.path.join(config.data.dir, 'input.txt'), 'seed': config.seed,
-          'precision': precision, 'steps': config.train.steps,
-          'batch_size': config.train.batch_size, 'context': m.context, 'd_model': m.d_model,
-          'num_heads': m.num_heads, 'num_layers': m.num_layers, 'mlp_ratio': m.mlp_ratio,
-          'val_fraction': m.val_fraction, 'learning_rate': o.learning_rate,
-          'min_learning_rate': o.min_learning_rate, 'schedule': o.schedule,
-          'warmup': o.warmup_steps, 'weight_decay': o.weight_decay, 'clip_norm': o.clip_norm,
-          'beta_1': o.beta_1, 'beta_2': o.beta_2, 'epsilon': o.epsilon,
-          'threads': _TORCH_THREADS.value}
+  return {
+    'data': os.path.join(config.data.dir, 'input.txt'),
+    'seed': config.seed,
+    'precision': precision,
+    'steps': config.train.steps,
+    'batch_size': config.train.batch_size,
+    'context': m.context,
+    'd_model': m.d_model,
+    'num_heads': m.num_heads,
+    'num_layers': m.num_layers,
+    'mlp_ratio': m.mlp_ratio,
+    'val_fraction': m.val_fraction,
+    'learning_rate': o.learning_rate,
+    'min_learning_rate': o.min_learning_rate,
+    'schedule': o.schedule,
+    'warmup': o.warmup_steps,
+    'weight_decay': o.weight_decay,
+    'clip_norm': o.clip_norm,
+    'beta_1': o.beta_1,
+    'beta_2': o.beta_2,
+    'epsilon': o.epsilon,
+    'threads': _TORCH_THREADS.value,
+  }
 
 
 def tf_child(settings: dict) -> dict:
   """Our side, in this (child) process."""
   import models
-  config = config_for(settings['shape'], settings['precision'], settings['steps'],
-                      settings['set'])
+
+  config = config_for(settings['shape'], settings['precision'], settings['steps'], settings['set'])
   with tempfile.TemporaryDirectory(prefix='peer_tf_') as workdir:
     trainer = models.get_trainer_class(config.model)(config, workdir)
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -116,16 +146,24 @@ def tf_child(settings: dict) -> dict:
     trainer.evaluate()  # warm: what the final eval inside train() cost, minus its tracing
     eval_wall, eval_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     import tensorflow as tf
+
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {'side': 'ours', 'val_loss': float(metrics['loss']),
-            'train_wall_s': wall - eval_wall, 'train_cpu_s': cpu - eval_cpu,
-            'eval_wall_s': eval_wall, 'eval_cpu_s': eval_cpu, 'steps': int(trainer.total_steps),
-            'tensorflow': tf.__version__, 'policy': str(trainer.policy),
-            'intra_op_threads': tf.config.threading.get_intra_op_parallelism_threads(),
-            'inter_op_threads': tf.config.threading.get_inter_op_parallelism_threads(),
-            'jit_compile': bool(trainer.jit_compile),
-            'parameters': int(trainer.model.count_params()),
-            'peak_rss_mib': usage.ru_maxrss / 1024}
+    return {
+      'side': 'ours',
+      'val_loss': float(metrics['loss']),
+      'train_wall_s': wall - eval_wall,
+      'train_cpu_s': cpu - eval_cpu,
+      'eval_wall_s': eval_wall,
+      'eval_cpu_s': eval_cpu,
+      'steps': int(trainer.total_steps),
+      'tensorflow': tf.__version__,
+      'policy': str(trainer.policy),
+      'intra_op_threads': tf.config.threading.get_intra_op_parallelism_threads(),
+      'inter_op_threads': tf.config.threading.get_inter_op_parallelism_threads(),
+      'jit_compile': bool(trainer.jit_compile),
+      'parameters': int(trainer.model.count_params()),
+      'peak_rss_mib': usage.ru_maxrss / 1024,
+    }
 
 
 def run_child(command: list[str]) -> dict:
@@ -141,9 +179,11 @@ def _median(results, key):
 
 
 def tables(cells: dict) -> str:
-  lines = ['| shape | precision | side | steps | train ms/step | train CPU-ms/step | train cores '
-           '| process wall s | process CPU-s | process cores | val loss (full split) |',
-           '|---|---|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    '| shape | precision | side | steps | train ms/step | train CPU-ms/step | train cores '
+    '| process wall s | process CPU-s | process cores | val loss (full split) |',
+    '|---|---|---|---|---|---|---|---|---|---|---|',
+  ]
   for (shape, precision), runs in cells.items():
     for side in ('ours', 'torch'):
       rs = [r for r in runs if r['side'] == side]
@@ -152,21 +192,28 @@ def tables(cells: dict) -> str:
       steps = rs[0]['steps']
       wall, cpu = _median(rs, 'train_wall_s'), _median(rs, 'train_cpu_s')
       pwall, pcpu = _median(rs, 'process_wall_s'), _median(rs, 'process_cpu_s')
-      lines.append(f"| {shape} | {precision} | {'ours' if side == 'ours' else 'PyTorch'} | "
-                   f"{steps} | {1000 * wall / steps:.1f} | {1000 * cpu / steps:.1f} | "
-                   f"{cpu / wall:.2f} | {pwall:.0f} | {pcpu:.0f} | {pcpu / pwall:.2f} | "
-                   f"{_median(rs, 'val_loss'):.4f} |")
-  lines += ['', '| shape | precision | ours / PyTorch train wall per step | ours / PyTorch train '
-            'CPU per step | val loss ours - PyTorch |', '|---|---|---|---|---|']
+      lines.append(
+        f'| {shape} | {precision} | {"ours" if side == "ours" else "PyTorch"} | '
+        f'{steps} | {1000 * wall / steps:.1f} | {1000 * cpu / steps:.1f} | '
+        f'{cpu / wall:.2f} | {pwall:.0f} | {pcpu:.0f} | {pcpu / pwall:.2f} | '
+        f'{_median(rs, "val_loss"):.4f} |'
+      )
+  lines += [
+    '',
+    '| shape | precision | ours / PyTorch train wall per step | ours / PyTorch train '
+    'CPU per step | val loss ours - PyTorch |',
+    '|---|---|---|---|---|',
+  ]
   for (shape, precision), runs in cells.items():
     ours = [r for r in runs if r['side'] == 'ours']
     torch_ = [r for r in runs if r['side'] == 'torch']
     if ours and torch_:
       lines.append(
-          f'| {shape} | {precision} | '
-          f"{_median(ours, 'train_wall_s') / _median(torch_, 'train_wall_s'):.2f} | "
-          f"{_median(ours, 'train_cpu_s') / _median(torch_, 'train_cpu_s'):.2f} | "
-          f"{_median(ours, 'val_loss') - _median(torch_, 'val_loss'):+.4f} |")
+        f'| {shape} | {precision} | '
+        f'{_median(ours, "train_wall_s") / _median(torch_, "train_wall_s"):.2f} | '
+        f'{_median(ours, "train_cpu_s") / _median(torch_, "train_cpu_s"):.2f} | '
+        f'{_median(ours, "val_loss") - _median(torch_, "val_loss"):+.4f} |'
+      )
   return '\n'.join(lines)
 
 
@@ -176,9 +223,11 @@ def main(argv):
     print(json.dumps(tf_child(json.loads(_TF_CHILD.value))), flush=True)
     return
   if not os.path.exists(_TORCH_PYTHON.value):
-    raise app.UsageError(f'--torch_python={_TORCH_PYTHON.value} does not exist; make the venv: '
-                         'python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install '
-                         'torch numpy')
+    raise app.UsageError(
+      f'--torch_python={_TORCH_PYTHON.value} does not exist; make the venv: '
+      'python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install '
+      'torch numpy'
+    )
   cells = {}
   for shape in _SHAPES.value:
     steps = _STEPS.value or SHAPES[shape][2 if _QUICK.value else 1]
@@ -186,14 +235,26 @@ def main(argv):
       config = config_for(shape, precision, steps, _SET.value)
       runs = cells[(shape, precision)] = []
       for round_ in range(1 if _QUICK.value else _ROUNDS.value):
-        tf_settings = {'shape': shape, 'precision': precision, 'steps': steps,
-                       'set': _SET.value}
+        tf_settings = {'shape': shape, 'precision': precision, 'steps': steps, 'set': _SET.value}
         for side, command in (
-            ('ours', [sys.executable, '-m', 'benchmarks.peer_torch',
-                      f'--tf_child={json.dumps(tf_settings)}']),
-            ('torch', [_TORCH_PYTHON.value, os.path.join(ROOT, 'benchmarks',
-                                                         'peer_torch_model.py'),
-                       json.dumps(torch_settings(config, precision))])):
+          (
+            'ours',
+            [
+              sys.executable,
+              '-m',
+              'benchmarks.peer_torch',
+              f'--tf_child={json.dumps(tf_settings)}',
+            ],
+          ),
+          (
+            'torch',
+            [
+              _TORCH_PYTHON.value,
+              os.path.join(ROOT, 'benchmarks', 'peer_torch_model.py'),
+              json.dumps(torch_settings(config, precision)),
+            ],
+          ),
+        ):
           result = run_child(command)
           result.update(shape=shape, precision=precision, round=round_)
           print(json.dumps(result), flush=True)

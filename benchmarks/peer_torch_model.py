@@ -28,6 +28,7 @@ one batch per step) start from our initial weights and train on our batches; 'ke
 adds epsilon as Keras's Adam does (to sqrt(v) before the bias correction: PyTorch's epsilon
 divided by sqrt(1 - beta_2^t) each step); 'losses': every step's training loss is reported.
 """
+
 import json
 import math
 import resource
@@ -60,7 +61,6 @@ def _glorot_linear(d_in, d_out):
 
 
 class Block(nn.Module):
-
   def __init__(self, d, heads, mlp_ratio):
     super().__init__()
     self.heads = heads
@@ -78,7 +78,6 @@ class Block(nn.Module):
 
 
 class TransformerLm(nn.Module):
-
   def __init__(self, vocab, context, d, heads, layers, mlp_ratio):
     super().__init__()
     self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(context, d)
@@ -89,7 +88,7 @@ class TransformerLm(nn.Module):
     self.logits = _glorot_linear(d, vocab)
 
   def forward(self, ids):
-    x = self.tokens(ids) + self.positions.weight[:ids.shape[1]][None]
+    x = self.tokens(ids) + self.positions.weight[: ids.shape[1]][None]
     for block in self.blocks:
       x = block(x)
     return self.logits(self.ln(x))
@@ -120,11 +119,16 @@ def main(settings):
     torch.set_num_threads(s['threads'])
   vocab, train, val = load_corpus(s['data'], s['val_fraction'])
   context, batch, bf16 = s['context'], s['batch_size'], s['precision'] == 'bfloat16'
-  model = TransformerLm(vocab, context, s['d_model'], s['num_heads'], s['num_layers'],
-                        s['mlp_ratio'])
-  optimizer = torch.optim.AdamW(model.parameters(), lr=s['learning_rate'],
-                                betas=(s['beta_1'], s['beta_2']), eps=s['epsilon'],
-                                weight_decay=s['weight_decay'])
+  model = TransformerLm(
+    vocab, context, s['d_model'], s['num_heads'], s['num_layers'], s['mlp_ratio']
+  )
+  optimizer = torch.optim.AdamW(
+    model.parameters(),
+    lr=s['learning_rate'],
+    betas=(s['beta_1'], s['beta_2']),
+    eps=s['epsilon'],
+    weight_decay=s['weight_decay'],
+  )
   if s.get('init'):
     with np.load(s['init']) as weights:
       model.load_state_dict({k: torch.from_numpy(weights[k]) for k in weights.files})
@@ -163,17 +167,32 @@ def main(settings):
   total = 0.0
   with torch.no_grad():
     for i in range(0, len(windows), batch):
-      w = windows[i:i + batch]
+      w = windows[i : i + batch]
       total += float(per_sequence_loss(model, w[:, :-1], w[:, 1:], bf16).sum())
   eval_wall, eval_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
   usage = resource.getrusage(resource.RUSAGE_SELF)
-  print(json.dumps({
-      'side': 'torch', 'val_loss': total / len(windows), 'last_train_loss': float(loss),
-      'train_wall_s': train_wall, 'train_cpu_s': train_cpu, 'eval_wall_s': eval_wall,
-      'eval_cpu_s': eval_cpu, 'steps': s['steps'], 'torch': torch.__version__,
-      'threads': torch.get_num_threads(), 'interop_threads': torch.get_num_interop_threads(),
-      'compile': False, 'parameters': sum(p.numel() for p in model.parameters()),
-      'peak_rss_mib': usage.ru_maxrss / 1024, 'losses': losses}), flush=True)
+  print(
+    json.dumps(
+      {
+        'side': 'torch',
+        'val_loss': total / len(windows),
+        'last_train_loss': float(loss),
+        'train_wall_s': train_wall,
+        'train_cpu_s': train_cpu,
+        'eval_wall_s': eval_wall,
+        'eval_cpu_s': eval_cpu,
+        'steps': s['steps'],
+        'torch': torch.__version__,
+        'threads': torch.get_num_threads(),
+        'interop_threads': torch.get_num_interop_threads(),
+        'compile': False,
+        'parameters': sum(p.numel() for p in model.parameters()),
+        'peak_rss_mib': usage.ru_maxrss / 1024,
+        'losses': losses,
+      }
+    ),
+    flush=True,
+  )
 
 
 if __name__ == '__main__':

@@ -18,6 +18,7 @@ shares of that sum. Rows:
     apart; ops outside any layer are the step's own (loss, loss scaling, checks, optimizer).
 A diagnostic, not a test.
 """
+
 from __future__ import annotations
 
 import collections
@@ -37,10 +38,17 @@ from benchmarks import run as bench_run  # noqa: E402  (its flags: --data_root, 
 
 _MODEL = flags.DEFINE_string('model', 'mnist_cnn', 'Module in models/.')
 _POLICY = flags.DEFINE_string('policy', 'mixed_bfloat16', 'Precision policy.')
-_SPL = flags.DEFINE_integer('steps_per_loop', None, 'Steps per compiled call (default: 10, or 1 '
-                            'for the models benchmarks/run.py runs at 1).')
-_STEPS = flags.DEFINE_integer('steps', None, 'Steps timed (default: 4 compiled calls); fit '
-                              "also traces its first execution, which it does not time.")
+_SPL = flags.DEFINE_integer(
+  'steps_per_loop',
+  None,
+  'Steps per compiled call (default: 10, or 1 for the models benchmarks/run.py runs at 1).',
+)
+_STEPS = flags.DEFINE_integer(
+  'steps',
+  None,
+  'Steps timed (default: 4 compiled calls); fit '
+  'also traces its first execution, which it does not time.',
+)
 _VS_FIT = flags.DEFINE_bool('vs_fit', False, "Also trace Keras fit (Keras's own optimizer).")
 _TOP = flags.DEFINE_integer('top', 15, 'Rows per table.')
 _PROFILE_OUT = flags.DEFINE_string('profile_out', '/tmp/profile_step', 'Trace folder.')
@@ -50,8 +58,10 @@ def op_times(logdir: str, steps: int) -> tuple[dict[str, float], int]:
   """{op name 'scope/name:Type': milliseconds per step} and the op count per step, from the
   newest trace under `logdir`."""
   from tensorflow.tsl.profiler.protobuf import xplane_pb2
-  path = max(glob.glob(os.path.join(logdir, '**', '*.xplane.pb'), recursive=True),
-             key=os.path.getmtime)
+
+  path = max(
+    glob.glob(os.path.join(logdir, '**', '*.xplane.pb'), recursive=True), key=os.path.getmtime
+  )
   space = xplane_pb2.XSpace()
   with open(path, 'rb') as f:
     space.ParseFromString(f.read())
@@ -88,15 +98,18 @@ def table(title: str, rows: dict[str, float], total: float, top: int) -> list[st
   return lines
 
 
-def summarize(label: str, wall_ms: float, times: dict, ops_per_step: int, model_name: str,
-              top: int) -> str:
+def summarize(
+  label: str, wall_ms: float, times: dict, ops_per_step: int, model_name: str, top: int
+) -> str:
   total = sum(times.values())
   by_type, by_layer = collections.Counter(), collections.Counter()
   for name, ms in times.items():
     by_type[name.rsplit(':', 1)[1]] += ms
     by_layer[layer_of(name, model_name)] += ms
-  lines = [f'== {label}: wall {wall_ms:.1f} ms/step; op time {total:.1f} ms/step over the '
-           f'compute threads ({total / wall_ms:.2f}x wall); {ops_per_step} ops/step']
+  lines = [
+    f'== {label}: wall {wall_ms:.1f} ms/step; op time {total:.1f} ms/step over the '
+    f'compute threads ({total / wall_ms:.2f}x wall); {ops_per_step} ops/step'
+  ]
   lines += table('by op type', by_type, total, top)
   lines += table('by layer', by_layer, total, top)
   return '\n'.join(lines)
@@ -108,17 +121,20 @@ def main(argv):
   import models
   import tensorflow as tf
   from benchmarks.contenders import KerasFit, Ours
+
   name = _MODEL.value
   spl = _SPL.value or bench_run.SLOW_MODELS.get(name, {}).get('steps_per_loop', 10)
   steps = _STEPS.value or 4 * spl
   steps = spl * max(1, steps // spl)
   base = bench_run.model_config(name)
   trainer_class = models.get_trainer_class(name)
-  contenders = {'ours': Ours(trainer_class, bench_run.variant(base, policy=_POLICY.value,
-                                                              steps_per_loop=spl))}
+  contenders = {
+    'ours': Ours(trainer_class, bench_run.variant(base, policy=_POLICY.value, steps_per_loop=spl))
+  }
   if _VS_FIT.value:
-    contenders['fit'] = KerasFit(trainer_class, bench_run.variant(
-        base, policy=_POLICY.value, steps_per_loop=spl, fused=False))
+    contenders['fit'] = KerasFit(
+      trainer_class, bench_run.variant(base, policy=_POLICY.value, steps_per_loop=spl, fused=False)
+    )
   print(f'{name}, {_POLICY.value}, steps_per_loop={spl}, {steps} steps timed per contender')
   for label, contender in contenders.items():
     contender.timed(spl)  # traces and compiles
@@ -133,8 +149,16 @@ def main(argv):
     # figures are per traced step, the wall per timed step.
     traced = steps + contender.untimed_steps
     times, ops = op_times(logdir, traced)
-    print(summarize(f'{label} ({traced} steps in the trace {logdir})', 1000 * wall / steps,
-                    times, ops, model_name, _TOP.value))
+    print(
+      summarize(
+        f'{label} ({traced} steps in the trace {logdir})',
+        1000 * wall / steps,
+        times,
+        ops,
+        model_name,
+        _TOP.value,
+      )
+    )
     contender.close()
 
 

@@ -23,6 +23,7 @@ softmax kept in float32 under a mixed policy, as Keras's mixed-precision guide s
 LossScaleOptimizer under mixed_float16). Seeds re-run it: the published figure is one run.
 Prints a markdown table; --out also writes it, with the raw results as JSON next to it.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,34 +44,63 @@ from benchmarks import overrides as config_overrides  # noqa: E402
 POLICIES = ('float32', 'mixed_bfloat16', 'mixed_float16')
 # name: config file, data folder under --data_root, the published figure and its metric.
 REFERENCES = {
-    'nanogpt_cpu': dict(config='configs/nanogpt_cpu.py', data='tinyshakespeare',
-                        metric='loss', published=1.88, better='lower',
-                        source='karpathy/nanoGPT README, CPU recipe (20-batch estimate)'),
-    'keras_mnist_convnet': dict(config='configs/keras_mnist_convnet.py', data='mnist',
-                                metric='accuracy', published=0.9922, better='higher',
-                                source='keras.io Simple MNIST convnet (test accuracy)'),
+  'nanogpt_cpu': dict(
+    config='configs/nanogpt_cpu.py',
+    data='tinyshakespeare',
+    metric='loss',
+    published=1.88,
+    better='lower',
+    source='karpathy/nanoGPT README, CPU recipe (20-batch estimate)',
+  ),
+  'keras_mnist_convnet': dict(
+    config='configs/keras_mnist_convnet.py',
+    data='mnist',
+    metric='accuracy',
+    published=0.9922,
+    better='higher',
+    source='keras.io Simple MNIST convnet (test accuracy)',
+  ),
 }
 NANOGPT_EVAL_ITERS = 20  # nanoGPT's --eval_iters in its CPU recipe
 
-_QUICK = flags.DEFINE_bool('quick', False, 'A few steps per cell, in this process: checks the '
-                           'plumbing; the figures mean nothing.')
+_QUICK = flags.DEFINE_bool(
+  'quick',
+  False,
+  'A few steps per cell, in this process: checks the plumbing; the figures mean nothing.',
+)
 _ONLY = flags.DEFINE_list('only', list(REFERENCES), 'References to run.')
 _POLICIES = flags.DEFINE_list('policies', list(POLICIES), 'Policies to run.')
-_DATA_ROOT = flags.DEFINE_string('data_root', os.path.join(ROOT, '..', 'shared', 'data'),
-                                 'Folder holding mnist/ and tinyshakespeare/.')
-_OUT = flags.DEFINE_string('out', '', 'Folder for references.md and references.json; '
-                           "'' = print only.")
-_CELL = flags.DEFINE_string('cell', None, 'Internal: reference:policy to run in this process, '
-                            'printing its result as one JSON line.')
-_SIDE = flags.DEFINE_enum('side', 'ours', ['ours', 'keras_fit'], "Who trains: 'ours' (the "
-                          "Trainer from the config) or 'keras_fit' (keras_mnist_convnet only: "
-                          'the example as published, with model.fit).')
-_SET = flags.DEFINE_multi_string('set', [], 'key=value overrides of every cell\'s config, e.g. '
-                                 'train.steps=500 (dotted schema keys).')
+_DATA_ROOT = flags.DEFINE_string(
+  'data_root',
+  os.path.join(ROOT, '..', 'shared', 'data'),
+  'Folder holding mnist/ and tinyshakespeare/.',
+)
+_OUT = flags.DEFINE_string(
+  'out', '', "Folder for references.md and references.json; '' = print only."
+)
+_CELL = flags.DEFINE_string(
+  'cell',
+  None,
+  'Internal: reference:policy to run in this process, printing its result as one JSON line.',
+)
+_SIDE = flags.DEFINE_enum(
+  'side',
+  'ours',
+  ['ours', 'keras_fit'],
+  "Who trains: 'ours' (the "
+  "Trainer from the config) or 'keras_fit' (keras_mnist_convnet only: "
+  'the example as published, with model.fit).',
+)
+_SET = flags.DEFINE_multi_string(
+  'set',
+  [],
+  "key=value overrides of every cell's config, e.g. train.steps=500 (dotted schema keys).",
+)
 
 
 def build_config(name: str, policy: str, data_root: str, quick: bool, overrides=()):
   from trainer import config as config_lib
+
   ref = REFERENCES[name]
   config = config_lib.load_file(os.path.join(ROOT, ref['config']))
   config.data.dir = os.path.join(data_root, ref['data'])
@@ -93,6 +123,7 @@ def nanogpt_estimate(trainer, iters: int = NANOGPT_EVAL_ITERS, seed: int = 1337)
   each batch's mean per-character cross-entropy."""
   import numpy as np
   import tensorflow as tf
+
   val, context = trainer.corpus.val, trainer.m.context
   batch = trainer.config.train.batch_size
   rng = np.random.default_rng(seed)
@@ -113,14 +144,19 @@ def nanogpt_estimate(trainer, iters: int = NANOGPT_EVAL_ITERS, seed: int = 1337)
 def run_cell(name: str, policy: str, data_root: str, quick: bool, overrides=()) -> dict:
   """Trains one reference under one policy in this process; returns its figures."""
   import models
+
   start, cpu_start = time.perf_counter(), time.process_time()
   config = build_config(name, policy, data_root, quick, overrides)
   with tempfile.TemporaryDirectory(prefix=f'ref_{name}_') as workdir:
     trainer = models.get_trainer_class(config.model)(config, workdir)
     metrics = trainer.train()
-    result = {'reference': name, 'policy': policy, 'steps': int(trainer.total_steps),
-              'metrics': {k: float(v) for k, v in metrics.items()},
-              'skipped': int(trainer.train_step.skipped_steps.numpy())}
+    result = {
+      'reference': name,
+      'policy': policy,
+      'steps': int(trainer.total_steps),
+      'metrics': {k: float(v) for k, v in metrics.items()},
+      'skipped': int(trainer.train_step.skipped_steps.numpy()),
+    }
     if name == 'nanogpt_cpu':
       result['nanogpt_estimate'] = nanogpt_estimate(trainer)
   result['wall_s'] = time.perf_counter() - start
@@ -134,6 +170,7 @@ def run_keras_example(name: str, policy: str, data_root: str, quick: bool, overr
   import keras
   from models.keras_mnist_convnet import build_convnet
   from trainer.data import mnist
+
   if name != 'keras_mnist_convnet':
     raise app.UsageError(f'--side=keras_fit runs keras_mnist_convnet only, not {name!r}')
   start, cpu_start = time.perf_counter(), time.process_time()
@@ -148,24 +185,40 @@ def run_keras_example(name: str, policy: str, data_root: str, quick: bool, overr
     n = 22 * config.train.batch_size
     x, y, epochs, split = x[:n], y[:n], 1, 1 / 11
   layers = build_convnet().layers  # its Dense emits logits; the example's ends in a softmax
-  model = keras.Sequential([keras.Input((28, 28, 1)), *layers,
-                            keras.layers.Activation('softmax', dtype='float32')])
+  model = keras.Sequential(
+    [keras.Input((28, 28, 1)), *layers, keras.layers.Activation('softmax', dtype='float32')]
+  )
   model.compile(loss='categorical_crossentropy', optimizer='adam', metrics=['accuracy'])
-  history = model.fit(x, y, batch_size=config.train.batch_size, epochs=epochs,
-                      validation_split=split, verbose=0)
+  history = model.fit(
+    x, y, batch_size=config.train.batch_size, epochs=epochs, validation_split=split, verbose=0
+  )
   loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
   steps = int(model.optimizer.iterations.numpy())
-  return {'reference': name, 'policy': policy, 'side': 'keras_fit', 'steps': steps,
-          'metrics': {'loss': float(loss), 'accuracy': float(accuracy)}, 'skipped': None,
-          'epochs': len(history.history['loss']),
-          'wall_s': time.perf_counter() - start, 'cpu_s': time.process_time() - cpu_start}
+  return {
+    'reference': name,
+    'policy': policy,
+    'side': 'keras_fit',
+    'steps': steps,
+    'metrics': {'loss': float(loss), 'accuracy': float(accuracy)},
+    'skipped': None,
+    'epochs': len(history.history['loss']),
+    'wall_s': time.perf_counter() - start,
+    'cpu_s': time.process_time() - cpu_start,
+  }
 
 
 def run_subprocess(name: str, policy: str, data_root: str, overrides=(), side='ours') -> dict:
   """run_cell (or run_keras_example) in a fresh Python (benchmarks/child.py: tried twice); wall
   and CPU-seconds are the successful child's whole life."""
-  command = [sys.executable, '-m', 'benchmarks.references', f'--cell={name}:{policy}',
-             f'--side={side}', f'--data_root={data_root}', *(f'--set={s}' for s in overrides)]
+  command = [
+    sys.executable,
+    '-m',
+    'benchmarks.references',
+    f'--cell={name}:{policy}',
+    f'--side={side}',
+    f'--data_root={data_root}',
+    *(f'--set={s}' for s in overrides),
+  ]
   result, wall, cpu = child.run(command)
   result['in_process_wall_s'], result['in_process_cpu_s'] = result['wall_s'], result['cpu_s']
   result['wall_s'], result['cpu_s'] = wall, cpu
@@ -174,9 +227,11 @@ def run_subprocess(name: str, policy: str, data_root: str, overrides=(), side='o
 
 def table(results: list[dict]) -> str:
   """The markdown table: one row per cell."""
-  lines = ['| reference | published | policy | side | full split | nanoGPT estimate | '
-           'gap to published | steps | wall s | CPU-s | cores | skipped |',
-           '|---|---|---|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    '| reference | published | policy | side | full split | nanoGPT estimate | '
+    'gap to published | steps | wall s | CPU-s | cores | skipped |',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|',
+  ]
   for r in results:
     ref = REFERENCES[r['reference']]
     full = r['metrics'][ref['metric']]
@@ -185,12 +240,13 @@ def table(results: list[dict]) -> str:
     ours = estimate if estimate is not None else full
     gap = ours - ref['published'] if ref['better'] == 'lower' else ref['published'] - ours
     lines.append(
-        f"| {r['reference']} | {ref['metric']} {ref['published']} | {r['policy']} | "
-        f"{r.get('side', 'ours')} | "
-        f"{full:.4f} | {'-' if estimate is None else f'{estimate:.4f}'} | "
-        f"{gap:+.4f} ({'worse' if gap > 0 else 'met'}) | {r['steps']} | {r['wall_s']:.0f} | "
-        f"{r['cpu_s']:.0f} | {r['cpu_s'] / r['wall_s']:.2f} | "
-        f"{'-' if r['skipped'] is None else r['skipped']} |")
+      f'| {r["reference"]} | {ref["metric"]} {ref["published"]} | {r["policy"]} | '
+      f'{r.get("side", "ours")} | '
+      f'{full:.4f} | {"-" if estimate is None else f"{estimate:.4f}"} | '
+      f'{gap:+.4f} ({"worse" if gap > 0 else "met"}) | {r["steps"]} | {r["wall_s"]:.0f} | '
+      f'{r["cpu_s"]:.0f} | {r["cpu_s"] / r["wall_s"]:.2f} | '
+      f'{"-" if r["skipped"] is None else r["skipped"]} |'
+    )
   return '\n'.join(lines)
 
 
@@ -201,11 +257,13 @@ def main(argv):
     name, policy = _CELL.value.split(':')
     print(json.dumps(cell(name, policy, _DATA_ROOT.value, False, _SET.value)), flush=True)
     return
-  unknown = sorted(set(_ONLY.value) - set(REFERENCES)) + sorted(set(_POLICIES.value) -
-                                                                  set(POLICIES))
+  unknown = sorted(set(_ONLY.value) - set(REFERENCES)) + sorted(
+    set(_POLICIES.value) - set(POLICIES)
+  )
   if unknown:
-    raise app.UsageError(f'--only/--policies: unknown {unknown[0]!r}; known: '
-                         f'{", ".join([*REFERENCES, *POLICIES])}')
+    raise app.UsageError(
+      f'--only/--policies: unknown {unknown[0]!r}; known: {", ".join([*REFERENCES, *POLICIES])}'
+    )
   results = []
   for name in _ONLY.value:
     for policy in _POLICIES.value:

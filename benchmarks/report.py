@@ -1,4 +1,5 @@
 """Writes the benchmark's results as benchmark.json, benchmark.md (tables) and benchmark.png."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,10 @@ import os
 
 # The issue's targets (medians): name -> (description, check on a model's results).
 TARGETS = {
-    'ours_over_fit': 'ours / Keras fit >= 1.10 in every policy',
-    'dynamic_overhead': 'dynamic loss scaling <= 2 % over none, in every policy',
-    'bfloat16_speedup': 'mixed_bfloat16 >= 1.5x float32 with our trainer',
-    'no_host_sync': 'no host-callback op on a finite step inside the compiled train loop',
+  'ours_over_fit': 'ours / Keras fit >= 1.10 in every policy',
+  'dynamic_overhead': 'dynamic loss scaling <= 2 % over none, in every policy',
+  'bfloat16_speedup': 'mixed_bfloat16 >= 1.5x float32 with our trainer',
+  'no_host_sync': 'no host-callback op on a finite step inside the compiled train loop',
 }
 
 
@@ -17,12 +18,15 @@ def targets(model: dict, policies) -> dict[str, bool]:
   """Judged on wall-clock medians (`model`), or per CPU second (pass `model['cpu_time']`
   merged over `model`)."""
   return {
-      'ours_over_fit': all(model['ours_over_fit'][p]['median'] >= 1.10 for p in policies),
-      'dynamic_overhead': all(model['loss_scale_overhead_pct'][p]['dynamic']['median'] <= 2.0
-                              for p in policies),
-      'bfloat16_speedup': ('mixed_bfloat16' in policies and
-                           model['speedup_over_float32']['mixed_bfloat16']['median'] >= 1.5),
-      'no_host_sync': not model['host_ops_in_train_loop'],
+    'ours_over_fit': all(model['ours_over_fit'][p]['median'] >= 1.10 for p in policies),
+    'dynamic_overhead': all(
+      model['loss_scale_overhead_pct'][p]['dynamic']['median'] <= 2.0 for p in policies
+    ),
+    'bfloat16_speedup': (
+      'mixed_bfloat16' in policies
+      and model['speedup_over_float32']['mixed_bfloat16']['median'] >= 1.5
+    ),
+    'no_host_sync': not model['host_ops_in_train_loop'],
   }
 
 
@@ -42,118 +46,174 @@ def markdown(results: dict) -> str:
   m, s = results['machine'], results['settings']
   peaks = results['peak_flops']
   lines = [
-      '# Benchmark results', '',
-      f'Machine: {m["cpu"]}, {m["cores"]} cores ({", ".join(m["cpu_flags"])}); TensorFlow '
-      f'{m["tensorflow"]}, Keras {m["keras"]}, Python {m["python"]}; load average at start '
-      f'{", ".join(f"{x:.2f}" for x in m["load_average_at_start"])}.',
-      f'Mode: {"quick (numbers mean little)" if s["quick"] else "full"}; {s["rounds"]} '
-      f'interleaved rounds of ~{s["round_seconds"]} s per contender; wall time '
-      f'{results["wall_seconds"]:.0f} s.',
-      'Cells: median (min-max) over rounds; ratios and overheads are medians of per-round '
-      'pairs. "wall" = steps per wall-clock second; "CPU" = steps per CPU-second of this process '
-      '(user + system, all threads), which other processes on a shared machine barely move.',
-      'Matmul peak (GFLOP/s): ' + ', '.join(f'{k} {v / 1e9:.1f}' for k, v in peaks.items()) + '.',
+    '# Benchmark results',
+    '',
+    f'Machine: {m["cpu"]}, {m["cores"]} cores ({", ".join(m["cpu_flags"])}); TensorFlow '
+    f'{m["tensorflow"]}, Keras {m["keras"]}, Python {m["python"]}; load average at start '
+    f'{", ".join(f"{x:.2f}" for x in m["load_average_at_start"])}.',
+    f'Mode: {"quick (numbers mean little)" if s["quick"] else "full"}; {s["rounds"]} '
+    f'interleaved rounds of ~{s["round_seconds"]} s per contender; wall time '
+    f'{results["wall_seconds"]:.0f} s.',
+    'Cells: median (min-max) over rounds; ratios and overheads are medians of per-round '
+    'pairs. "wall" = steps per wall-clock second; "CPU" = steps per CPU-second of this process '
+    '(user + system, all threads), which other processes on a shared machine barely move.',
+    'Matmul peak (GFLOP/s): ' + ', '.join(f'{k} {v / 1e9:.1f}' for k, v in peaks.items()) + '.',
   ]
   policies = s['policies']
   for name, r in results['models'].items():
     c = r['contenders']
     sps = lambda label: _r(c[label]['steps_per_sec'])
     spl = r['steps_per_loop']
-    lines += ['', f'## {name} (global batch {r["batch_size"]}, '
-              f'{r["flops_per_step"] / 1e9:.2f} GFLOP per step)', '',
-              f'### Ours vs Keras fit (steps_per_loop = steps_per_execution = {spl})', '',
-              '| policy | ours steps/s | fit steps/s | ours / fit (wall) | ours / fit (CPU) '
-              '| target >= 1.10 (wall, CPU) |', '|---|---|---|---|---|---|']
+    lines += [
+      '',
+      f'## {name} (global batch {r["batch_size"]}, {r["flops_per_step"] / 1e9:.2f} GFLOP per step)',
+      '',
+      f'### Ours vs Keras fit (steps_per_loop = steps_per_execution = {spl})',
+      '',
+      '| policy | ours steps/s | fit steps/s | ours / fit (wall) | ours / fit (CPU) '
+      '| target >= 1.10 (wall, CPU) |',
+      '|---|---|---|---|---|---|',
+    ]
     for p in policies:
       ratio, cpu_ratio = r['ours_over_fit'][p], r['cpu_time']['ours_over_fit'][p]
-      lines.append(f'| {p} | {sps(f"ours {p}")} | {sps(f"fit {p}")} | {_r(ratio, "{:.2f}")} '
-                   f'| {_r(cpu_ratio, "{:.2f}")} | {_yes(ratio["median"] >= 1.10)}, '
-                   f'{_yes(cpu_ratio["median"] >= 1.10)} |')
+      lines.append(
+        f'| {p} | {sps(f"ours {p}")} | {sps(f"fit {p}")} | {_r(ratio, "{:.2f}")} '
+        f'| {_r(cpu_ratio, "{:.2f}")} | {_yes(ratio["median"] >= 1.10)}, '
+        f'{_yes(cpu_ratio["median"] >= 1.10)} |'
+      )
     d = r['default_policy']
     fo, cpu_fo = r['fused_optimizer'], r['cpu_time']['fused_optimizer']
-    lines += ['', f'### Where ours / fit comes from ({d})', '',
-              "Our trainer uses a fused optimizer update (optimizer.fused=True, "
-              "trainer/step/fused_optimizers.py); fit above uses Keras's own. Swapping them:", '',
-              '| pair | steps/s | ratio (wall) | ratio (CPU) |', '|---|---|---|---|',
-              f'| ours with Keras\'s update / fit | {sps(f"ours {d} optimizer.fused=False")} | '
-              f'{_r(fo["ours_unfused_over_fit"], "{:.2f}")} | '
-              f'{_r(cpu_fo["ours_unfused_over_fit"], "{:.2f}")} |',
-              f'| fit with our update / fit | {sps(f"fit {d} optimizer.fused=True")} | '
-              f'{_r(fo["fit_fused_over_fit"], "{:.2f}")} | '
-              f'{_r(cpu_fo["fit_fused_over_fit"], "{:.2f}")} |',
-              f'| ours / fit with our update | | {_r(fo["ours_over_fit_fused"], "{:.2f}")} | '
-              f'{_r(cpu_fo["ours_over_fit_fused"], "{:.2f}")} |']
-    lines += ['', '### Cost of loss scaling (ours; overhead = none / mode - 1)', '',
-              '| policy | none steps/s | static steps/s | dynamic steps/s | static overhead '
-              '| dynamic overhead | dynamic overhead (CPU) | target <= 2 % (wall, CPU) |',
-              '|---|---|---|---|---|---|---|---|']
+    lines += [
+      '',
+      f'### Where ours / fit comes from ({d})',
+      '',
+      'Our trainer uses a fused optimizer update (optimizer.fused=True, '
+      "trainer/step/fused_optimizers.py); fit above uses Keras's own. Swapping them:",
+      '',
+      '| pair | steps/s | ratio (wall) | ratio (CPU) |',
+      '|---|---|---|---|',
+      f"| ours with Keras's update / fit | {sps(f'ours {d} optimizer.fused=False')} | "
+      f'{_r(fo["ours_unfused_over_fit"], "{:.2f}")} | '
+      f'{_r(cpu_fo["ours_unfused_over_fit"], "{:.2f}")} |',
+      f'| fit with our update / fit | {sps(f"fit {d} optimizer.fused=True")} | '
+      f'{_r(fo["fit_fused_over_fit"], "{:.2f}")} | '
+      f'{_r(cpu_fo["fit_fused_over_fit"], "{:.2f}")} |',
+      f'| ours / fit with our update | | {_r(fo["ours_over_fit_fused"], "{:.2f}")} | '
+      f'{_r(cpu_fo["ours_over_fit_fused"], "{:.2f}")} |',
+    ]
+    lines += [
+      '',
+      '### Cost of loss scaling (ours; overhead = none / mode - 1)',
+      '',
+      '| policy | none steps/s | static steps/s | dynamic steps/s | static overhead '
+      '| dynamic overhead | dynamic overhead (CPU) | target <= 2 % (wall, CPU) |',
+      '|---|---|---|---|---|---|---|---|',
+    ]
     for p in policies:
       auto = 'dynamic' if p == 'mixed_float16' else 'none'
       label = lambda mode: f'ours {p}' if mode == auto else f'ours {p} loss_scale={mode}'
       o, cpu_o = r['loss_scale_overhead_pct'][p], r['cpu_time']['loss_scale_overhead_pct'][p]
-      lines.append(f'| {p} | {sps(label("none"))} | {sps(label("static"))} | '
-                   f'{sps(label("dynamic"))} | {_pct(o["static"])} | {_pct(o["dynamic"])} | '
-                   f'{_pct(cpu_o["dynamic"])} | {_yes(o["dynamic"]["median"] <= 2.0)}, '
-                   f'{_yes(cpu_o["dynamic"]["median"] <= 2.0)} |')
-    lines += ['', '### Policies with our trainer: speed-up, FLOP utilisation, memory', '',
-              '| policy | steps/s | x float32 (wall) | x float32 (CPU) | GFLOP/s | MFU (of matmul '
-              'peak) | peak RSS MiB (after build) |', '|---|---|---|---|---|---|---|']
+      lines.append(
+        f'| {p} | {sps(label("none"))} | {sps(label("static"))} | '
+        f'{sps(label("dynamic"))} | {_pct(o["static"])} | {_pct(o["dynamic"])} | '
+        f'{_pct(cpu_o["dynamic"])} | {_yes(o["dynamic"]["median"] <= 2.0)}, '
+        f'{_yes(cpu_o["dynamic"]["median"] <= 2.0)} |'
+      )
+    lines += [
+      '',
+      '### Policies with our trainer: speed-up, FLOP utilisation, memory',
+      '',
+      '| policy | steps/s | x float32 (wall) | x float32 (CPU) | GFLOP/s | MFU (of matmul '
+      'peak) | peak RSS MiB (after build) |',
+      '|---|---|---|---|---|---|---|',
+    ]
     for p in policies:
       mfu, mem = r['mfu'][p], r.get('memory', {}).get(p)
       mem_text = f'{mem["peak_mib"]:.0f} ({mem["built_mib"]:.0f})' if mem else 'n/a'
-      lines.append(f'| {p} | {sps(f"ours {p}")} | {_r(r["speedup_over_float32"][p], "{:.2f}")} '
-                   f'| {_r(r["cpu_time"]["speedup_over_float32"][p], "{:.2f}")} '
-                   f'| {mfu["flops_per_sec"] / 1e9:.1f} | {100 * mfu["fraction"]:.1f} % of '
-                   f'{mfu["of_peak_dtype"]} | {mem_text} |')
+      lines.append(
+        f'| {p} | {sps(f"ours {p}")} | {_r(r["speedup_over_float32"][p], "{:.2f}")} '
+        f'| {_r(r["cpu_time"]["speedup_over_float32"][p], "{:.2f}")} '
+        f'| {mfu["flops_per_sec"] / 1e9:.1f} | {100 * mfu["fraction"]:.1f} % of '
+        f'{mfu["of_peak_dtype"]} | {mem_text} |'
+      )
     mem = r.get('memory', {})
     if mem:
-      lines += ['', '### Memory of a training step (peak RSS, MiB, a subprocess per setting)', '',
-                'step = peak after training - peak after importing TF and the project (what '
-                'building and training need); build = peak after building - after the imports.',
-                '', '| setting | step MiB | build MiB | x float32 |', '|---|---|---|---|']
+      lines += [
+        '',
+        '### Memory of a training step (peak RSS, MiB, a subprocess per setting)',
+        '',
+        'step = peak after training - peak after importing TF and the project (what '
+        'building and training need); build = peak after building - after the imports.',
+        '',
+        '| setting | step MiB | build MiB | x float32 |',
+        '|---|---|---|---|',
+      ]
       base = mem.get('float32', {}).get('step_mib')
       for key, m in mem.items():
         if 'step_mib' in m:
           ratio = f'{m["step_mib"] / base:.2f}' if base else ''
-          lines.append(f'| {key} | {m["step_mib"]:.0f} | {m["built_mib"] - m["imported_mib"]:.0f} '
-                       f'| {ratio} |')
-    lines += ['', f'### steps_per_loop and jit_compile ({d}, the default policy here)', '',
-              '| setting | ours steps/s | fit steps/s | ours / fit (wall) | ours / fit (CPU) |',
-              '|---|---|---|---|---|']
+          lines.append(
+            f'| {key} | {m["step_mib"]:.0f} | {m["built_mib"] - m["imported_mib"]:.0f} | {ratio} |'
+          )
+    lines += [
+      '',
+      f'### steps_per_loop and jit_compile ({d}, the default policy here)',
+      '',
+      '| setting | ours steps/s | fit steps/s | ours / fit (wall) | ours / fit (CPU) |',
+      '|---|---|---|---|---|',
+    ]
     for key, ratio in r['ours_over_fit'].items():
       if key in policies and key != d:
         continue
       n = spl if key in policies else int(key.rsplit('=', 1)[1])
       suffix = '' if key in policies else f' steps_per_loop={n}'
-      lines.append(f'| steps_per_loop={n} | {sps(f"ours {d}{suffix}")} | '
-                   f'{sps(f"fit {d}{suffix}")} | {_r(ratio, "{:.2f}")} | '
-                   f'{_r(r["cpu_time"]["ours_over_fit"][key], "{:.2f}")} |')
-    lines.append(f'| steps_per_loop={spl}, jit_compile=True | {sps(f"ours {d} jit_compile")} '
-                 f'| | x{_r(r["jit_speedup"], "{:.2f}")} vs no jit '
-                 f'| x{_r(r["cpu_time"]["jit_speedup"], "{:.2f}")} vs no jit |')
+      lines.append(
+        f'| steps_per_loop={n} | {sps(f"ours {d}{suffix}")} | '
+        f'{sps(f"fit {d}{suffix}")} | {_r(ratio, "{:.2f}")} | '
+        f'{_r(r["cpu_time"]["ours_over_fit"][key], "{:.2f}")} |'
+      )
+    lines.append(
+      f'| steps_per_loop={spl}, jit_compile=True | {sps(f"ours {d} jit_compile")} '
+      f'| | x{_r(r["jit_speedup"], "{:.2f}")} vs no jit '
+      f'| x{_r(r["cpu_time"]["jit_speedup"], "{:.2f}")} vs no jit |'
+    )
     met, cpu_met = r['targets_met'], r['targets_met_cpu_time']
     lines += ['', '### Targets (wall clock; per CPU second)', '']
     lines += [f'- {_yes(met[k])}; {_yes(cpu_met[k])}: {text}' for k, text in TARGETS.items()]
     if r['host_ops_in_train_loop']:
       lines.append(f'  host ops found: {", ".join(r["host_ops_in_train_loop"])}')
     if r.get('host_ops_on_skipped_steps_only'):
-      lines.append('  on the skip branch only (the skipped step\'s report line; a finite step '
-                   f'never runs it): {", ".join(r["host_ops_on_skipped_steps_only"])}')
-  lines += ['', 'FLOPs per step: forward + loss + gradients of one global batch, traced from the '
-            "model's compute_loss and counted by tf.compat.v1.profiler (float_operation); the "
-            'optimizer update is not counted. MFU = FLOPs/step x steps/s / matmul peak of the '
-            "policy's compute dtype, measured in the same process.", '']
+      lines.append(
+        "  on the skip branch only (the skipped step's report line; a finite step "
+        f'never runs it): {", ".join(r["host_ops_on_skipped_steps_only"])}'
+      )
+  lines += [
+    '',
+    'FLOPs per step: forward + loss + gradients of one global batch, traced from the '
+    "model's compute_loss and counted by tf.compat.v1.profiler (float_operation); the "
+    'optimizer update is not counted. MFU = FLOPs/step x steps/s / matmul peak of the '
+    "policy's compute dtype, measured in the same process.",
+    '',
+  ]
   return '\n'.join(lines)
 
 
 def chart(results: dict, path: str) -> None:
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   names = list(results['models'])
-  fig, axes = plt.subplots(len(names), 1, figsize=(11, 0.32 * max(
-      len(r['contenders']) for r in results['models'].values()) * len(names) + 1.5),
-      squeeze=False)
+  fig, axes = plt.subplots(
+    len(names),
+    1,
+    figsize=(
+      11,
+      0.32 * max(len(r['contenders']) for r in results['models'].values()) * len(names) + 1.5,
+    ),
+    squeeze=False,
+  )
   for ax, name in zip(axes[:, 0], names):
     contenders = results['models'][name]['contenders']
     labels = list(contenders)

@@ -19,6 +19,7 @@ Method (all in one process per model set, except memory):
     measures the same at any size, and the largest batch within a budget).
 Outputs in --out: benchmark.md (tables), benchmark.json (everything), benchmark.png (chart).
 """
+
 from __future__ import annotations
 
 import glob
@@ -39,34 +40,52 @@ if ROOT not in sys.path:
 from absl import app, flags, logging  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', os.path.join(ROOT, 'benchmarks', 'out'), 'Output folder.')
-_QUICK = flags.DEFINE_bool('quick', False, 'A few steps and 2 rounds: checks that the '
-                           'benchmark runs, numbers mean little.')
+_QUICK = flags.DEFINE_bool(
+  'quick', False, 'A few steps and 2 rounds: checks that the benchmark runs, numbers mean little.'
+)
 _MODELS = flags.DEFINE_list('models', [], 'Models (modules in models/); default: all.')
 _ROUNDS = flags.DEFINE_integer('rounds', None, 'Interleaved rounds (default 10, quick 2).')
-_ROUND_SECONDS = flags.DEFINE_float('round_seconds', None, 'Target seconds per contender per '
-                                    'round (default 1.5, quick 0).')
-_DATA_ROOT = flags.DEFINE_string('data_root', os.path.join(ROOT, '..', 'shared', 'data'),
-                                 'Folder holding one data folder per dataset (mnist, ...).')
+_ROUND_SECONDS = flags.DEFINE_float(
+  'round_seconds', None, 'Target seconds per contender per round (default 1.5, quick 0).'
+)
+_DATA_ROOT = flags.DEFINE_string(
+  'data_root',
+  os.path.join(ROOT, '..', 'shared', 'data'),
+  'Folder holding one data folder per dataset (mnist, ...).',
+)
 _DATA_DIR = flags.DEFINE_list('data_dir', [], 'model=path overrides of config.data.dir.')
-_POLICIES = flags.DEFINE_list('policies', ['float32', 'mixed_bfloat16', 'mixed_float16'],
-                              'Policies to compare; float32 and the machine\'s default policy '
-                              '(the one the steps_per_loop and jit_compile rows use) are always '
-                              'included.')
+_POLICIES = flags.DEFINE_list(
+  'policies',
+  ['float32', 'mixed_bfloat16', 'mixed_float16'],
+  "Policies to compare; float32 and the machine's default policy "
+  '(the one the steps_per_loop and jit_compile rows use) are always '
+  'included.',
+)
 _MEMORY_STEPS = flags.DEFINE_integer('memory_steps', None, 'Steps per memory subprocess.')
 _MEMORY_CHILD = flags.DEFINE_string('memory_child', None, 'Internal: model:policy to measure.')
 
 POLICIES = ('float32', 'mixed_bfloat16', 'mixed_float16')
 MODES = ('none', 'static', 'dynamic')
 STATIC_SCALE = '1024'
-COMPUTE_DTYPE = {'float32': 'float32', 'mixed_bfloat16': 'bfloat16',
-                 'mixed_float16': 'float16'}
+COMPUTE_DTYPE = {'float32': 'float32', 'mixed_bfloat16': 'bfloat16', 'mixed_float16': 'float16'}
 # Host-callback ops that would mean a sync with Python inside a compiled call.
-HOST_OPS = {'PyFunc', 'PyFuncStateless', 'EagerPyFunc', 'PrintV2', 'Print', 'DebugIdentity',
-            'DebugIdentityV2', 'DebugIdentityV3', 'CheckNumerics', 'CheckNumericsV2'}
+HOST_OPS = {
+  'PyFunc',
+  'PyFuncStateless',
+  'EagerPyFunc',
+  'PrintV2',
+  'Print',
+  'DebugIdentity',
+  'DebugIdentityV2',
+  'DebugIdentityV3',
+  'CheckNumerics',
+  'CheckNumericsV2',
+}
 
 
 def default_policy() -> str:
   from trainer.step import precision
+
   return precision.resolve('auto')[0]
 
 
@@ -82,16 +101,18 @@ def model_settings(name: str, s: dict) -> dict:
 def settings() -> dict:
   quick = _QUICK.value
   return {
-      'quick': quick,
-      'rounds': _ROUNDS.value or (2 if quick else 10),
-      'round_seconds': _ROUND_SECONDS.value if _ROUND_SECONDS.value is not None else (
-          0.0 if quick else 1.5),
-      'steps_per_loop': 2 if quick else 10,  # sections 1-3: ours and fit (= steps_per_execution)
-      'loop_sweep': (1, 2, 4) if quick else (1, 10, 100),  # section 4
-      'matmul_n': 256 if quick else 2048,
-      'memory_steps': _MEMORY_STEPS.value or (2 if quick else 50),
-      'policies': [p for p in POLICIES if p in _POLICIES.value or p == 'float32'
-                   or p == default_policy()],
+    'quick': quick,
+    'rounds': _ROUNDS.value or (2 if quick else 10),
+    'round_seconds': _ROUND_SECONDS.value
+    if _ROUND_SECONDS.value is not None
+    else (0.0 if quick else 1.5),
+    'steps_per_loop': 2 if quick else 10,  # sections 1-3: ours and fit (= steps_per_execution)
+    'loop_sweep': (1, 2, 4) if quick else (1, 10, 100),  # section 4
+    'matmul_n': 256 if quick else 2048,
+    'memory_steps': _MEMORY_STEPS.value or (2 if quick else 50),
+    'policies': [
+      p for p in POLICIES if p in _POLICIES.value or p == 'float32' or p == default_policy()
+    ],
   }
 
 
@@ -99,6 +120,7 @@ def settings() -> dict:
 def machine() -> dict:
   import keras
   import tensorflow as tf
+
   cpu, flags_ = platform.processor() or 'unknown', set()
   try:
     with open('/proc/cpuinfo') as f:
@@ -110,14 +132,15 @@ def machine() -> dict:
   except OSError:
     pass
   return {
-      'cpu': cpu,
-      'cores': os.cpu_count(),
-      'cpu_flags': sorted(flags_ & {'avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16',
-                                    'amx_tile', 'f16c'}),
-      'tensorflow': tf.__version__,
-      'keras': keras.__version__,
-      'python': platform.python_version(),
-      'load_average_at_start': list(os.getloadavg()),
+    'cpu': cpu,
+    'cores': os.cpu_count(),
+    'cpu_flags': sorted(
+      flags_ & {'avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'amx_tile', 'f16c'}
+    ),
+    'tensorflow': tf.__version__,
+    'keras': keras.__version__,
+    'python': platform.python_version(),
+    'load_average_at_start': list(os.getloadavg()),
   }
 
 
@@ -131,6 +154,7 @@ def model_config(name: str):
   """configs/<file>.py whose `config.model == name` (MODEL_CONFIGS first; else the schema
   defaults), with data.dir pointed at the local data."""
   from trainer import config as config_lib
+
   config, config_file = None, ''
   paths = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
   if name in MODEL_CONFIGS:  # the model's own config first, before reference recipes
@@ -149,11 +173,14 @@ def model_config(name: str):
   elif not config.data.dir:
     root = _DATA_ROOT.value
     folders = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    matches = [d for d in folders
-               if d in name or (config_file and (d in config_file or config_file in d))]
+    matches = [
+      d for d in folders if d in name or (config_file and (d in config_file or config_file in d))
+    ]
     if not matches:
-      raise SystemExit(f'benchmark: no data folder for model {name!r} under {root}; pass '
-                       f'--data_dir={name}=<folder>')
+      raise SystemExit(
+        f'benchmark: no data folder for model {name!r} under {root}; pass '
+        f'--data_dir={name}=<folder>'
+      )
     config.data.dir = os.path.join(root, matches[0])
   return config
 
@@ -184,28 +211,63 @@ def contender_specs(default_policy: str, s: dict) -> list[dict]:
   for policy in s['policies']:
     specs.append(dict(name=f'ours {policy}', kind='ours', policy=policy, steps_per_loop=spl))
     # What a Keras user runs: fit with keras.optimizers.Adam (AdamW, SGD).
-    specs.append(dict(name=f'fit {policy}', kind='fit', policy=policy, steps_per_loop=spl,
-                      fused=False))
+    specs.append(
+      dict(name=f'fit {policy}', kind='fit', policy=policy, steps_per_loop=spl, fused=False)
+    )
     for mode in MODES:
       auto = 'dynamic' if policy == 'mixed_float16' else 'none'
       if mode != auto:  # the 'auto' one is `ours {policy}`
-        specs.append(dict(name=f'ours {policy} loss_scale={mode}', kind='ours', policy=policy,
-                          steps_per_loop=spl,
-                          loss_scale=STATIC_SCALE if mode == 'static' else mode))
+        specs.append(
+          dict(
+            name=f'ours {policy} loss_scale={mode}',
+            kind='ours',
+            policy=policy,
+            steps_per_loop=spl,
+            loss_scale=STATIC_SCALE if mode == 'static' else mode,
+          )
+        )
   # Where ours/fit comes from: the loop alone (both with Keras's update) and fit given our
   # fused update (trainer/step/fused_optimizers.py).
-  specs.append(dict(name=f'ours {default_policy} optimizer.fused=False', kind='ours',
-                    policy=default_policy, steps_per_loop=spl, fused=False))
-  specs.append(dict(name=f'fit {default_policy} optimizer.fused=True', kind='fit',
-                    policy=default_policy, steps_per_loop=spl, fused=True))
+  specs.append(
+    dict(
+      name=f'ours {default_policy} optimizer.fused=False',
+      kind='ours',
+      policy=default_policy,
+      steps_per_loop=spl,
+      fused=False,
+    )
+  )
+  specs.append(
+    dict(
+      name=f'fit {default_policy} optimizer.fused=True',
+      kind='fit',
+      policy=default_policy,
+      steps_per_loop=spl,
+      fused=True,
+    )
+  )
   for n in s['loop_sweep']:
     if n == spl:
       continue  # `ours/fit {default_policy}` above
     for kind in ('ours', 'fit'):
-      specs.append(dict(name=f'{kind} {default_policy} steps_per_loop={n}', kind=kind,
-                        policy=default_policy, steps_per_loop=n, fused=kind == 'ours'))
-  specs.append(dict(name=f'ours {default_policy} jit_compile', kind='ours',
-                    policy=default_policy, steps_per_loop=spl, jit=True))
+      specs.append(
+        dict(
+          name=f'{kind} {default_policy} steps_per_loop={n}',
+          kind=kind,
+          policy=default_policy,
+          steps_per_loop=n,
+          fused=kind == 'ours',
+        )
+      )
+  specs.append(
+    dict(
+      name=f'ours {default_policy} jit_compile',
+      kind='ours',
+      policy=default_policy,
+      steps_per_loop=spl,
+      jit=True,
+    )
+  )
   return specs
 
 
@@ -221,9 +283,11 @@ def host_ops(ours) -> tuple[list[str], list[str]]:
   finite step can run, and those only on the skip branch (the skipped step's report line)."""
   import tensorflow as tf
   from trainer.step.train_step import SKIP_SCOPE
+
   t = ours.trainer
   concrete = t.train_step.train_loop.get_concrete_function(
-      ours.iterator, tf.constant(ours.steps_per_loop, tf.int64))
+    ours.iterator, tf.constant(ours.steps_per_loop, tf.int64)
+  )
   graph_def = concrete.graph.as_graph_def()
   nodes = list(graph_def.node)
   for function in graph_def.library.function:
@@ -247,6 +311,7 @@ def bench_model(name: str, s: dict) -> dict:
   import models
   from benchmarks import flops
   from benchmarks.contenders import KerasFit, Ours
+
   trainer_class = models.get_trainer_class(name)
   base = model_config(name)
   default = default_policy()
@@ -255,9 +320,14 @@ def bench_model(name: str, s: dict) -> dict:
 
   built = []
   for spec in specs:
-    config = variant(base, policy=spec['policy'], loss_scale=spec.get('loss_scale', 'auto'),
-                     steps_per_loop=spec['steps_per_loop'], jit=spec.get('jit', False),
-                     fused=spec.get('fused', True))
+    config = variant(
+      base,
+      policy=spec['policy'],
+      loss_scale=spec.get('loss_scale', 'auto'),
+      steps_per_loop=spec['steps_per_loop'],
+      jit=spec.get('jit', False),
+      fused=spec.get('fused', True),
+    )
     start = time.perf_counter()
     contender = (Ours if spec['kind'] == 'ours' else KerasFit)(trainer_class, config)
     spl = spec['steps_per_loop']
@@ -268,8 +338,12 @@ def bench_model(name: str, s: dict) -> dict:
     spec = dict(spec, steps_per_round=calls * spl, build_and_warmup_seconds=0.0)
     contender.timed(spec['steps_per_round'])  # one untimed round at the measured length
     spec['build_and_warmup_seconds'] = round(time.perf_counter() - start, 2)
-    logging.warning('  %-45s %5d steps/round, %.1f s to build and warm up', spec['name'],
-                    spec['steps_per_round'], spec['build_and_warmup_seconds'])
+    logging.warning(
+      '  %-45s %5d steps/round, %.1f s to build and warm up',
+      spec['name'],
+      spec['steps_per_round'],
+      spec['build_and_warmup_seconds'],
+    )
     built.append((spec, contender))
 
   ours_default = next(c for sp, c in built if sp['name'] == f'ours {default}')
@@ -285,21 +359,30 @@ def bench_model(name: str, s: dict) -> dict:
       wall, cpu = contender.timed(spec['steps_per_round'])
       rates[spec['name']].append(spec['steps_per_round'] / wall)
       cpu_rates[spec['name']].append(spec['steps_per_round'] / cpu)
-    logging.warning('%s: round %d/%d took %.1f s', name, r + 1, s['rounds'],
-                    time.perf_counter() - start)
+    logging.warning(
+      '%s: round %d/%d took %.1f s', name, r + 1, s['rounds'], time.perf_counter() - start
+    )
   for _, contender in built:
     contender.close()
 
-  result = {'batch_size': base.train.batch_size, 'default_policy': default,
-            'steps_per_loop': s['steps_per_loop'], 'flops_per_step': flops_per_step,
-            'host_ops_in_train_loop': found_host_ops,
-            'host_ops_on_skipped_steps_only': skip_only_host_ops, 'contenders': {}}
+  result = {
+    'batch_size': base.train.batch_size,
+    'default_policy': default,
+    'steps_per_loop': s['steps_per_loop'],
+    'flops_per_step': flops_per_step,
+    'host_ops_in_train_loop': found_host_ops,
+    'host_ops_on_skipped_steps_only': skip_only_host_ops,
+    'contenders': {},
+  }
   for spec, _ in built:
     name_ = spec['name']
     result['contenders'][name_] = {
-        **{k: v for k, v in spec.items() if k != 'name'},
-        'steps_per_sec': summary(rates[name_]), 'rounds': rates[name_],
-        'steps_per_cpu_sec': summary(cpu_rates[name_]), 'cpu_rounds': cpu_rates[name_]}
+      **{k: v for k, v in spec.items() if k != 'name'},
+      'steps_per_sec': summary(rates[name_]),
+      'rounds': rates[name_],
+      'steps_per_cpu_sec': summary(cpu_rates[name_]),
+      'cpu_rounds': cpu_rates[name_],
+    }
   result.update(comparisons(rates, s, default))  # wall clock: the headline numbers
   result['cpu_time'] = comparisons(cpu_rates, s, default)  # the same, per CPU second
   return result
@@ -308,32 +391,45 @@ def bench_model(name: str, s: dict) -> dict:
 def comparisons(rates: dict, s: dict, default: str) -> dict:
   """Paired per-round ratios between contenders: ours/fit, loss-scale overheads, speed-ups."""
   ratio = lambda a, b: a / b
-  out = {'ours_over_fit': {p: paired(rates[f'ours {p}'], rates[f'fit {p}'], ratio)
-                           for p in s['policies']}}
+  out = {
+    'ours_over_fit': {
+      p: paired(rates[f'ours {p}'], rates[f'fit {p}'], ratio) for p in s['policies']
+    }
+  }
   for n in s['loop_sweep']:
     if n != s['steps_per_loop']:
       out['ours_over_fit'][f'{default} steps_per_loop={n}'] = paired(
-          rates[f'ours {default} steps_per_loop={n}'],
-          rates[f'fit {default} steps_per_loop={n}'], ratio)
+        rates[f'ours {default} steps_per_loop={n}'],
+        rates[f'fit {default} steps_per_loop={n}'],
+        ratio,
+      )
 
   def by_mode(policy, mode):
     auto = 'dynamic' if policy == 'mixed_float16' else 'none'
     return rates[f'ours {policy}' if mode == auto else f'ours {policy} loss_scale={mode}']
 
   out['loss_scale_overhead_pct'] = {
-      p: {m: paired(by_mode(p, 'none'), by_mode(p, m), lambda a, b: 100.0 * (a / b - 1.0))
-          for m in ('static', 'dynamic')} for p in s['policies']}
+    p: {
+      m: paired(by_mode(p, 'none'), by_mode(p, m), lambda a, b: 100.0 * (a / b - 1.0))
+      for m in ('static', 'dynamic')
+    }
+    for p in s['policies']
+  }
   out['fused_optimizer'] = {
-      'ours_unfused_over_fit': paired(rates[f'ours {default} optimizer.fused=False'],
-                                      rates[f'fit {default}'], ratio),
-      'ours_over_fit_fused': paired(rates[f'ours {default}'],
-                                    rates[f'fit {default} optimizer.fused=True'], ratio),
-      'fit_fused_over_fit': paired(rates[f'fit {default} optimizer.fused=True'],
-                                   rates[f'fit {default}'], ratio)}
-  out['speedup_over_float32'] = {p: paired(rates[f'ours {p}'], rates['ours float32'], ratio)
-                                 for p in s['policies']}
-  out['jit_speedup'] = paired(rates[f'ours {default} jit_compile'], rates[f'ours {default}'],
-                              ratio)
+    'ours_unfused_over_fit': paired(
+      rates[f'ours {default} optimizer.fused=False'], rates[f'fit {default}'], ratio
+    ),
+    'ours_over_fit_fused': paired(
+      rates[f'ours {default}'], rates[f'fit {default} optimizer.fused=True'], ratio
+    ),
+    'fit_fused_over_fit': paired(
+      rates[f'fit {default} optimizer.fused=True'], rates[f'fit {default}'], ratio
+    ),
+  }
+  out['speedup_over_float32'] = {
+    p: paired(rates[f'ours {p}'], rates['ours float32'], ratio) for p in s['policies']
+  }
+  out['jit_speedup'] = paired(rates[f'ours {default} jit_compile'], rates[f'ours {default}'], ratio)
   return out
 
 
@@ -341,10 +437,14 @@ def mfu(result: dict, peaks: dict, policies) -> dict:
   """Achieved FLOP/s of `ours <policy>` over the matmul peak of the policy's compute dtype."""
   out = {}
   for p in policies:
-    achieved = result['flops_per_step'] * result['contenders'][f'ours {p}']['steps_per_sec'][
-        'median']
-    out[p] = {'flops_per_sec': achieved, 'of_peak_dtype': COMPUTE_DTYPE[p],
-              'fraction': achieved / peaks[COMPUTE_DTYPE[p]]}
+    achieved = (
+      result['flops_per_step'] * result['contenders'][f'ours {p}']['steps_per_sec']['median']
+    )
+    out[p] = {
+      'flops_per_sec': achieved,
+      'of_peak_dtype': COMPUTE_DTYPE[p],
+      'fraction': achieved / peaks[COMPUTE_DTYPE[p]],
+    }
   return out
 
 
@@ -357,11 +457,16 @@ def memory(name: str, s: dict) -> dict:
   """Peak RSS per policy (and train.remat setting), each in its own subprocess (peak RSS never
   falls within a process). Keys: the policy, and '<policy> remat' for remat on."""
   out = {}
-  for policy, remat in [(p, r) for p in s['policies']
-                        for r in ((False, True) if name in REMAT_MODELS else (False,))]:
-    argv = [sys.executable, os.path.abspath(__file__),
-            f'--memory_child={name}:{policy}:{int(remat)}',
-            f'--memory_steps={s["memory_steps"]}', f'--data_root={_DATA_ROOT.value}']
+  for policy, remat in [
+    (p, r) for p in s['policies'] for r in ((False, True) if name in REMAT_MODELS else (False,))
+  ]:
+    argv = [
+      sys.executable,
+      os.path.abspath(__file__),
+      f'--memory_child={name}:{policy}:{int(remat)}',
+      f'--memory_steps={s["memory_steps"]}',
+      f'--data_root={_DATA_ROOT.value}',
+    ]
     argv += [f'--data_dir={d}' for d in _DATA_DIR.value]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -391,6 +496,7 @@ def memory_child(target: str, steps: int) -> None:
   import tempfile
 
   import models
+
   imported = peak_rss_mib()
   name, policy, remat = target.split(':')
   config = variant(model_config(name), policy=policy, steps_per_loop=1)
@@ -403,9 +509,18 @@ def memory_child(target: str, steps: int) -> None:
     trainer.train_step.run(iterator, steps)
     int(trainer.global_step.numpy())
   peak = peak_rss_mib()
-  print(json.dumps({'batch_size': config.train.batch_size, 'steps': steps,
-                    'imported_mib': imported, 'built_mib': built, 'peak_mib': peak,
-                    'step_mib': peak - imported}))
+  print(
+    json.dumps(
+      {
+        'batch_size': config.train.batch_size,
+        'steps': steps,
+        'imported_mib': imported,
+        'built_mib': built,
+        'peak_mib': peak,
+        'step_mib': peak - imported,
+      }
+    )
+  )
 
 
 def main(argv):
@@ -418,15 +533,20 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from benchmarks import flops, report
   import models
+
   s = settings()
   started = time.perf_counter()
   results = {'machine': machine(), 'settings': s, 'peak_flops': {}, 'models': {}}
   memory_mib = {}
   names = _MODELS.value or models.available()
   import tensorflow as tf
+
   def measure_peaks():  # at the start and the end; the best counts (the machine is shared)
-    for dtype, n in (('float32', s['matmul_n']), ('bfloat16', s['matmul_n']),
-                     ('float16', s['matmul_n'] // 2)):
+    for dtype, n in (
+      ('float32', s['matmul_n']),
+      ('bfloat16', s['matmul_n']),
+      ('float16', s['matmul_n'] // 2),
+    ):
       value = max(results['peak_flops'].get(dtype, 0.0), flops.matmul_peak(tf.as_dtype(dtype), n))
       results['peak_flops'][dtype] = value
       logging.warning('matmul peak %s: %.1f GFLOP/s', dtype, value / 1e9)

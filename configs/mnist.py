@@ -7,6 +7,7 @@ Expected on a 2-core CPU with AVX512_BF16 (measured, seed 0): test accuracy 99.0
 1 minute (policy 'auto' = mixed_bfloat16); with --config.precision.policy=mixed_float16
 99.09 % in about 4.3 minutes (float16 is emulated on a CPU).
 """
+
 import ml_collections
 
 

@@ -6,6 +6,7 @@ Command:
 Starts from the schema's defaults (`trainer.config.defaults()`; configs/mnist.py documents every
 key) and sets only what differs from them.
 """
+
 from trainer import config as config_lib
 
 

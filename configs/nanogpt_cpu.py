@@ -24,6 +24,7 @@ the full split (mixed_bfloat16 the same with XLA on and off):
 i.e. 0.09 below the published 1.88 in every policy. Our model is not nanoGPT's (untied
 embeddings, biases, Keras's Glorot init), so the comparison is of recipes, not of code.
 """
+
 import ml_collections
 
 from trainer import config as config_lib

@@ -6,6 +6,7 @@ Starts from the schema's defaults (configs/mnist.py documents every key) and set
   python launch.py --config=configs/overflow_demo.py --config.data.dir=../shared/data/mnist \
       --workdir=runs/overflow --advise
 """
+
 import ml_collections
 
 from trainer import config as config_lib

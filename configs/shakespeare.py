@@ -9,6 +9,7 @@ Target: validation loss <= 1.70 nats/char within 20 minutes on a 2-core CPU in m
 Measured (seed 0, quiet 2-core AVX512-BF16 CPU): 1.623 at step 750, 6 minutes from launch.
 Starts from the schema's defaults (configs/mnist.py documents every key) and sets what differs.
 """
+
 import ml_collections
 
 from trainer import config as config_lib

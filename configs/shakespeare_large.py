@@ -12,6 +12,7 @@ precision matters; configs/shakespeare.py gives the better model on a CPU. Start
 configs/shakespeare.py and sets what differs. With train.remat=True the blocks recompute their
 activations (less memory, more compute); batch 32 does not need it.
 """
+
 from configs import shakespeare
 
 

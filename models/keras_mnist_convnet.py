@@ -12,6 +12,7 @@ same function, computed stably; under a mixed policy the logits stay float32).
 Model keys (config.model_config): validation_split (the share of the training images held out
 from the end, as Keras's fit does; they are not used).
 """
+
 from __future__ import annotations
 
 import keras
@@ -30,13 +31,15 @@ MODEL_DEFAULTS = dict(validation_split=0.1)
 def model_config(config) -> ml_collections.ConfigDict:
   m = model_section(config, MODEL_DEFAULTS, 'keras_mnist_convnet')
   if not 0 <= m.validation_split < 1:
-    raise ConfigError(f'config.model_config.validation_split={m.validation_split}: must be in '
-                      '[0, 1)')
+    raise ConfigError(
+      f'config.model_config.validation_split={m.validation_split}: must be in [0, 1)'
+    )
   return m
 
 
 def build_convnet() -> keras.Model:
-  return keras.Sequential([
+  return keras.Sequential(
+    [
       keras.Input((28, 28, 1)),
       keras.layers.Conv2D(32, 3, activation='relu'),
       keras.layers.MaxPooling2D(2),
@@ -45,11 +48,12 @@ def build_convnet() -> keras.Model:
       keras.layers.Flatten(),
       keras.layers.Dropout(0.5),
       keras.layers.Dense(10, dtype='float32'),  # logits, float32 under any policy
-  ], name='keras_mnist_convnet')
+    ],
+    name='keras_mnist_convnet',
+  )
 
 
 class KerasMnistConvnetTrainer(Trainer):
-
   def build_datasets(self):
     c = self.config
     m = model_config(c)
@@ -60,18 +64,22 @@ class KerasMnistConvnetTrainer(Trainer):
     def to_float(images, labels):
       return tf.cast(images, tf.float32)[..., None] / 255.0, tf.cast(labels, tf.int32)
 
-    train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-             .cache()
-             .shuffle(len(x_train), seed=c.seed, reshuffle_each_iteration=True)
-             .repeat()
-             .batch(c.train.batch_size, drop_remainder=True)
-             .map(to_float, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-             .prefetch(tf.data.AUTOTUNE))
-    eval_ = (tf.data.Dataset.from_tensor_slices((x_test, y_test))
-             .batch(c.train.batch_size)
-             .map(to_float, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-             .cache()
-             .prefetch(tf.data.AUTOTUNE))
+    train = (
+      tf.data.Dataset.from_tensor_slices((x_train, y_train))
+      .cache()
+      .shuffle(len(x_train), seed=c.seed, reshuffle_each_iteration=True)
+      .repeat()
+      .batch(c.train.batch_size, drop_remainder=True)
+      .map(to_float, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+      .prefetch(tf.data.AUTOTUNE)
+    )
+    eval_ = (
+      tf.data.Dataset.from_tensor_slices((x_test, y_test))
+      .batch(c.train.batch_size)
+      .map(to_float, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+      .cache()
+      .prefetch(tf.data.AUTOTUNE)
+    )
     return Datasets(train=train, eval=eval_, train_examples=len(x_train))
 
   def build_model(self):

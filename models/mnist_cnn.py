@@ -1,4 +1,5 @@
 """A small CNN on MNIST: Conv 32 3x3, max-pool 2x2, Conv 64 3x3, Dense 128, Dense 10 (float32)."""
+
 from __future__ import annotations
 
 import keras
@@ -20,18 +21,22 @@ def mnist_datasets(config) -> Datasets:
   def to_float(images, labels):
     return tf.cast(images, tf.float32)[..., None] / 255.0, tf.cast(labels, tf.int32)
 
-  train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-           .cache()
-           .shuffle(len(x_train), seed=config.seed, reshuffle_each_iteration=True)
-           .repeat()
-           .batch(batch, drop_remainder=True)
-           .map(to_float, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-           .prefetch(tf.data.AUTOTUNE))
-  eval_ = (tf.data.Dataset.from_tensor_slices((x_test, y_test))
-           .batch(batch)
-           .map(to_float, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-           .cache()
-           .prefetch(tf.data.AUTOTUNE))
+  train = (
+    tf.data.Dataset.from_tensor_slices((x_train, y_train))
+    .cache()
+    .shuffle(len(x_train), seed=config.seed, reshuffle_each_iteration=True)
+    .repeat()
+    .batch(batch, drop_remainder=True)
+    .map(to_float, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    .prefetch(tf.data.AUTOTUNE)
+  )
+  eval_ = (
+    tf.data.Dataset.from_tensor_slices((x_test, y_test))
+    .batch(batch)
+    .map(to_float, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    .cache()
+    .prefetch(tf.data.AUTOTUNE)
+  )
   return Datasets(train=train, eval=eval_, train_examples=len(x_train))
 
 
@@ -45,9 +50,9 @@ def classification_loss(model, batch, training):
 
 
 class MnistCnnTrainer(Trainer):
-
   def build_model(self):
-    return keras.Sequential([
+    return keras.Sequential(
+      [
         keras.Input((28, 28, 1)),
         keras.layers.Conv2D(32, 3, activation='relu'),
         keras.layers.MaxPooling2D(2),
@@ -55,7 +60,9 @@ class MnistCnnTrainer(Trainer):
         keras.layers.Flatten(),
         keras.layers.Dense(128, activation='relu'),
         keras.layers.Dense(10, dtype='float32'),  # logits stay float32 under any policy
-    ], name='mnist_cnn')
+      ],
+      name='mnist_cnn',
+    )
 
   def build_datasets(self):
     return mnist_datasets(self.config)

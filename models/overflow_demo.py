@@ -11,6 +11,7 @@
   'none'      the forward model with ordinary weights.
 The data and loss are the MNIST CNN's.
 """
+
 from __future__ import annotations
 
 import keras
@@ -23,31 +24,41 @@ CULPRIT_STDDEV = 3000.0  # glorot's stddev for 784 -> 64 is about 0.05
 
 
 class OverflowDemoTrainer(Trainer):
-
   def build_model(self):
     kind = self.config.get('model_config', {}).get('overflow', 'forward')
     if kind == 'backward':
-      return keras.Sequential([
+      return keras.Sequential(
+        [
           keras.Input((28, 28, 1)),
           keras.layers.Flatten(),
           keras.layers.Dense(64, activation='relu', name='early'),
-          keras.layers.Dense(64, name='amplifier',
-                             kernel_initializer=keras.initializers.Identity(gain=2000.0)),
+          keras.layers.Dense(
+            64, name='amplifier', kernel_initializer=keras.initializers.Identity(gain=2000.0)
+          ),
           keras.layers.Dense(10, dtype='float32', name='logits'),
-      ], name='overflow_backward')
+        ],
+        name='overflow_backward',
+      )
     if kind not in ('forward', 'none'):
-      raise ConfigError(f'config.model_config.overflow={kind!r}: must be forward, backward or '
-                        'none.')
-    init = (keras.initializers.RandomNormal(stddev=CULPRIT_STDDEV, seed=self.config.seed)
-            if kind == 'forward' else 'glorot_uniform')
-    return keras.Sequential([
+      raise ConfigError(
+        f'config.model_config.overflow={kind!r}: must be forward, backward or none.'
+      )
+    init = (
+      keras.initializers.RandomNormal(stddev=CULPRIT_STDDEV, seed=self.config.seed)
+      if kind == 'forward'
+      else 'glorot_uniform'
+    )
+    return keras.Sequential(
+      [
         keras.Input((28, 28, 1)),
         keras.layers.Flatten(),
         keras.layers.Dense(64, name='culprit', kernel_initializer=init),
         keras.layers.LayerNormalization(name='norm'),
         keras.layers.Dense(64, activation='relu', name='hidden'),
         keras.layers.Dense(10, dtype='float32', name='logits'),
-    ], name='overflow_forward')
+      ],
+      name='overflow_forward',
+    )
 
   def build_datasets(self):
     return mnist_datasets(self.config)

@@ -17,6 +17,7 @@ of attention_chunk positions, each recomputed in the backward pass; trainer/nn/l
 Sample text from a trained workdir:
   python -m models.transformer_lm --workdir=runs/shakespeare --prompt='ROMEO:' --length=300
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,17 @@ from trainer.data import shakespeare
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.nn.layers import CausalSelfAttention, TokenAndPositionEmbedding, gelu_float32
 
-MODEL_DEFAULTS = dict(context=128, d_model=128, num_heads=4, num_layers=4, mlp_ratio=4,
-                      dropout=0.0, val_fraction=0.1, attention='full', attention_chunk=64)
+MODEL_DEFAULTS = dict(
+  context=128,
+  d_model=128,
+  num_heads=4,
+  num_layers=4,
+  mlp_ratio=4,
+  dropout=0.0,
+  val_fraction=0.1,
+  attention='full',
+  attention_chunk=64,
+)
 
 
 def model_config(config) -> ml_collections.ConfigDict:
@@ -52,9 +62,17 @@ class TransformerBlock(keras.layers.Layer):
   for the audit).
   """
 
-  def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, dropout: float = 0.0,
-               remat: bool = False, attention: str = 'full', attention_chunk: int = 64,
-               **kwargs):
+  def __init__(
+    self,
+    d_model: int,
+    num_heads: int,
+    mlp_ratio: int,
+    dropout: float = 0.0,
+    remat: bool = False,
+    attention: str = 'full',
+    attention_chunk: int = 64,
+    **kwargs,
+  ):
     super().__init__(**kwargs)
     self.remat = bool(remat)
     self.d_model, self.num_heads = int(d_model), int(num_heads)
@@ -62,12 +80,19 @@ class TransformerBlock(keras.layers.Layer):
     n, p = self.name, self.dtype_policy
     self.ln1 = keras.layers.LayerNormalization(epsilon=1e-5, name=f'{n}_ln1', dtype=p)
     self.attention_kind, self.attention_chunk = attention, int(attention_chunk)
-    self.attention = CausalSelfAttention(num_heads, dropout=dropout, attention=attention,
-                                         chunk=attention_chunk, name=f'{n}_attention', dtype=p)
+    self.attention = CausalSelfAttention(
+      num_heads,
+      dropout=dropout,
+      attention=attention,
+      chunk=attention_chunk,
+      name=f'{n}_attention',
+      dtype=p,
+    )
     self.ln2 = keras.layers.LayerNormalization(epsilon=1e-5, name=f'{n}_ln2', dtype=p)
     # GELU in float32: bfloat16 element-wise erf is emulated on a CPU (trainer/nn/layers.py).
-    self.mlp_in = keras.layers.Dense(mlp_ratio * d_model, activation=gelu_float32,
-                                     name=f'{n}_mlp_in', dtype=p)
+    self.mlp_in = keras.layers.Dense(
+      mlp_ratio * d_model, activation=gelu_float32, name=f'{n}_mlp_in', dtype=p
+    )
     self.mlp_out = keras.layers.Dense(d_model, name=f'{n}_mlp_out', dtype=p)
     self.drop1 = keras.layers.Dropout(dropout, name=f'{n}_drop1', dtype=p)
     self.drop2 = keras.layers.Dropout(dropout, name=f'{n}_drop2', dtype=p)
@@ -101,9 +126,16 @@ class TransformerBlock(keras.layers.Layer):
     return input_shape
 
   def get_config(self):
-    return {**super().get_config(), 'd_model': self.d_model, 'num_heads': self.num_heads,
-            'mlp_ratio': self.mlp_ratio, 'dropout': self.dropout, 'remat': self.remat,
-            'attention': self.attention_kind, 'attention_chunk': self.attention_chunk}
+    return {
+      **super().get_config(),
+      'd_model': self.d_model,
+      'num_heads': self.num_heads,
+      'mlp_ratio': self.mlp_ratio,
+      'dropout': self.dropout,
+      'remat': self.remat,
+      'attention': self.attention_kind,
+      'attention_chunk': self.attention_chunk,
+    }
 
 
 def build_transformer(vocab_size: int, m, config=None) -> keras.Model:
@@ -112,17 +144,25 @@ def build_transformer(vocab_size: int, m, config=None) -> keras.Model:
   config = config or {}
   remat.check_no_dropout(config, m.dropout, 'config.model_config.dropout')
   if m.attention not in ('full', 'chunked'):
-    raise ConfigError(f"config.model_config.attention={m.attention!r}: must be 'full' or "
-                      "'chunked'")
+    raise ConfigError(f"config.model_config.attention={m.attention!r}: must be 'full' or 'chunked'")
   if m.attention == 'chunked' and m.dropout:
-    raise ConfigError("config.model_config.attention='chunked' recomputes the attention weights "
-                      'in the backward pass: set config.model_config.dropout=0')
+    raise ConfigError(
+      "config.model_config.attention='chunked' recomputes the attention weights "
+      'in the backward pass: set config.model_config.dropout=0'
+    )
   tokens = keras.Input((None,), dtype='int32', name='tokens')
   x = TokenAndPositionEmbedding(vocab_size, m.context, m.d_model, name='embed')(tokens)
   for i in range(m.num_layers):
-    x = TransformerBlock(m.d_model, m.num_heads, m.mlp_ratio, m.dropout,
-                         remat=remat.enabled(config), attention=m.attention,
-                         attention_chunk=m.attention_chunk, name=f'block{i}')(x)
+    x = TransformerBlock(
+      m.d_model,
+      m.num_heads,
+      m.mlp_ratio,
+      m.dropout,
+      remat=remat.enabled(config),
+      attention=m.attention,
+      attention_chunk=m.attention_chunk,
+      name=f'block{i}',
+    )(x)
   x = keras.layers.LayerNormalization(epsilon=1e-5, name='final_ln')(x)
   logits = keras.layers.Dense(vocab_size, dtype='float32', name='logits')(x)  # float32 logits
   return keras.Model(tokens, logits, name='transformer_lm')
@@ -135,7 +175,6 @@ def windows(ids: np.ndarray, length: int, stride: int) -> np.ndarray:
 
 
 class TransformerLmTrainer(Trainer):
-
   def build_datasets(self):
     c = self.config
     self.m = model_config(c)
@@ -143,8 +182,9 @@ class TransformerLmTrainer(Trainer):
     span = self.m.context + 1  # inputs and the targets shifted by one
     if len(self.corpus.val) < span:
       raise DataError(
-          f'the validation split has {len(self.corpus.val)} characters, fewer than '
-          f'config.model_config.context + 1 = {span}')
+        f'the validation split has {len(self.corpus.val)} characters, fewer than '
+        f'config.model_config.context + 1 = {span}'
+      )
     train_ids = tf.constant(self.corpus.train)
     last_start = len(self.corpus.train) - span
 
@@ -153,17 +193,21 @@ class TransformerLmTrainer(Trainer):
       return w[:, :-1], w[:, 1:]
 
     # Endless: windows at uniformly random offsets (seeded), a fresh sample every step.
-    train = (tf.data.Dataset.random(seed=c.seed)
-             .map(lambda r: tf.cast(r % (last_start + 1), tf.int32))
-             .batch(c.train.batch_size, drop_remainder=True)
-             .map(to_window, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-             .prefetch(tf.data.AUTOTUNE))
+    train = (
+      tf.data.Dataset.random(seed=c.seed)
+      .map(lambda r: tf.cast(r % (last_start + 1), tf.int32))
+      .batch(c.train.batch_size, drop_remainder=True)
+      .map(to_window, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+      .prefetch(tf.data.AUTOTUNE)
+    )
     # One pass over non-overlapping windows covering the validation split.
     val = windows(self.corpus.val, span, self.m.context)
-    eval_ = (tf.data.Dataset.from_tensor_slices((val[:, :-1], val[:, 1:]))
-             .batch(c.train.batch_size)
-             .cache()
-             .prefetch(tf.data.AUTOTUNE))
+    eval_ = (
+      tf.data.Dataset.from_tensor_slices((val[:, :-1], val[:, 1:]))
+      .batch(c.train.batch_size)
+      .cache()
+      .prefetch(tf.data.AUTOTUNE)
+    )
     return Datasets(train=train, eval=eval_, train_examples=int(last_start + 1))
 
   def build_model(self):
@@ -174,21 +218,26 @@ class TransformerLmTrainer(Trainer):
     inputs, targets = batch
     logits = tf.cast(self.model(inputs, training=training), tf.float32)
     per_char = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
-    correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), targets),
-                      tf.float32)
+    correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), targets), tf.float32)
     return tf.reduce_mean(per_char, -1), {'accuracy': tf.reduce_mean(correct, -1)}
 
   # ---- sampling ----------------------------------------------------------------------------
-  def sample(self, prompt: str = '\n', length: int = 500, temperature: float = 0.8,
-             seed: int = 0) -> str:
+  def sample(
+    self, prompt: str = '\n', length: int = 500, temperature: float = 0.8, seed: int = 0
+  ) -> str:
     """`length` characters continuing `prompt`, sampled at `temperature` from the model."""
     if temperature <= 0:
       raise ValueError(f'temperature must be > 0, got {temperature}')
     context = self.m.context
     ids = list(self.corpus.encode(prompt or '\n'))
 
-    @tf.function(input_signature=[tf.TensorSpec([1, context], tf.int32),
-                                  tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.int32)])
+    @tf.function(
+      input_signature=[
+        tf.TensorSpec([1, context], tf.int32),
+        tf.TensorSpec([], tf.int32),
+        tf.TensorSpec([2], tf.int32),
+      ]
+    )
     def next_id(window, position, rng):
       # Causal: the padding after `position` does not affect the logits at `position`.
       logits = tf.cast(self.model(window, training=False), tf.float32)[0, position]
@@ -197,20 +246,24 @@ class TransformerLmTrainer(Trainer):
     for i in range(length):
       window = ids[-context:]
       padded = np.zeros([1, context], np.int32)
-      padded[0, :len(window)] = window
+      padded[0, : len(window)] = window
       ids.append(int(next_id(padded, len(window) - 1, tf.constant([seed, i], tf.int32))))
     return self.corpus.decode(ids)
 
 
-def generate(workdir: str, prompt: str = '\n', length: int = 500, temperature: float = 0.8,
-             seed: int = 0) -> str:
+def generate(
+  workdir: str, prompt: str = '\n', length: int = 500, temperature: float = 0.8, seed: int = 0
+) -> str:
   """Restores the latest checkpoint of a Transformer LM workdir and samples text from it."""
   from trainer.run import lifecycle
   from trainer.run import config_record
+
   saved = config_record.read_config(workdir)  # the newest record; reading writes nothing
   if saved is None:
-    raise UserError(f'{os.path.join(workdir, "config.json")} not found: --workdir must be a '
-                    'folder a training run wrote')
+    raise UserError(
+      f'{os.path.join(workdir, "config.json")} not found: --workdir must be a '
+      'folder a training run wrote'
+    )
   trainer = TransformerLmTrainer(ml_collections.ConfigDict(saved), workdir)
   lifecycle.restore(trainer, 'sampling')
   return trainer.sample(prompt, length, temperature, seed)
@@ -219,17 +272,20 @@ def generate(workdir: str, prompt: str = '\n', length: int = 500, temperature: f
 def main(argv):
   del argv
   from absl import flags
+
   f = flags.FLAGS
   try:
     print(generate(f.workdir, f.prompt, f.length, f.temperature, f.seed))
   except UserError as e:
     import sys
+
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
 
 
 if __name__ == '__main__':
   from absl import app, flags
+
   flags.DEFINE_string('workdir', None, 'a workdir written by a transformer_lm training run')
   flags.DEFINE_string('prompt', '\n', 'text to continue')
   flags.DEFINE_integer('length', 500, 'characters to sample')

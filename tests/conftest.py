@@ -1,4 +1,5 @@
 """Shared fixtures: the data folder, a tiny Trainer factory, and policy reset."""
+
 import os
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -29,8 +30,10 @@ def mnist_dir():
 @pytest.fixture
 def tiny_trainer(tmp_path):
   """Makes TinyTrainers (tests/tiny.py) on a fresh workdir; dotted-key overrides."""
+
   def make(**overrides):
     return TinyTrainer(tiny_config(**overrides), str(tmp_path / 'work'))
+
   return make
 
 
@@ -41,6 +44,7 @@ def _spawning_names(module) -> set[str]:
   """The functions a test module defines or imports from tests/ that start a Python process,
   directly or through another such function."""
   import inspect
+
   sources = {}
   for name, value in vars(module).items():
     defined = getattr(inspect.getmodule(value), '__file__', '') or ''
@@ -61,6 +65,7 @@ def pytest_collection_modifyitems(items):
   """Marks `subprocess` every test that starts its own Python process (`-m subprocess` selects
   them, `-m 'not subprocess'` leaves them out)."""
   import inspect
+
   cache: dict = {}
   for item in items:
     function = getattr(item, 'function', None)

@@ -5,6 +5,7 @@ fresh process: `python tests/distribute_runs.py OUT_DIR`. It writes OUT_DIR/arra
 optimizer slots, per replica) and OUT_DIR/results.json (scalars and error messages); the tests
 assert on them.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ def small_mnist(train_examples, test_examples=None):
   """Reads the MNIST files once per process and keeps the first examples (faster runs)."""
   import functools
   from trainer.data import mnist as mnist_data
+
   load = functools.lru_cache(mnist_data.load)
 
   def subset(data_dir=''):
@@ -34,13 +36,13 @@ def small_mnist(train_examples, test_examples=None):
 
 def split_cpu():
   cpu = tf.config.list_physical_devices('CPU')[0]
-  tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+  tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 
 def config(**overrides):
   from configs import mnist
   from trainer.config import set_dotted
+
   c = mnist.get_config()
   c.data.dir = DATA
   c.train.batch_size = 32
@@ -59,6 +61,7 @@ def config(**overrides):
 
 def trainer(workdir, **overrides):
   from models.mnist_cnn import MnistCnnTrainer
+
   return MnistCnnTrainer(config(**overrides), workdir)
 
 
@@ -70,6 +73,7 @@ def local(strategy, variables):
 
 def _tf_variable(v):
   import keras
+
   return v.value if isinstance(v, keras.Variable) else v
 
 
@@ -89,18 +93,30 @@ def batchnorm(out_dir):
   small_mnist(4096)
   import keras
   from models.mnist_cnn import MnistCnnTrainer
+
   results, work = {}, os.path.join(out_dir, 'work')
   mirrored_opts = {'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:1'}
+
   # A skip injected on replica 1 leaves BatchNorm's statistics bit-identical on both.
   class BnTrainer(MnistCnnTrainer):
     def build_model(self):
-      return keras.Sequential([
-          keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(32),
-          keras.layers.BatchNormalization(), keras.layers.Activation('relu'),
-          keras.layers.Dense(10, dtype='float32')])
+      return keras.Sequential(
+        [
+          keras.Input((28, 28, 1)),
+          keras.layers.Flatten(),
+          keras.layers.Dense(32),
+          keras.layers.BatchNormalization(),
+          keras.layers.Activation('relu'),
+          keras.layers.Dense(10, dtype='float32'),
+        ]
+      )
 
-  t = BnTrainer(config(**mirrored_opts, **{'debug.inject_nonfinite_steps': '2',
-                                           'debug.inject_nonfinite_replica': 1}), work)
+  t = BnTrainer(
+    config(
+      **mirrored_opts, **{'debug.inject_nonfinite_steps': '2', 'debug.inject_nonfinite_replica': 1}
+    ),
+    work,
+  )
   it = steps(t, 2)
   before = local(t.strategy, t.model.non_trainable_variables)
   steps(t, 1, it)  # step 2: skipped everywhere
@@ -109,9 +125,11 @@ def batchnorm(out_dir):
   moved = local(t.strategy, t.model.non_trainable_variables)
   results['bn/skipped'] = int(t.train_step.skipped_steps.numpy())
   results['bn/identical_on_skip'] = all(
-      np.array_equal(b, a) for r in range(2) for b, a in zip(before[r], after[r]))
+    np.array_equal(b, a) for r in range(2) for b, a in zip(before[r], after[r])
+  )
   results['bn/moved_after'] = any(
-      not np.array_equal(b, a) for r in range(2) for b, a in zip(after[r], moved[r]))
+    not np.array_equal(b, a) for r in range(2) for b, a in zip(after[r], moved[r])
+  )
 
   with open(os.path.join(out_dir, 'results.json'), 'w') as f:
     json.dump(results, f, indent=1)
@@ -124,11 +142,17 @@ def float8(out_dir):
   sys.path.insert(0, ROOT)
   small_mnist(4096)
   from models.mnist_mlp import MnistMlpTrainer
-  opts = {'precision.policy': 'mixed_bfloat16', 'precision.float8': True,
-          'precision.loss_scale': 'dynamic', 'optimizer.name': 'sgd',
-          'optimizer.learning_rate': 0.1}
+
+  opts = {
+    'precision.policy': 'mixed_bfloat16',
+    'precision.float8': True,
+    'precision.loss_scale': 'dynamic',
+    'optimizer.name': 'sgd',
+    'optimizer.learning_rate': 0.1,
+  }
   work = os.path.join(out_dir, 'work')
   from configs import mnist_mlp
+
   base = mnist_mlp.get_config()
 
   def mlp(**more):
@@ -147,8 +171,13 @@ def float8(out_dir):
       arrays[f'replica{r}/{i}'] = w
   np.savez(os.path.join(out_dir, 'arrays.npz'), **arrays)
   with open(os.path.join(out_dir, 'results.json'), 'w') as f:
-    json.dump({'names': [v.path for v in one.model.variables],
-               'skipped': int(mirrored.train_step.skipped_steps.numpy())}, f)
+    json.dump(
+      {
+        'names': [v.path for v in one.model.variables],
+        'skipped': int(mirrored.train_step.skipped_steps.numpy()),
+      },
+      f,
+    )
 
 
 def main(out_dir):
@@ -156,17 +185,18 @@ def main(out_dir):
   sys.path.insert(0, ROOT)
   small_mnist(4096)  # every test image: eval must count all 10,000
   from trainer.errors import UserError
+
   arrays, results = {}, {}
   work = os.path.join(out_dir, 'work')
 
   # 1. mirrored on 2 replicas vs one device, same global batch, SGD with momentum, float32.
   trained, starts = {}, {}
   for clip in (0.0, 0.05):
-    opts = {'optimizer.name': 'sgd', 'optimizer.learning_rate': 0.1,
-            'optimizer.clip_norm': clip}
+    opts = {'optimizer.name': 'sgd', 'optimizer.learning_rate': 0.1, 'optimizer.clip_norm': clip}
     one = trainer(work, **opts)
-    mirrored = trainer(work, **{'distribute.strategy': 'mirrored',
-                                'distribute.devices': 'CPU:0,CPU:1', **opts})
+    mirrored = trainer(
+      work, **{'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:1', **opts}
+    )
     results['replicas'] = mirrored.strategy.num_replicas_in_sync
     starts[clip] = one.model.get_weights()
     mirrored.model.set_weights(starts[clip])
@@ -191,9 +221,16 @@ def main(out_dir):
   results['eval/one'] = {k: float(v) for k, v in means.items()}
 
   # 3. jit_compile=true under mirrored: the same as the run without XLA from the same start.
-  jit = trainer(work, **{'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:1',
-                         'optimizer.name': 'sgd', 'optimizer.learning_rate': 0.1,
-                         'train.jit_compile': 'true'})
+  jit = trainer(
+    work,
+    **{
+      'distribute.strategy': 'mirrored',
+      'distribute.devices': 'CPU:0,CPU:1',
+      'optimizer.name': 'sgd',
+      'optimizer.learning_rate': 0.1,
+      'train.jit_compile': 'true',
+    },
+  )
   jit.model.set_weights(starts[0.0])
   steps(jit, STEPS)
   for r, ws in enumerate(local(jit.strategy, jit.model.weights)):
@@ -202,19 +239,29 @@ def main(out_dir):
 
   # 4. inf on one replica only: every replica skips; weights and slots unchanged; backs off once.
   for bad in (1, 0):
-    t = trainer(work, **{'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:1',
-                         'precision.loss_scale': 'dynamic', 'precision.initial_scale': 1024.0,
-                         'debug.inject_nonfinite_steps': '1',
-                         'debug.inject_nonfinite_replica': bad})
+    t = trainer(
+      work,
+      **{
+        'distribute.strategy': 'mirrored',
+        'distribute.devices': 'CPU:0,CPU:1',
+        'precision.loss_scale': 'dynamic',
+        'precision.initial_scale': 1024.0,
+        'debug.inject_nonfinite_steps': '1',
+        'debug.inject_nonfinite_replica': bad,
+      },
+    )
     it = steps(t, 1)  # step 0: finite, creates non-zero Adam slots
     state = list(t.model.weights) + list(t.optimizer.variables)
     before = local(t.strategy, state)
     scale_before = local(t.strategy, [t.loss_scaler.scale])
     from trainer.step.loss_scale import all_finite
+
     flags = t.strategy.run(  # at step 1, which replicas would the injection poison?
-        lambda: all_finite(t.train_step._maybe_inject([tf.ones([2])])))
+      lambda: all_finite(t.train_step._maybe_inject([tf.ones([2])]))
+    )
     results[f'inject{bad}/finite_per_replica'] = [
-        bool(f) for f in t.strategy.experimental_local_results(flags)]
+      bool(f) for f in t.strategy.experimental_local_results(flags)
+    ]
     steps(t, 1, it)  # step 1: inf on replica `bad` only
     after = local(t.strategy, state)
     for r in range(2):
@@ -223,13 +270,15 @@ def main(out_dir):
         arrays[f'inject{bad}/after/replica{r}/{i}'] = a
     results[f'inject{bad}/scale_before'] = [float(s[0]) for s in scale_before]
     results[f'inject{bad}/scale_after'] = [
-        float(s[0]) for s in local(t.strategy, [t.loss_scaler.scale])]
+      float(s[0]) for s in local(t.strategy, [t.loss_scaler.scale])
+    ]
     results[f'inject{bad}/skipped'] = int(t.train_step.skipped_steps.numpy())
     results[f'inject{bad}/global_step'] = int(t.global_step.numpy())
     steps(t, 1, it)  # step 2: finite again, applied
     results[f'inject{bad}/skipped_after_next'] = int(t.train_step.skipped_steps.numpy())
-    results[f'inject{bad}/changed_after_next'] = bool(any(
-        not np.array_equal(a, b) for a, b in zip(after[0], local(t.strategy, state)[0])))
+    results[f'inject{bad}/changed_after_next'] = bool(
+      any(not np.array_equal(a, b) for a, b in zip(after[0], local(t.strategy, state)[0]))
+    )
 
   # 5. stateful metrics: the eval AUC on 2 replicas equals the one-device AUC (same weights).
   import keras
@@ -258,11 +307,14 @@ def main(out_dir):
 
   # 6. config errors that need two replicas.
   for name, overrides in {
-      'odd_batch': {'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:1',
-                    'train.batch_size': 33},
-      'no_device': {'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,GPU:3'},
-      # The CPU is split in 2 and TensorFlow runs: a split in 4 cannot happen any more.
-      'split_late': {'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:3'},
+    'odd_batch': {
+      'distribute.strategy': 'mirrored',
+      'distribute.devices': 'CPU:0,CPU:1',
+      'train.batch_size': 33,
+    },
+    'no_device': {'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,GPU:3'},
+    # The CPU is split in 2 and TensorFlow runs: a split in 4 cannot happen any more.
+    'split_late': {'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:3'},
   }.items():
     try:
       trainer(work, **overrides)

@@ -11,6 +11,7 @@ looked up in README.md and every page under docs/, so a block can move between p
 still runs it; `problems()` lists the markers that name no test file, or one that does not use
 them (tests/test_docblocks.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,9 @@ def pages(root: str = ROOT) -> list[str]:
   found = ['README.md'] if os.path.isfile(os.path.join(root, 'README.md')) else []
   for folder, dirs, files in os.walk(os.path.join(root, 'docs')):
     dirs.sort()
-    found += [os.path.relpath(os.path.join(folder, f), root) for f in sorted(files)
-              if f.endswith('.md')]
+    found += [
+      os.path.relpath(os.path.join(folder, f), root) for f in sorted(files) if f.endswith('.md')
+    ]
   return found
 
 
@@ -75,8 +77,10 @@ def find(words: str, root: str = ROOT) -> Marker:
   hits = [m for m in markers(root) if m.words == words]
   if len(hits) != 1:
     where = ', '.join(f'{m.page}:{m.line + 1}' for m in hits) or 'no page'
-    raise LookupError(f'{len(hits)} markers "... {words} -->" in README.md and docs/ '
-                      f'({where}); there must be exactly one')
+    raise LookupError(
+      f'{len(hits)} markers "... {words} -->" in README.md and docs/ '
+      f'({where}); there must be exactly one'
+    )
   return hits[0]
 
 
@@ -86,7 +90,7 @@ def _fenced(lines: list[str], start: int) -> tuple[str, str, int]:
   fence, lang = opening.group(1), opening.group(2)
   for end in range(start + 1, len(lines)):
     if lines[end].strip() == fence:
-      return lang, '\n'.join(lines[start + 1:end]) + '\n', end + 1
+      return lang, '\n'.join(lines[start + 1 : end]) + '\n', end + 1
   raise LookupError(f'the code block opening at line {start + 1} is never closed')
 
 
@@ -96,8 +100,10 @@ def block(words: str, root: str = ROOT) -> str:
   lines = _lines(root, marker.page)
   below = marker.line + 1
   if below >= len(lines) or not FENCE.match(lines[below].strip()):
-    raise LookupError(f'{marker.page}:{marker.line + 1}: the marker "{words}" is not on the line '
-                      'right above a code block')
+    raise LookupError(
+      f'{marker.page}:{marker.line + 1}: the marker "{words}" is not on the line '
+      'right above a code block'
+    )
   return _fenced(lines, below)[1]
 
 
@@ -131,8 +137,10 @@ def problems(root: str = ROOT) -> list[str]:
     else:
       with open(path, encoding='utf-8') as f:
         if m.words not in f.read():
-          found.append(f'{where}: {m.test} does not use the marker "{m.words}" (its words are '
-                       'not in the test file)')
+          found.append(
+            f'{where}: {m.test} does not use the marker "{m.words}" (its words are '
+            'not in the test file)'
+          )
     if m.words in seen:
       found.append(f'{where}: the marker "{m.words}" is also at {seen[m.words]}')
     seen.setdefault(m.words, where)

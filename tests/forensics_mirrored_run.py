@@ -6,6 +6,7 @@ MirroredStrategy on 2 logical CPUs with jit_compile, runs 2 compiled steps (both
 forward pass overflows), records the first batch's forensics and prints, one per line: the
 replica count, the skipped steps, the recorded report and the report replayed from the folder.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,6 +24,7 @@ def main(workdir):
   import models
   from trainer import config as config_lib
   from trainer.insight import forensics
+
   config = config_lib.load_file(os.path.join(ROOT, 'configs', 'overflow_demo.py'))
   config.data.dir = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
   config.distribute.strategy = 'mirrored'

@@ -5,6 +5,7 @@ MirroredStrategy, in float32, or in mixed_float16 with dynamic loss scaling and 
 non-finite step. Each setting runs in its own process (the config's seed gives every run the same
 initial weights): a second mirrored trainer with a different gradient graph in the same process
 failed in a collective with a shape mismatch (seen with remat off too; not investigated)."""
+
 from __future__ import annotations
 
 import os
@@ -18,14 +19,20 @@ STEPS = 3
 
 def main(out_dir, only, remat):
   from distribute_runs import split_cpu
+
   split_cpu()
   sys.path.insert(0, ROOT)
   from test_remat import train
+
   arrays = {}
   for name, overrides in {
-      'float32': {'precision.policy': 'float32'},
-      'mixed_float16': {'precision.policy': 'mixed_float16', 'precision.loss_scale': 'dynamic',
-                        'debug.inject_nonfinite_steps': '2'}}.items():
+    'float32': {'precision.policy': 'float32'},
+    'mixed_float16': {
+      'precision.policy': 'mixed_float16',
+      'precision.loss_scale': 'dynamic',
+      'debug.inject_nonfinite_steps': '2',
+    },
+  }.items():
     if name != only:
       continue
     overrides.update({'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0,CPU:1'})

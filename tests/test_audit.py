@@ -1,4 +1,5 @@
 """trainer.audit: the per-layer dtype table and the hazards it flags, and launch.py --audit."""
+
 import os
 import subprocess
 import sys
@@ -31,13 +32,19 @@ class Float32Inside(keras.layers.Layer):
 
 
 def test_clean_mixed_model_has_float32_variables_and_logits(mixed_float16):
-  model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation='relu',
-                                                                  name='hidden'),
-                            keras.layers.Dense(3, dtype='float32')], name='clean')
+  model = keras.Sequential(
+    [
+      keras.Input((8,)),
+      keras.layers.Dense(16, activation='relu', name='hidden'),
+      keras.layers.Dense(3, dtype='float32'),
+    ],
+    name='clean',
+  )
   rows, hazards = audit.audit(model)
   assert [(r.cls, r.compute_dtype, r.variable_dtype, r.output_dtype, r.params) for r in rows] == [
-      ('Dense', 'float16', 'float32', 'float16', 8 * 16 + 16),
-      ('Dense', 'float32', 'float32', 'float32', 16 * 3 + 3)]
+    ('Dense', 'float16', 'float32', 'float16', 8 * 16 + 16),
+    ('Dense', 'float32', 'float32', 'float32', 16 * 3 + 3),
+  ]
   assert hazards == []
   text = audit.markdown(model, mixed_float16, rows, hazards)
   assert '| hidden | Dense | float16 | float32 | float16 | 144 |' in text
@@ -45,19 +52,23 @@ def test_clean_mixed_model_has_float32_variables_and_logits(mixed_float16):
 
 
 def test_flags_each_hazard_once(mixed_float16):
-  model = keras.Sequential([
+  model = keras.Sequential(
+    [
       keras.Input((8,)),
       keras.layers.Dense(16, dtype='float16', name='half_weights'),
       Float32Inside(name='float32_inside'),
       keras.layers.Dense(16, name='ok'),
       keras.layers.Dense(3, activation='softmax', name='half_softmax'),  # float16 output too
-  ])
+    ]
+  )
   _, hazards = audit.audit(model)
   found = sorted((h.layer, h.kind) for h in hazards)
-  assert found == [('float32_inside', 'not autocast'),
-                   ('half_softmax', 'low-precision logits'),  # named by the layer making it
-                   ('half_softmax', 'low-precision softmax'),
-                   ('half_weights', 'low-precision variables')]
+  assert found == [
+    ('float32_inside', 'not autocast'),
+    ('half_softmax', 'low-precision logits'),  # named by the layer making it
+    ('half_softmax', 'low-precision softmax'),
+    ('half_weights', 'low-precision variables'),
+  ]
   assert all('float32' in h.message for h in hazards)  # each says what to do
 
 
@@ -81,9 +92,14 @@ def test_a_subclassed_model_is_audited_through_one_forward_pass(mixed_float16):
   assert [r.output_dtype for r in rows] == ['?'] * 3 and hazards == []
   rows, hazards = audit.audit(model, run=lambda: model(tf.ones([2, 8])))
   assert [(r.name, r.output_dtype) for r in rows] == [
-      ('hidden', 'float16'), ('float32_inside', 'float32'), ('head', 'float16')]
-  assert sorted((h.layer, h.kind) for h in hazards) == [('float32_inside', 'not autocast'),
-                                                         ('head', 'low-precision logits')]
+    ('hidden', 'float16'),
+    ('float32_inside', 'float32'),
+    ('head', 'float16'),
+  ]
+  assert sorted((h.layer, h.kind) for h in hazards) == [
+    ('float32_inside', 'not autocast'),
+    ('head', 'low-precision logits'),
+  ]
   assert 'call' not in vars(model) and 'call' not in vars(model.head)  # the hooks are gone
 
 
@@ -104,10 +120,12 @@ def test_float_token_ids_into_an_embedding(policy):
   reaches it as float32 (an Embedding does not autocast): exact, as integer ids are."""
   keras.mixed_precision.set_global_policy(policy)
   try:
+
     def functional(dtype):
       ids = keras.Input((4,), dtype=dtype)
       embedded = keras.layers.Embedding(5000, 4, name='embed')(ids)
       return keras.Model(ids, keras.layers.Dense(3, dtype='float32')(embedded))
+
     assert audit.audit(functional('float32'))[1] == []
     assert audit.audit(functional('int32'))[1] == []
     model = FloatIds()
@@ -156,8 +174,9 @@ def test_a_failing_forward_pass_leaves_the_audit_without_output_dtypes(mixed_flo
 
 
 def test_nested_models_are_walked(mixed_float16):
-  inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name='inner_dense')],
-                           name='inner')
+  inner = keras.Sequential(
+    [keras.Input((4,)), keras.layers.Dense(5, name='inner_dense')], name='inner'
+  )
   outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(2, dtype='float32')])
   names = [r.name for r in audit.audit(outer)[0]]
   assert names[:2] == ['inner', 'inner/inner_dense']
@@ -166,14 +185,24 @@ def test_nested_models_are_walked(mixed_float16):
 def test_launch_audit_prints_and_writes_markdown(tmp_path):
   workdir = tmp_path / 'run'
   result = subprocess.run(
-      [sys.executable, 'launch.py', '--config=configs/shakespeare.py', '--audit',
-       '--config.data.dir=../shared/data/tinyshakespeare', f'--workdir={workdir}',
-       '--config.model_config.num_layers=1', '--config.precision.policy=mixed_float16'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+    [
+      sys.executable,
+      'launch.py',
+      '--config=configs/shakespeare.py',
+      '--audit',
+      '--config.data.dir=../shared/data/tinyshakespeare',
+      f'--workdir={workdir}',
+      '--config.model_config.num_layers=1',
+      '--config.precision.policy=mixed_float16',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
+  )
   assert result.returncode == 0, result.stderr[-2000:]
-  assert ('| block0/block0_attention | CausalSelfAttention | float16 | float32 |'
-          in result.stdout)
+  assert '| block0/block0_attention | CausalSelfAttention | float16 | float32 |' in result.stdout
   assert '| logits | Dense | float32 | float32 | float32 |' in result.stdout
   assert 'No hazards' in result.stdout
   assert (workdir / 'audit.md').read_text() == result.stdout.rstrip('\n') + '\n'

@@ -1,6 +1,7 @@
 """One source of truth for choices: trainer/config.py defines the policies, loss-scale modes and
 strategies that precision, loss_scale and distribute implement; the schema reads the optimizer
 registry (issue 10 item 7)."""
+
 import keras
 import numpy as np
 import pytest
@@ -22,11 +23,14 @@ def valid(key, value):
   return config_lib.validate(config)
 
 
-@pytest.mark.parametrize('key, choices', [
+@pytest.mark.parametrize(
+  'key, choices',
+  [
     ('precision.policy', precision.POLICIES),
     ('distribute.strategy', distribute.STRATEGIES),
     ('precision.loss_scale', [m for m in loss_scale.MODES if m != 'static']),
-])
+  ],
+)
 def test_every_implemented_choice_validates(key, choices):
   for choice in choices:
     assert config_lib.flatten(valid(key, choice))[key] == choice
@@ -35,8 +39,9 @@ def test_every_implemented_choice_validates(key, choices):
 def test_every_loss_scale_choice_builds_its_mode():
   for mode in loss_scale.MODES:
     text = '128' if mode == 'static' else mode
-    scaler = loss_scale.LossScaler.from_config(valid('precision.loss_scale', text).precision,
-                                               'mixed_float16')
+    scaler = loss_scale.LossScaler.from_config(
+      valid('precision.loss_scale', text).precision, 'mixed_float16'
+    )
     assert scaler.mode == mode
 
 
@@ -58,8 +63,10 @@ def test_registered_optimizer_validates_and_trains(tmp_path, monkeypatch):
 
   trainer.register_optimizer('lion', lion)
   assert 'lion' in registry.names()
-  run = TinyTrainer(tiny_config(**{'optimizer.name': 'lion', 'optimizer.learning_rate': 1e-4,
-                                   'train.steps': 10}), str(tmp_path / 'run'))
+  run = TinyTrainer(
+    tiny_config(**{'optimizer.name': 'lion', 'optimizer.learning_rate': 1e-4, 'train.steps': 10}),
+    str(tmp_path / 'run'),
+  )
   assert isinstance(run.optimizer, keras.optimizers.Lion) and calls == ['lion']
   before = [w.copy() for w in run.model.get_weights()]
   metrics = run.train()

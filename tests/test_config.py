@@ -1,4 +1,5 @@
 """trainer/config.py: defaults, filling, coercion and errors that name the key."""
+
 import ml_collections
 import pytest
 
@@ -22,7 +23,9 @@ def test_missing_keys_are_filled():
   assert config_lib.validate(config).precision.hysteresis == 1
 
 
-@pytest.mark.parametrize('key, value, words', [
+@pytest.mark.parametrize(
+  'key, value, words',
+  [
     ('train.batch_size', -1, 'config.train.batch_size=-1: must be > 0'),
     ('train.steps', -5, 'config.train.steps=-5: must be >= 0'),
     ('precision.policy', 'fp8', "config.precision.policy='fp8'"),
@@ -34,10 +37,15 @@ def test_missing_keys_are_filled():
     ('train.log_every', 150, 'config.train.log_every=150 must be a multiple'),
     ('train.batch_size', 'big', 'config.train.batch_size must be int'),
     ('debug.inject_nonfinite_steps', '3,x', 'config.debug.inject_nonfinite_steps'),
-    ('train.jit_compile', 'float32,bf16', "config.train.jit_compile='float32,bf16': must be auto, "
-     "true, false or policies from float32, mixed_float16, mixed_bfloat16, comma-separated (not "
-     "'bf16')"),
-])
+    (
+      'train.jit_compile',
+      'float32,bf16',
+      "config.train.jit_compile='float32,bf16': must be auto, "
+      'true, false or policies from float32, mixed_float16, mixed_bfloat16, comma-separated (not '
+      "'bf16')",
+    ),
+  ],
+)
 def test_bad_values_name_the_key(key, value, words):
   raw = config_lib.defaults().to_dict()  # a plain dict: ConfigDict would refuse a wrong type
   config_lib.set_dotted(raw, key, value)
@@ -59,16 +67,26 @@ def test_model_section_fills_defaults_and_names_an_unknown_key():
   m = models.model_section(config, {'d_model': 128, 'layers': 2}, 'the test model')
   assert m.to_dict() == {'d_model': 64, 'layers': 2}
   config.model_config.dmodel = 32
-  with pytest.raises(ConfigError, match=r'^config\.model_config\.dmodel is not a key of the test '
-                     r'model; known: d_model, layers$'):
+  with pytest.raises(
+    ConfigError,
+    match=r'^config\.model_config\.dmodel is not a key of the test '
+    r'model; known: d_model, layers$',
+  ):
     models.model_section(config, {'d_model': 128, 'layers': 2}, 'the test model')
 
 
 def test_benchmark_overrides_convert_to_the_current_type():
   config = config_lib.defaults()
-  overrides.apply(config, ['train.remat=false', 'train.steps=7',
-                                      'optimizer.learning_rate=0.5', 'train.jit_compile=true',
-                                      'model_config.attention=chunked'])
+  overrides.apply(
+    config,
+    [
+      'train.remat=false',
+      'train.steps=7',
+      'optimizer.learning_rate=0.5',
+      'train.jit_compile=true',
+      'model_config.attention=chunked',
+    ],
+  )
   assert config.train.remat is False  # bool('false') would be True
   assert config.train.steps == 7 and config.optimizer.learning_rate == 0.5
   assert config.train.jit_compile == 'true' and config.model_config.attention == 'chunked'
@@ -76,12 +94,23 @@ def test_benchmark_overrides_convert_to_the_current_type():
   assert config.train.remat is True
 
 
-@pytest.mark.parametrize('setting, policy, on', [
-    ('true', 'mixed_bfloat16', True), ('false', 'float32', False),
-    ('float32,mixed_float16', 'float32', True), ('float32,mixed_float16', 'mixed_float16', True),
-    ('float32,mixed_float16', 'mixed_bfloat16', False), ('mixed_bfloat16', 'float32', False)])
+@pytest.mark.parametrize(
+  'setting, policy, on',
+  [
+    ('true', 'mixed_bfloat16', True),
+    ('false', 'float32', False),
+    ('float32,mixed_float16', 'float32', True),
+    ('float32,mixed_float16', 'mixed_float16', True),
+    ('float32,mixed_float16', 'mixed_bfloat16', False),
+    ('mixed_bfloat16', 'float32', False),
+  ],
+)
 def test_jit_compile_may_name_the_policies_it_is_on_under(setting, policy, on):
   from trainer.run import build
-  config_lib.validate(ml_collections.ConfigDict(
-      {**config_lib.defaults().to_dict(), 'train': {'jit_compile': setting}}))  # valid
+
+  config_lib.validate(
+    ml_collections.ConfigDict(
+      {**config_lib.defaults().to_dict(), 'train': {'jit_compile': setting}}
+    )
+  )  # valid
   assert build.jit(setting, policy) is on

@@ -4,6 +4,7 @@ one-line UserError naming the hook, what it returned and the fix, raised before 
 opened (nothing written); or, for the last three rows, training that works (no .repeat()) or
 starts with a clear message (float16 variables: an error unless allowed; float16 logits: a
 warning)."""
+
 import os
 
 import keras
@@ -28,6 +29,7 @@ def images_and_labels():
 
 class FashionTrainer(Trainer):
   """Correct hooks; each test breaks one of them as the issue's table did."""
+
   labels_column = False  # y.reshape(-1, 1)
   eval_batched = True
   repeat = True
@@ -35,14 +37,17 @@ class FashionTrainer(Trainer):
   logits_dtype = 'float32'
 
   def build_model(self):
-    return keras.Sequential([
+    return keras.Sequential(
+      [
         keras.Input((28, 28, 1)),
         keras.layers.Conv2D(4, 3, activation='relu'),
         keras.layers.MaxPooling2D(4),
         keras.layers.Flatten(),
         keras.layers.Dense(16, activation='relu', dtype=self.hidden_dtype),
         keras.layers.Dense(10, dtype=self.logits_dtype),
-    ], name='fashion')
+      ],
+      name='fashion',
+    )
 
   def build_datasets(self):
     x, y = images_and_labels()
@@ -54,8 +59,9 @@ class FashionTrainer(Trainer):
     if self.repeat:
       train = train.repeat()
     train = train.batch(batch, drop_remainder=True)
-    return Datasets(train=train, eval=data.batch(batch) if self.eval_batched else data,
-                    train_examples=N)
+    return Datasets(
+      train=train, eval=data.batch(batch) if self.eval_batched else data, train_examples=N
+    )
 
   def logits(self, images, training):
     return tf.cast(self.model(images, training=training), tf.float32)
@@ -90,6 +96,7 @@ def test_correct_hooks_pass_and_train(tmp_path):
 def test_labels_shaped_b_by_1(tmp_path):
   class Column(FashionTrainer):
     labels_column = True
+
   message = rejected(Column, tmp_path)
   assert message.startswith("compute_loss returned the metric 'accuracy' of shape [32, 32]")
   assert 'int32 [32, 1]' in message and 'y.reshape(-1)' in message
@@ -100,6 +107,7 @@ def test_metric_returned_as_the_batch_mean(tmp_path):
     def compute_loss(self, batch, *, training):
       loss, metrics = super().compute_loss(batch, training=training)
       return loss, {'accuracy': tf.reduce_mean(metrics['accuracy'])}
+
   message = rejected(Mean, tmp_path)
   assert "the metric 'accuracy' as a scalar (float32 [])" in message
   assert 'one value per example, shape [B]' in message
@@ -110,6 +118,7 @@ def test_scalar_loss(tmp_path):
     def compute_loss(self, batch, *, training):
       loss, metrics = super().compute_loss(batch, training=training)
       return tf.reduce_mean(loss), metrics
+
   message = rejected(ScalarLoss, tmp_path)
   assert message.startswith('compute_loss returned the loss as a scalar (float32 [])')
   assert 'drop the tf.reduce_mean' in message
@@ -122,6 +131,7 @@ def test_loss_of_shape_b_by_10(tmp_path):
       logits = self.logits(images, training)
       loss = tf.nn.softmax_cross_entropy_with_logits(tf.one_hot(labels, 10), logits)[:, None]
       return loss * tf.ones([1, 10]), {}
+
   message = rejected(WideLoss, tmp_path)
   assert message.startswith('compute_loss returned the loss of shape [32, 10] (float32 [32, 10])')
   assert 'it must be [B]' in message
@@ -131,6 +141,7 @@ def test_only_the_loss_returned(tmp_path):
   class LossOnly(FashionTrainer):
     def compute_loss(self, batch, *, training):
       return super().compute_loss(batch, training=training)[0]
+
   message = rejected(LossOnly, tmp_path)
   assert message.startswith('compute_loss returned float32 [32]; return a pair')
   assert 'return loss, {}' in message
@@ -139,6 +150,7 @@ def test_only_the_loss_returned(tmp_path):
 def test_eval_dataset_not_batched(tmp_path):
   class Unbatched(FashionTrainer):
     eval_batched = False
+
   message = rejected(Unbatched, tmp_path)
   assert message.startswith('build_datasets returned an unbatched Datasets.eval')
   assert 'float32 [28, 28, 1], int32 []' in message
@@ -148,6 +160,7 @@ def test_eval_dataset_not_batched(tmp_path):
 def test_no_repeat_on_the_train_set_trains_past_the_epoch(tmp_path):
   class Finite(FashionTrainer):
     repeat = False
+
   # 256 examples / 32 = 8 batches per epoch; three epochs cross the end of the data twice.
   trainer = Finite(config(**{'train.epochs': 3}), str(tmp_path / 'work'))
   assert trainer.total_steps == 24
@@ -158,6 +171,7 @@ def test_no_repeat_on_the_train_set_trains_past_the_epoch(tmp_path):
 def test_float16_layer_is_an_error_unless_allowed(tmp_path):
   class Half(FashionTrainer):
     hidden_dtype = 'float16'
+
   trainer = Half(config(), str(tmp_path / 'work'))
   with pytest.raises(ConfigError) as info:
     trainer.train()
@@ -165,8 +179,10 @@ def test_float16_layer_is_an_error_unless_allowed(tmp_path):
   assert '\n' not in message and 'low-precision variables' in message
   assert 'config.precision.allow_low_precision_variables=True' in message
   assert int(trainer.global_step.numpy()) == 0
-  allowed = Half(config(**{'precision.allow_low_precision_variables': True,
-                           'train.steps': 4}), str(tmp_path / 'allowed'))
+  allowed = Half(
+    config(**{'precision.allow_low_precision_variables': True, 'train.steps': 4}),
+    str(tmp_path / 'allowed'),
+  )
   allowed.train()
   assert int(allowed.global_step.numpy()) == 4
 
@@ -174,10 +190,12 @@ def test_float16_layer_is_an_error_unless_allowed(tmp_path):
 def test_low_precision_logits_warn_when_training_starts(tmp_path, monkeypatch):
   class HalfLogits(FashionTrainer):
     logits_dtype = None  # follows the mixed policy: bfloat16 logits
+
   warnings = []
   monkeypatch.setattr(logging, 'warning', lambda msg, *args: warnings.append(msg % args))
-  trainer = HalfLogits(config(**{'precision.policy': 'mixed_bfloat16', 'train.steps': 2}),
-                       str(tmp_path / 'work'))
+  trainer = HalfLogits(
+    config(**{'precision.policy': 'mixed_bfloat16', 'train.steps': 2}), str(tmp_path / 'work')
+  )
   trainer.train()
   hazards = [w for w in warnings if w.startswith('precision hazard')]
   assert len(hazards) == 1 and 'low-precision logits' in hazards[0]
@@ -187,8 +205,9 @@ def test_low_precision_logits_warn_when_training_starts(tmp_path, monkeypatch):
 def test_clean_model_starts_without_hazard_warnings(tmp_path, monkeypatch):
   warnings = []
   monkeypatch.setattr(logging, 'warning', lambda msg, *args: warnings.append(msg % args))
-  FashionTrainer(config(**{'precision.policy': 'mixed_bfloat16', 'train.steps': 2}),
-                 str(tmp_path / 'work')).train()
+  FashionTrainer(
+    config(**{'precision.policy': 'mixed_bfloat16', 'train.steps': 2}), str(tmp_path / 'work')
+  ).train()
   assert not [w for w in warnings if w.startswith('precision hazard')]
 
 
@@ -196,9 +215,10 @@ def test_a_contract_error_exits_2_from_launch(tmp_path):
   """The launcher path: a models/ module with a scalar loss; error line, exit 2, no workdir."""
   import subprocess
   import sys
+
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   script = tmp_path / 'run.py'
-  script.write_text(f'''
+  script.write_text(f"""
 import sys
 sys.path[:0] = [{root!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
 import launch, models
@@ -213,11 +233,15 @@ class ScalarLoss(FashionTrainer):
 models.get_trainer_class = lambda name: ScalarLoss
 from absl import app
 app.run(launch.main, flags_parser=launch.parse_flags)
-''')
+""")
   workdir = tmp_path / 'work'
   result = subprocess.run(
-      [sys.executable, str(script), f'--config={root}/configs/mnist.py',
-       f'--workdir={workdir}'], capture_output=True, text=True, timeout=120, cwd=root)
+    [sys.executable, str(script), f'--config={root}/configs/mnist.py', f'--workdir={workdir}'],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=root,
+  )
   assert result.returncode == 2, result.stderr[-2000:]
   errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
   assert errors == [errors[0]] and 'compute_loss returned the loss as a scalar' in errors[0]

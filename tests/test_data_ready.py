@@ -1,5 +1,6 @@
 """trainer/data/ready.py: a ready Datasets from NumPy arrays (the real MNIST files), a folder of
 PNGs per class written here, and a TensorFlow Datasets builder prepared here (no download)."""
+
 import gc
 import os
 import types
@@ -40,13 +41,17 @@ def test_from_arrays_on_mnist(mnist_dir):
   first, again = (ready.from_arrays(config, train=(x, y), eval=(xt, yt)) for _ in range(2))
   epoch = labels_of(first.train, 15)
   np.testing.assert_array_equal(epoch, labels_of(again.train, 15))
-  assert np.bincount(epoch, minlength=10).tolist() != np.bincount(y[:960], minlength=10).tolist() \
-      or not np.array_equal(epoch, y[:960])  # not the file order
-  other = ready.from_arrays(tiny_config(**{'train.batch_size': 64, 'seed': 1}),
-                            train=(x, y), eval=(xt, yt))
+  assert np.bincount(epoch, minlength=10).tolist() != np.bincount(
+    y[:960], minlength=10
+  ).tolist() or not np.array_equal(epoch, y[:960])  # not the file order
+  other = ready.from_arrays(
+    tiny_config(**{'train.batch_size': 64, 'seed': 1}), train=(x, y), eval=(xt, yt)
+  )
   assert not np.array_equal(epoch, labels_of(other.train, 15))
-  assert data.train.options().experimental_distribute.auto_shard_policy == \
-      tf.data.experimental.AutoShardPolicy.DATA
+  assert (
+    data.train.options().experimental_distribute.auto_shard_policy
+    == tf.data.experimental.AutoShardPolicy.DATA
+  )
   with pytest.raises(DataError, match='from_arrays: train has 1000 examples but 999 labels'):
     ready.from_arrays(config, train=(x, y[:999]), eval=(xt, yt))
 
@@ -56,8 +61,9 @@ def write_pngs(root, classes=('cat', 'dog', 'frog'), per_class=8, size=(10, 12))
   for c, name in enumerate(classes):
     os.makedirs(root / name)
     for i in range(per_class):
-      pixels = np.full(size + (3,), 80 * c, np.uint8) + rng.integers(0, 20, size + (3,),
-                                                                     dtype=np.uint8)
+      pixels = np.full(size + (3,), 80 * c, np.uint8) + rng.integers(
+        0, 20, size + (3,), dtype=np.uint8
+      )
       (root / name / f'{i}.png').write_bytes(tf.io.encode_png(pixels).numpy())
 
 
@@ -65,27 +71,40 @@ class FolderTrainer(Trainer):
   """A typical model whose build_datasets is one call."""
 
   def build_datasets(self):
-    return ready.from_image_folder(self.config, self.config.data.dir, image_size=(10, 12),
-                                   eval_fraction=0.25, color_mode='grayscale')
+    return ready.from_image_folder(
+      self.config,
+      self.config.data.dir,
+      image_size=(10, 12),
+      eval_fraction=0.25,
+      color_mode='grayscale',
+    )
 
   def build_model(self):
-    return keras.Sequential([keras.Input((10, 12, 1)), keras.layers.Conv2D(4, 3),
-                             keras.layers.Flatten(), keras.layers.Dense(3, dtype='float32')])
+    return keras.Sequential(
+      [
+        keras.Input((10, 12, 1)),
+        keras.layers.Conv2D(4, 3),
+        keras.layers.Flatten(),
+        keras.layers.Dense(3, dtype='float32'),
+      ]
+    )
 
   def compute_loss(self, batch, *, training):
     images, labels = batch
     logits = tf.cast(self.model(images, training=training), tf.float32)
     loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-    return loss, {'accuracy': tf.cast(tf.argmax(logits, -1, output_type=tf.int32) == labels,
-                                      tf.float32)}
+    return loss, {
+      'accuracy': tf.cast(tf.argmax(logits, -1, output_type=tf.int32) == labels, tf.float32)
+    }
 
 
 def test_from_image_folder(tmp_path):
   write_pngs(tmp_path / 'train')
   write_pngs(tmp_path / 'test', per_class=3)
   config = tiny_config(**{'train.batch_size': 4})
-  data = ready.from_image_folder(config, str(tmp_path / 'train'), image_size=(10, 12),
-                                 eval_directory=str(tmp_path / 'test'))
+  data = ready.from_image_folder(
+    config, str(tmp_path / 'train'), image_size=(10, 12), eval_directory=str(tmp_path / 'test')
+  )
   assert data.train_examples == 24
   images, labels = next(iter(data.train))
   assert images.shape == (4, 10, 12, 3) and images.dtype == tf.float32
@@ -97,9 +116,17 @@ def test_from_image_folder(tmp_path):
   np.testing.assert_array_equal(np.sort(eval_labels), [0, 0, 0, 1, 1, 1, 2, 2, 2])
 
   # eval_fraction: 6 of the 24 images held out, and a Trainer built on it trains.
-  trainer = FolderTrainer(tiny_config(**{'data.dir': str(tmp_path / 'train'), 'model': 'folder',
-                                         'train.batch_size': 4, 'train.steps': 10}),
-                          str(tmp_path / 'work'))
+  trainer = FolderTrainer(
+    tiny_config(
+      **{
+        'data.dir': str(tmp_path / 'train'),
+        'model': 'folder',
+        'train.batch_size': 4,
+        'train.steps': 10,
+      }
+    ),
+    str(tmp_path / 'work'),
+  )
   assert trainer.datasets.train_examples == 18
   assert sum(int(b[1].shape[0]) for b in trainer.datasets.eval) == 6
   assert trainer.train()['loss'] > 0
@@ -150,15 +177,20 @@ def test_from_tfds_on_a_locally_built_dataset(tmp_path):
 
   class TinyShapes(tfds.core.GeneratorBasedBuilder):
     """12 train and 5 test 8x8 grayscale images in 2 classes, generated: no download."""
+
     VERSION = tfds.core.Version('1.0.0')
     pkg_dir_path = epath.Path(str(tmp_path))  # its metadata folder (tests/ is no package)
 
     def _info(self):
       return self.dataset_info_from_configs(
-          features=tfds.features.FeaturesDict({
-              'image': tfds.features.Image(shape=(8, 8, 1)),
-              'label': tfds.features.ClassLabel(num_classes=2)}),
-          supervised_keys=('image', 'label'))
+        features=tfds.features.FeaturesDict(
+          {
+            'image': tfds.features.Image(shape=(8, 8, 1)),
+            'label': tfds.features.ClassLabel(num_classes=2),
+          }
+        ),
+        supervised_keys=('image', 'label'),
+      )
 
     def _split_generators(self, dl_manager):
       return {'train': self._generate_examples(12), 'test': self._generate_examples(5)}
@@ -174,8 +206,9 @@ def test_from_tfds_on_a_locally_built_dataset(tmp_path):
   assert data.train_examples == 12
   images, labels = next(iter(data.train))
   assert images.shape == (4, 8, 8, 1) and images.dtype == tf.float32
-  np.testing.assert_allclose(tf.reduce_mean(images, [1, 2, 3]).numpy(),
-                             labels.numpy() * 200 / 255, rtol=1e-6)
+  np.testing.assert_allclose(
+    tf.reduce_mean(images, [1, 2, 3]).numpy(), labels.numpy() * 200 / 255, rtol=1e-6
+  )
   assert sorted(labels_of(data.eval, 5).tolist()) == [0, 0, 0, 1, 1]
   with pytest.raises(DataError, match="'tiny_shapes' is not prepared under"):
     ready.from_tfds(config, 'tiny_shapes', data_dir=str(tmp_path / 'empty'))

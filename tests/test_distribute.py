@@ -1,6 +1,7 @@
 """Distribution: mirrored vs one device, the all-replica finite check, eval coverage, jit under
 mirrored (one subprocess with the CPU split into 2 logical devices, tests/distribute_runs.py);
 multi_worker with two local processes; the TPU rules as far as a CPU allows."""
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,14 @@ ATOL = 1e-6
 @pytest.fixture(scope='module')
 def two_replicas(tmp_path_factory):
   out = tmp_path_factory.mktemp('mirrored')
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'distribute_runs.py'),
-                         str(out)], env=ENV, cwd=ROOT, capture_output=True, text=True,
-                        timeout=600)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'tests', 'distribute_runs.py'), str(out)],
+    env=ENV,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   with open(out / 'results.json') as f:
     results = json.load(f)
@@ -105,9 +111,19 @@ def test_eval_auc_under_mirrored_equals_one_device(two_replicas):
 
 
 def test_skip_on_one_replica_leaves_batchnorm_statistics_bit_identical(tmp_path):
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'distribute_runs.py'),
-                         '--batchnorm', str(tmp_path)], env=ENV, cwd=ROOT, capture_output=True,
-                        text=True, timeout=600)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'tests', 'distribute_runs.py'),
+      '--batchnorm',
+      str(tmp_path),
+    ],
+    env=ENV,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   results = json.loads((tmp_path / 'results.json').read_text())
   assert results['bn/skipped'] == 1
@@ -130,21 +146,37 @@ def test_unknown_device_is_named(two_replicas):
 
 def test_a_cpu_split_after_tensorflow_started_is_one_line(two_replicas):
   message = two_replicas[0]['error/split_late']
-  assert message.startswith("ConfigError: config.distribute.devices='CPU:0,CPU:3': splitting the "
-                            'CPU into 4 logical devices needs TensorFlow not to have started')
+  assert message.startswith(
+    "ConfigError: config.distribute.devices='CPU:0,CPU:3': splitting the "
+    'CPU into 4 logical devices needs TensorFlow not to have started'
+  )
 
 
 def test_launch_splits_the_cpu_into_two_replicas_that_skip_together(tmp_path):
   """docs/guides/distribution.md's command without GPUs: CPU:0,CPU:1 gives two replicas; a
   non-finite gradient injected on replica 1 at step 12 is one skipped step, and training goes on."""
   proc = subprocess.run(
-      [sys.executable, 'launch.py', '--config=configs/mnist.py', f'--config.data.dir={DATA}',
-       '--config.distribute.strategy=mirrored', '--config.distribute.devices=CPU:0,CPU:1',
-       '--config.debug.inject_nonfinite_steps=12', '--config.debug.inject_nonfinite_replica=1',
-       '--config.train.steps=20', '--config.train.steps_per_loop=10', '--config.train.log_every=10',
-       '--config.numerics.every=0',
-       f'--workdir={tmp_path / "run"}'],
-      env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      'launch.py',
+      '--config=configs/mnist.py',
+      f'--config.data.dir={DATA}',
+      '--config.distribute.strategy=mirrored',
+      '--config.distribute.devices=CPU:0,CPU:1',
+      '--config.debug.inject_nonfinite_steps=12',
+      '--config.debug.inject_nonfinite_replica=1',
+      '--config.train.steps=20',
+      '--config.train.steps_per_loop=10',
+      '--config.train.log_every=10',
+      '--config.numerics.every=0',
+      f'--workdir={tmp_path / "run"}',
+    ],
+    env=ENV,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out[-3000:]
   assert 'the CPU is split into 2 logical devices' in out
@@ -172,10 +204,23 @@ def run_workers(workdir, out, steps, *extra):
   procs = []
   for index in range(2):
     tf_config = json.dumps({'cluster': cluster, 'task': {'type': 'worker', 'index': index}})
-    procs.append(subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, 'tests', 'multi_worker_run.py'), str(workdir),
-         str(out), str(steps), *extra], env={**ENV, 'TF_CONFIG': tf_config}, cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs.append(
+      subprocess.Popen(
+        [
+          sys.executable,
+          os.path.join(ROOT, 'tests', 'multi_worker_run.py'),
+          str(workdir),
+          str(out),
+          str(steps),
+          *extra,
+        ],
+        env={**ENV, 'TF_CONFIG': tf_config},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+    )
   logs = []
   try:
     for p in procs:

@@ -1,4 +1,5 @@
 """config.distribute and the TPU rules, in this process (no device split, no TPU needed)."""
+
 from __future__ import annotations
 
 import socket
@@ -26,8 +27,12 @@ def test_mnist_config_spells_out_the_distribute_keys():
   assert c.distribute.devices == '' and c.distribute.tpu == ''
   assert c.debug.inject_nonfinite_replica == -1
   defaults = config_lib.defaults()
-  for key in ('distribute.strategy', 'distribute.devices', 'distribute.tpu',
-              'debug.inject_nonfinite_replica'):
+  for key in (
+    'distribute.strategy',
+    'distribute.devices',
+    'distribute.tpu',
+    'debug.inject_nonfinite_replica',
+  ):
     assert key in config_lib.flatten(defaults)
 
 
@@ -44,9 +49,15 @@ def test_inject_replica_below_minus_one_is_rejected():
 @pytest.mark.parametrize('policy', ['float32', 'mixed_bfloat16', 'auto'])
 @pytest.mark.parametrize('loss_scale', ['auto', 'none'])
 def test_tpu_allows_float32_and_bfloat16_without_loss_scale(policy, loss_scale):
-  distribute.check_precision(_config(**{'distribute.strategy': 'tpu',
-                                        'precision.policy': policy,
-                                        'precision.loss_scale': loss_scale}))
+  distribute.check_precision(
+    _config(
+      **{
+        'distribute.strategy': 'tpu',
+        'precision.policy': policy,
+        'precision.loss_scale': loss_scale,
+      }
+    )
+  )
 
 
 def test_tpu_rejects_float16():
@@ -57,21 +68,33 @@ def test_tpu_rejects_float16():
 
 @pytest.mark.parametrize('loss_scale', ['dynamic', '128'])
 def test_tpu_rejects_a_loss_scale(loss_scale):
-  c = _config(**{'distribute.strategy': 'tpu', 'precision.policy': 'mixed_bfloat16',
-                 'precision.loss_scale': loss_scale})
+  c = _config(
+    **{
+      'distribute.strategy': 'tpu',
+      'precision.policy': 'mixed_bfloat16',
+      'precision.loss_scale': loss_scale,
+    }
+  )
   with pytest.raises(ConfigError, match=rf"config\.precision\.loss_scale='{loss_scale}'"):
     distribute.build(c)
 
 
 def test_float16_is_fine_off_tpu():
-  distribute.check_precision(_config(**{'precision.policy': 'mixed_float16',
-                                        'precision.loss_scale': 'dynamic'}))
+  distribute.check_precision(
+    _config(**{'precision.policy': 'mixed_float16', 'precision.loss_scale': 'dynamic'})
+  )
 
 
 def test_tpu_precision_is_checked_before_the_trainer_touches_data(tmp_path):
   from models.mnist_cnn import MnistCnnTrainer
-  c = _config(**{'distribute.strategy': 'tpu', 'precision.policy': 'mixed_float16',
-                 'data.dir': str(tmp_path / 'no-such-folder')})
+
+  c = _config(
+    **{
+      'distribute.strategy': 'tpu',
+      'precision.policy': 'mixed_float16',
+      'data.dir': str(tmp_path / 'no-such-folder'),
+    }
+  )
   with pytest.raises(ConfigError, match='mixed_float16'):  # not the DataError of data.dir
     MnistCnnTrainer(c, str(tmp_path / 'work'))
 
@@ -81,8 +104,11 @@ def test_tpu_address_not_listening_is_a_clear_error():
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
   c = _config(**{'distribute.strategy': 'tpu', 'distribute.tpu': f'grpc://127.0.0.1:{port}'})
-  with pytest.raises(UserError, match=rf"config\.distribute\.tpu='grpc://127\.0\.0\.1:{port}'"
-                     r': no TPU reachable'):
+  with pytest.raises(
+    UserError,
+    match=rf"config\.distribute\.tpu='grpc://127\.0\.0\.1:{port}'"
+    r': no TPU reachable',
+  ):
     distribute.build(c)
 
 
@@ -129,5 +155,7 @@ def test_devices_without_the_mirrored_strategy_are_named_as_ignored(caplog):
   config = config_lib.defaults()
   config.distribute.devices = 'CPU:0,CPU:1'
   assert distribute.build(config).num_replicas_in_sync == 1
-  assert ("config.distribute.devices='CPU:0,CPU:1' is ignored: only the mirrored strategy reads "
-          "it, and config.distribute.strategy is 'default'") in caplog.text
+  assert (
+    "config.distribute.devices='CPU:0,CPU:1' is ignored: only the mirrored strategy reads "
+    "it, and config.distribute.strategy is 'default'"
+  ) in caplog.text

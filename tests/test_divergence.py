@@ -1,6 +1,7 @@
 """Divergence is never silent: a loss far above its running minimum prints one line naming the
 step, the loss and the learning rate; numerics.divergence_stop ends the run, the newest
 checkpoint (written before) kept."""
+
 import math
 import os
 
@@ -21,13 +22,16 @@ def test_monitor_rule():
   monitor.start(2.3)  # the floor is 0.23: small losses later do not make 0.5 "divergence"
   assert [monitor.update(s, l) for s, l in enumerate([1.0, 0.1, 0.01, 0.5, 2.2])] == [None] * 5
   line = monitor.update(5, 2.31, learning_rate=50.0)
-  assert line.startswith('divergence at step 5: loss 2.31 is 10x 0.23 (1/10 of its first loss; '
-                         'running minimum 0.01), learning rate 50'), line
+  assert line.startswith(
+    'divergence at step 5: loss 2.31 is 10x 0.23 (1/10 of its first loss; '
+    'running minimum 0.01), learning rate 50'
+  ), line
   monitor = DivergenceMonitor(10.0)
   monitor.start(2.3)
   assert monitor.update(1, 22.0) is None
-  assert monitor.update(2, 23.5).startswith('divergence at step 2: loss 23.5 is 10.2x its '
-                                            'running minimum 2.3;')
+  assert monitor.update(2, 23.5).startswith(
+    'divergence at step 2: loss 23.5 is 10.2x its running minimum 2.3;'
+  )
   assert DivergenceMonitor(0.0).update(1, math.inf) is None  # off
   negative = DivergenceMonitor(10.0)
   negative.start(-3.0)  # a log-density: no ratio to speak of
@@ -45,9 +49,17 @@ def mlp_config(**overrides):
 
 def test_learning_rate_50_prints_the_divergence_line(tmp_path, caplog):
   from models.mnist_mlp import MnistMlpTrainer
-  config = mlp_config(**{'optimizer.learning_rate': 50.0, 'optimizer.schedule': 'constant',
-                         'train.steps': 100, 'train.steps_per_loop': 50, 'train.log_every': 50,
-                         'train.checkpoint_every': 100})
+
+  config = mlp_config(
+    **{
+      'optimizer.learning_rate': 50.0,
+      'optimizer.schedule': 'constant',
+      'train.steps': 100,
+      'train.steps_per_loop': 50,
+      'train.log_every': 50,
+      'train.checkpoint_every': 100,
+    }
+  )
   with caplog.at_level('WARNING'):
     try:
       MnistMlpTrainer(config, str(tmp_path / 'w')).train()
@@ -62,15 +74,22 @@ class Jump(TinyTrainer):
   """SGD at 0.1 for 20 steps, then at 1e4."""
 
   def build_optimizer(self, learning_rate):
-    return keras.optimizers.SGD(
-        learning_rate=lambda: tf.where(self.global_step < 20, 0.1, 1e4))
+    return keras.optimizers.SGD(learning_rate=lambda: tf.where(self.global_step < 20, 0.1, 1e4))
 
 
 def test_divergence_stop_ends_the_run_and_keeps_the_checkpoint_before(tmp_path):
   workdir = tmp_path / 'w'
-  trainer = Jump(tiny_config(**{'train.steps': 40, 'numerics.divergence_stop': True,
-                                'train.checkpoint_every': 20, 'train.steps_per_loop': 5}),
-                 str(workdir))
+  trainer = Jump(
+    tiny_config(
+      **{
+        'train.steps': 40,
+        'numerics.divergence_stop': True,
+        'train.checkpoint_every': 20,
+        'train.steps_per_loop': 5,
+      }
+    ),
+    str(workdir),
+  )
   with pytest.raises(DivergenceError, match=r'divergence at step 2\d: .*ckpt-20'):
     trainer.train()
   checkpoints = sorted(f for f in os.listdir(workdir / 'checkpoints') if f.endswith('.index'))

@@ -1,5 +1,6 @@
 """The config reference (docs/reference/config.md) lists every key of the schema, with the
 schema's default where a row names one key."""
+
 import ast
 import os
 

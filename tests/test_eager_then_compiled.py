@@ -1,6 +1,7 @@
 """trainer/step/eager_then_compiled.py: rarely called functions run eagerly first, compiled
 after a number of calls or seconds (the probe's and the checkpoint check's numbers are tested
 in test_numerics.py and test_checkpoints*.py)."""
+
 import time
 
 import tensorflow as tf
@@ -48,8 +49,9 @@ def test_with_a_tpu_every_call_is_compiled(monkeypatch):
   fn, modes = _spy()
   f = EagerThenCompiled(fn, eager_calls=3, eager_seconds=60.0)
   real = tf.config.list_logical_devices
-  monkeypatch.setattr(tf.config, 'list_logical_devices',
-                      lambda kind=None: ['TPU:0'] if kind == 'TPU' else real(kind))
+  monkeypatch.setattr(
+    tf.config, 'list_logical_devices', lambda kind=None: ['TPU:0'] if kind == 'TPU' else real(kind)
+  )
   f(tf.constant(1.0))
   f(tf.constant(1.0))
   assert modes == ['graph']

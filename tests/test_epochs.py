@@ -1,5 +1,6 @@
 """Finite train datasets (trainer/run/epochs.py): repeated by the trainer as Keras fit does; the
 end of data that cannot be repeated saves a checkpoint and says so, and the run resumes."""
+
 import os
 
 import numpy as np
@@ -29,8 +30,11 @@ def test_prepare_known_cardinality_repeats_and_counts_batches():
 
 def test_prepare_unknown_cardinality_uses_train_examples():
   x, y = arrays()
-  train = (tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True)
-           .batch(32, drop_remainder=True))
+  train = (
+    tf.data.Dataset.from_tensor_slices((x, y))
+    .filter(lambda a, b: True)
+    .batch(32, drop_remainder=True)
+  )
   assert int(train.cardinality()) == tf.data.UNKNOWN_CARDINALITY
   datasets, steps = epochs.prepare(Datasets(train, train, 128), 32)
   assert steps == 4 and len(list(datasets.train.take(9))) == 9
@@ -50,6 +54,7 @@ def test_prepare_leaves_an_endless_dataset_alone():
 class OneShotTrainer(TinyTrainer):
   """Its train data comes from a generator that yields 3 batches on the first call only (a
   stream that cannot restart): the dataset's length is unknown and it ends."""
+
   calls = 0
   calls_with_data = 1
 
@@ -60,7 +65,8 @@ class OneShotTrainer(TinyTrainer):
       OneShotTrainer.calls += 1
       if OneShotTrainer.calls <= OneShotTrainer.calls_with_data:
         for i in range(3):
-          yield x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)]
+          yield x[32 * i : 32 * (i + 1)], y[32 * i : 32 * (i + 1)]
+
     spec = (tf.TensorSpec([32, 8], tf.float32), tf.TensorSpec([32], tf.int32))
     train = tf.data.Dataset.from_generator(batches, output_signature=spec)
     evals = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
@@ -69,8 +75,14 @@ class OneShotTrainer(TinyTrainer):
 
 def test_end_of_unrepeatable_data_saves_and_says_so(tmp_path):
   workdir = str(tmp_path / 'work')
-  config = tiny_config(**{'train.steps': 10, 'train.steps_per_loop': 2, 'train.log_every': 2,
-                          'train.checkpoint_every': 10})
+  config = tiny_config(
+    **{
+      'train.steps': 10,
+      'train.steps_per_loop': 2,
+      'train.log_every': 2,
+      'train.checkpoint_every': 10,
+    }
+  )
   trainer = OneShotTrainer(config, workdir)
   with pytest.raises(DataError) as info:
     trainer.train()

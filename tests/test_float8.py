@@ -2,6 +2,7 @@
 unscaled, clipped or stepped; the MNIST MLP trains as well as in mixed_bfloat16; replicas agree.
 
 On this CPU float8 is emulated (quantize-dequantize), so these check numerics, not speed."""
+
 import json
 import os
 import subprocess
@@ -41,9 +42,11 @@ def run(trainer, n):
 
 def test_float8_state_under_dynamic_loss_scaling(tmp_path):
   from models.mnist_mlp import MnistMlpTrainer
-  trainer = MnistMlpTrainer(mlp_config(**{'precision.loss_scale': 'dynamic',
-                                          'debug.inject_nonfinite_steps': '6'}),
-                            str(tmp_path / 'w'))
+
+  trainer = MnistMlpTrainer(
+    mlp_config(**{'precision.loss_scale': 'dynamic', 'debug.inject_nonfinite_steps': '6'}),
+    str(tmp_path / 'w'),
+  )
   dense = trainer.model.layers[1].name
   assert trainer.model.layers[1].dtype_policy.name.startswith('float8')
   run(trainer, 6)
@@ -66,18 +69,27 @@ def test_float8_state_under_dynamic_loss_scaling(tmp_path):
     np.testing.assert_array_equal(a, v.numpy())
   run(trainer, 3)
   assert all(np.isfinite(v.numpy()).all() for v in trainer.model.variables)
-  scales = [history(trainer, dense, n) for n in ('inputs_scale', 'kernel_scale',
-                                                 'outputs_grad_scale')]
+  scales = [
+    history(trainer, dense, n) for n in ('inputs_scale', 'kernel_scale', 'outputs_grad_scale')
+  ]
   assert all(s > 0 and np.isfinite(s) for s in scales)
 
 
 def test_float8_mlp_trains_within_one_point_of_bfloat16(tmp_path):
   from models.mnist_mlp import MnistMlpTrainer
+
   accuracy = {}
   for float8 in (False, True):
-    config = mlp_config(**{'precision.float8': float8, 'train.steps': 400,
-                           'train.steps_per_loop': 100, 'train.log_every': 100,
-                           'train.checkpoint_every': 400, 'precision.loss_scale': 'dynamic'})
+    config = mlp_config(
+      **{
+        'precision.float8': float8,
+        'train.steps': 400,
+        'train.steps_per_loop': 100,
+        'train.log_every': 100,
+        'train.checkpoint_every': 400,
+        'precision.loss_scale': 'dynamic',
+      }
+    )
     accuracy[float8] = MnistMlpTrainer(config, str(tmp_path / str(float8))).train()['accuracy']
   assert accuracy[False] > 0.93  # trained (chance is 0.1): the comparison means something
   assert abs(accuracy[True] - accuracy[False]) <= 0.01, accuracy
@@ -85,9 +97,14 @@ def test_float8_mlp_trains_within_one_point_of_bfloat16(tmp_path):
 
 def test_float8_two_replicas_agree_with_one_device(tmp_path):
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'distribute_runs.py'),
-                         '--float8', str(tmp_path)], env=env, cwd=ROOT, capture_output=True,
-                        text=True, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'tests', 'distribute_runs.py'), '--float8', str(tmp_path)],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   results = json.loads((tmp_path / 'results.json').read_text())
   arrays = dict(np.load(tmp_path / 'arrays.npz'))
@@ -110,6 +127,7 @@ def test_float8_two_replicas_agree_with_one_device(tmp_path):
 
 # ---- the numerics tools on float8 models --------------------------------------------------------
 
+
 def test_float8_probe_leaves_out_scales_and_histories_and_sees_quantized_layers(tmp_path):
   """The probe's gradient fractions are over the kernels and biases only (a NumPy float64
   reference of the first layer's zero gradient elements), and the quantized layers, which Keras
@@ -117,6 +135,7 @@ def test_float8_probe_leaves_out_scales_and_histories_and_sees_quantized_layers(
   import tensorflow as tf
   from models.mnist_mlp import MnistMlpTrainer
   from trainer.insight.numerics import Probe
+
   trainer = MnistMlpTrainer(mlp_config(), str(tmp_path / 'w'))
   probe = Probe(trainer)
   assert not [v for v in probe.variables if getattr(v, 'overwrite_with_gradient', False)]
@@ -153,23 +172,32 @@ def test_float8_replay_names_the_overflowing_quantized_layer(tmp_path):
   class Loud(TinyTrainer):
     def build_model(self):
       big = keras.initializers.Constant(400.0)
-      return keras.Sequential([
-          keras.Input((8,)), keras.layers.Dense(64, kernel_initializer=big),
+      return keras.Sequential(
+        [
+          keras.Input((8,)),
+          keras.layers.Dense(64, kernel_initializer=big),
           keras.layers.Dense(64, kernel_initializer=big, name='culprit'),
-          keras.layers.Dense(4, dtype='float32')], name='loud')
+          keras.layers.Dense(4, dtype='float32'),
+        ],
+        name='loud',
+      )
 
-  trainer = Loud(tiny_config(**{'precision.policy': 'mixed_float16', 'precision.float8': True}),
-                 str(tmp_path / 'w'))
+  trainer = Loud(
+    tiny_config(**{'precision.policy': 'mixed_float16', 'precision.float8': True}),
+    str(tmp_path / 'w'),
+  )
   assert trainer.model.get_layer('culprit').quantization_mode == 'float8'
   batch = next(iter(trainer.datasets.train))
   report = forensics.replay(trainer.model, trainer.compute_loss, batch, loss_scale=32768.0)
   assert report.phase == 'forward' and report.layer == 'culprit', report.line()
   finite = MnistMlpTrainerFor(tmp_path)
-  line = forensics.replay(finite.model, finite.compute_loss,
-                          next(iter(finite.datasets.train)), loss_scale=32768.0).line()
+  line = forensics.replay(
+    finite.model, finite.compute_loss, next(iter(finite.datasets.train)), loss_scale=32768.0
+  ).line()
   assert line.startswith('replay finite'), line
 
 
 def MnistMlpTrainerFor(tmp_path):  # pylint: disable=invalid-name
   from models.mnist_mlp import MnistMlpTrainer
+
   return MnistMlpTrainer(mlp_config(), str(tmp_path / 'mlp'))

@@ -1,5 +1,6 @@
 """trainer/insight/forensics.py: the eager replay names the layer where float16 overflowed, forward
 or backward; forensic folders save and replay; launch.py --mode=diagnose."""
+
 import json
 import math
 import os
@@ -27,8 +28,7 @@ def mixed_float16():
 
 def _batch(seed=0, n=32):
   rng = np.random.default_rng(seed)
-  return (rng.normal(size=(n, 16)).astype(np.float32),
-          rng.integers(0, 4, size=n).astype(np.int32))
+  return (rng.normal(size=(n, 16)).astype(np.float32), rng.integers(0, 4, size=n).astype(np.int32))
 
 
 def _loss_fn(model):
@@ -36,36 +36,60 @@ def _loss_fn(model):
     x, y = batch
     logits = tf.cast(model(x, training=training), tf.float32)
     return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), {}
+
   return compute_loss
 
 
 def forward_model(seed=0):
   """'culprit' (Dense, huge weights) feeds a LayerNormalization: fine in float32, its float16
   output passes 65504."""
-  return keras.Sequential([
+  return keras.Sequential(
+    [
       keras.Input((16,)),
-      keras.layers.Dense(32, name='early',
-                         kernel_initializer=keras.initializers.GlorotUniform(seed)),
-      keras.layers.Dense(32, name='culprit',
-                         kernel_initializer=keras.initializers.RandomNormal(stddev=1e4, seed=seed)),
+      keras.layers.Dense(
+        32, name='early', kernel_initializer=keras.initializers.GlorotUniform(seed)
+      ),
+      keras.layers.Dense(
+        32,
+        name='culprit',
+        kernel_initializer=keras.initializers.RandomNormal(stddev=1e4, seed=seed),
+      ),
       keras.layers.LayerNormalization(name='norm'),
-      keras.layers.Dense(4, dtype='float32', name='logits',
-                         kernel_initializer=keras.initializers.GlorotUniform(seed + 1)),
-  ], name='forward_overflow')
+      keras.layers.Dense(
+        4,
+        dtype='float32',
+        name='logits',
+        kernel_initializer=keras.initializers.GlorotUniform(seed + 1),
+      ),
+    ],
+    name='forward_overflow',
+  )
 
 
 def backward_model(seed=0):
   """Forward values fit float16; 'amplifier' (2000 x identity) multiplies the gradient it passes
   back by 2000, past 65504 at loss scale 32768 (not at scale 1)."""
-  return keras.Sequential([
+  return keras.Sequential(
+    [
       keras.Input((16,)),
-      keras.layers.Dense(16, activation='relu', name='early',
-                         kernel_initializer=keras.initializers.GlorotUniform(seed)),
-      keras.layers.Dense(16, name='amplifier',
-                         kernel_initializer=keras.initializers.Identity(gain=2000.0)),
-      keras.layers.Dense(4, dtype='float32', name='logits',
-                         kernel_initializer=keras.initializers.GlorotUniform(seed + 1)),
-  ], name='backward_overflow')
+      keras.layers.Dense(
+        16,
+        activation='relu',
+        name='early',
+        kernel_initializer=keras.initializers.GlorotUniform(seed),
+      ),
+      keras.layers.Dense(
+        16, name='amplifier', kernel_initializer=keras.initializers.Identity(gain=2000.0)
+      ),
+      keras.layers.Dense(
+        4,
+        dtype='float32',
+        name='logits',
+        kernel_initializer=keras.initializers.GlorotUniform(seed + 1),
+      ),
+    ],
+    name='backward_overflow',
+  )
 
 
 class Block(keras.layers.Layer):
@@ -74,7 +98,8 @@ class Block(keras.layers.Layer):
   def __init__(self, **kwargs):
     super().__init__(**kwargs)
     self.inner = keras.layers.Dense(
-        32, name='culprit', kernel_initializer=keras.initializers.RandomNormal(stddev=1e4, seed=3))
+      32, name='culprit', kernel_initializer=keras.initializers.RandomNormal(stddev=1e4, seed=3)
+    )
     self.norm = keras.layers.LayerNormalization(name='inner_norm')
 
   def call(self, x):
@@ -82,7 +107,6 @@ class Block(keras.layers.Layer):
 
 
 class Net(keras.Model):
-
   def __init__(self):
     super().__init__(name='subclassed')
     self.early = keras.layers.Dense(32, name='early')
@@ -97,7 +121,11 @@ def test_forward_overflow_names_the_culprit(mixed_float16):
   model = forward_model()
   report = forensics.replay(model, _loss_fn(model), _batch(), loss_scale=SCALE)
   assert (report.phase, report.layer, report.layer_class, report.tensor) == (
-      'forward', 'culprit', 'Dense', 'output')
+    'forward',
+    'culprit',
+    'Dense',
+    'output',
+  )
   assert report.op == 'MatMul'  # check_numerics on the replay names the op
   assert report.dtype == 'float16' and report.max_abs_float32 > 65504
   assert report.line().startswith("first non-finite: forward output of 'culprit' (Dense)")
@@ -116,16 +144,25 @@ class ExpGate(keras.layers.Layer):
 def test_an_overflow_inside_a_layer_reports_the_ops_own_value(mixed_float16):
   """The gate's output fits float16 in float32; its Exp does not. The report gives both, each
   equal to a NumPy float64 computation from the gate's float16 input."""
-  model = keras.Sequential([
+  model = keras.Sequential(
+    [
       keras.Input((16,)),
-      keras.layers.Dense(16, name='proj',
-                         kernel_initializer=keras.initializers.RandomNormal(stddev=2.0, seed=0)),
+      keras.layers.Dense(
+        16, name='proj', kernel_initializer=keras.initializers.RandomNormal(stddev=2.0, seed=0)
+      ),
       ExpGate(name='gate'),
-      keras.layers.Dense(4, dtype='float32', name='logits')], name='gated')
+      keras.layers.Dense(4, dtype='float32', name='logits'),
+    ],
+    name='gated',
+  )
   x, y = _batch()
   report = forensics.replay(model, _loss_fn(model), (x, y), loss_scale=SCALE)
   assert (report.phase, report.layer, report.tensor, report.op) == (
-      'forward', 'gate', 'output', 'Exp')
+    'forward',
+    'gate',
+    'output',
+    'Exp',
+  )
   h = model.get_layer('proj')(x).numpy().astype(np.float64)  # float16, as the gate got it
   e = np.exp(2.0 * h)
   out = h * 16.0 * e / e.sum(-1, keepdims=True)
@@ -159,11 +196,17 @@ def _traced_gate(h):
 
 
 def _gated(layer):
-  return keras.Sequential([
+  return keras.Sequential(
+    [
       keras.Input((16,)),
-      keras.layers.Dense(16, name='proj',
-                         kernel_initializer=keras.initializers.RandomNormal(stddev=2.0, seed=0)),
-      layer, keras.layers.Dense(4, dtype='float32', name='logits')], name='gated')
+      keras.layers.Dense(
+        16, name='proj', kernel_initializer=keras.initializers.RandomNormal(stddev=2.0, seed=0)
+      ),
+      layer,
+      keras.layers.Dense(4, dtype='float32', name='logits'),
+    ],
+    name='gated',
+  )
 
 
 def test_an_intended_infinity_is_passed_over_for_the_real_overflow(mixed_float16):
@@ -188,11 +231,16 @@ def test_a_weight_gradient_overflow_names_each_variable_and_whose_value_it_gives
   """Both of 'proj''s weight gradients overflow (batch sums of a finite float16 output
   gradient): the report lists both; the op's value and the largest weight gradient, with its
   variable, equal x^T dy and sum(dy) from the step's own float16 dy, in NumPy float64."""
-  model = keras.Sequential([
+  model = keras.Sequential(
+    [
       keras.Input((16,)),
       keras.layers.Dense(16, name='proj', kernel_initializer=keras.initializers.GlorotUniform(0)),
-      keras.layers.Dense(4, dtype='float32', name='logits',
-                         kernel_initializer=keras.initializers.GlorotUniform(1))], name='wg')
+      keras.layers.Dense(
+        4, dtype='float32', name='logits', kernel_initializer=keras.initializers.GlorotUniform(1)
+      ),
+    ],
+    name='wg',
+  )
   x, y = _batch(n=256)
   scale = 2.0**21
   report = forensics.replay(model, _loss_fn(model), (x, y), loss_scale=scale)
@@ -203,7 +251,8 @@ def test_a_weight_gradient_overflow_names_each_variable_and_whose_value_it_gives
     h = proj(x)
     tape.watch(h)
     per_example = keras.losses.sparse_categorical_crossentropy(
-        y, tf.cast(logits(h), tf.float32), from_logits=True)
+      y, tf.cast(logits(h), tf.float32), from_logits=True
+    )
     scaled = tf.reduce_mean(per_example) * scale
   dy = tape.gradient(scaled, h)
   assert dy.dtype == tf.float16 and bool(tf.reduce_all(tf.math.is_finite(dy)))
@@ -213,8 +262,9 @@ def test_a_weight_gradient_overflow_names_each_variable_and_whose_value_it_gives
   assert report.largest_of == ('wg/proj/kernel' if dw > db else 'wg/proj/bias')
   assert report.max_abs_float32 == pytest.approx(max(dw, db), rel=1e-4)
   assert report.op in ('BiasAddGrad', 'MatMul')  # the first of the two computed
-  assert report.op_max_abs_float32 == pytest.approx(db if report.op == 'BiasAddGrad' else dw,
-                                                    rel=1e-4)
+  assert report.op_max_abs_float32 == pytest.approx(
+    db if report.op == 'BiasAddGrad' else dw, rel=1e-4
+  )
   assert f"the layer's weight gradient ({report.largest_of}): max |dw|" in report.line()
 
 
@@ -234,8 +284,7 @@ def test_forward_model_is_finite_in_float32():
 def test_backward_overflow_names_the_layer_whose_input_gradient_overflowed(mixed_float16):
   model = backward_model()
   report = forensics.replay(model, _loss_fn(model), _batch(), loss_scale=SCALE)
-  assert (report.phase, report.layer, report.tensor) == ('backward', 'amplifier',
-                                                         'input gradient')
+  assert (report.phase, report.layer, report.tensor) == ('backward', 'amplifier', 'input gradient')
   assert np.isfinite(report.loss)  # the forward pass was finite
   assert report.max_abs_float32 > 65504
   assert "backward input gradient of 'amplifier' (Dense)" in report.line()
@@ -254,11 +303,11 @@ def test_nested_subclassed_model_names_the_innermost_layer(mixed_float16):
 
 
 class AmplifierBlock(keras.layers.Layer):
-
   def __init__(self, **kwargs):
     super().__init__(**kwargs)
-    self.inner = keras.layers.Dense(16, name='amplifier',
-                                    kernel_initializer=keras.initializers.Identity(gain=2000.0))
+    self.inner = keras.layers.Dense(
+      16, name='amplifier', kernel_initializer=keras.initializers.Identity(gain=2000.0)
+    )
 
   def call(self, x):
     return self.inner(x)
@@ -266,15 +315,16 @@ class AmplifierBlock(keras.layers.Layer):
 
 def test_nested_backward_overflow_names_the_innermost_layer(mixed_float16):
   inputs = keras.Input((16,))
-  x = keras.layers.Dense(16, activation='relu', name='early',
-                         kernel_initializer=keras.initializers.GlorotUniform(0))(inputs)
+  x = keras.layers.Dense(
+    16, activation='relu', name='early', kernel_initializer=keras.initializers.GlorotUniform(0)
+  )(inputs)
   x = AmplifierBlock(name='block')(x)
-  outputs = keras.layers.Dense(4, dtype='float32', name='logits',
-                               kernel_initializer=keras.initializers.GlorotUniform(1))(x)
+  outputs = keras.layers.Dense(
+    4, dtype='float32', name='logits', kernel_initializer=keras.initializers.GlorotUniform(1)
+  )(x)
   model = keras.Model(inputs, outputs, name='functional')
   report = forensics.replay(model, _loss_fn(model), _batch(), loss_scale=SCALE)
-  assert (report.phase, report.layer, report.tensor) == ('backward', 'amplifier',
-                                                         'input gradient')
+  assert (report.phase, report.layer, report.tensor) == ('backward', 'amplifier', 'input gradient')
 
 
 def test_a_non_finite_batch_is_named_as_such(mixed_float16):
@@ -290,10 +340,22 @@ def test_saved_folder_replays_to_the_same_report(build, tmp_path, mixed_float16)
   model = build(seed=0)
   batch = _batch(seed=5)
   original = forensics.replay(model, _loss_fn(model), batch, loss_scale=SCALE)
-  folder = forensics.save(str(tmp_path / 'step-7'), model=model, batch=batch, loss_scale=SCALE,
-                          step=7, policy='mixed_float16', report=original)
-  assert sorted(os.listdir(folder)) == ['batch.npz', 'meta.json', 'report.json', 'report.txt',
-                                        'weights']
+  folder = forensics.save(
+    str(tmp_path / 'step-7'),
+    model=model,
+    batch=batch,
+    loss_scale=SCALE,
+    step=7,
+    policy='mixed_float16',
+    report=original,
+  )
+  assert sorted(os.listdir(folder)) == [
+    'batch.npz',
+    'meta.json',
+    'report.json',
+    'report.txt',
+    'weights',
+  ]
   # A model built again with other initial weights: the folder's weights replace them.
   again = build(seed=1)
   again(batch[0])
@@ -321,7 +383,16 @@ def test_batch_structures_round_trip(tmp_path):
 def test_rate_limiter_records_the_first_few_then_every_mth():
   limiter = forensics.RateLimiter(first=2, every=3)
   assert [limiter.should_record() for _ in range(9)] == [
-      True, True, False, False, True, False, False, True, False]
+    True,
+    True,
+    False,
+    False,
+    True,
+    False,
+    False,
+    True,
+    False,
+  ]
   off = forensics.RateLimiter(first=1, every=0)
   assert [off.should_record() for _ in range(4)] == [True, False, False, False]
 
@@ -332,29 +403,50 @@ def test_launch_diagnose_records_then_replays_a_folder(tmp_path):
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
   workdir = tmp_path / 'run'
   first = subprocess.run(
-      [sys.executable, 'launch.py', '--config=configs/overflow_demo.py', '--mode=diagnose',
-       '--config.data.dir=../shared/data/mnist', f'--workdir={workdir}'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    [
+      sys.executable,
+      'launch.py',
+      '--config=configs/overflow_demo.py',
+      '--mode=diagnose',
+      '--config.data.dir=../shared/data/mnist',
+      f'--workdir={workdir}',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   assert first.returncode == 0, first.stderr[-2000:]
   assert "forward output of 'culprit' (Dense)" in first.stdout
   folder = workdir / 'forensics' / 'step-0'
   assert (folder / 'report.txt').is_file()
   assert os.listdir(workdir) == ['forensics']  # read-only otherwise: no lock, config, events
   second = subprocess.run(
-      [sys.executable, 'launch.py', '--mode=diagnose', f'--forensics={folder}'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    [sys.executable, 'launch.py', '--mode=diagnose', f'--forensics={folder}'],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   assert second.returncode == 0, second.stderr[-2000:]
   assert second.stdout.strip().splitlines()[-1] == (
-      'step 0, loss scale 32768: ' + (folder / 'report.txt').read_text().strip())
+    'step 0, loss scale 32768: ' + (folder / 'report.txt').read_text().strip()
+  )
 
 
 def test_replay_after_a_compiled_xla_step_on_two_replicas(tmp_path):
   """The compiled step ran with XLA under MirroredStrategy (2 logical CPUs) and skipped; the
   eager one-replica replay still names the culprit, and its folder replays the same."""
   result = subprocess.run(
-      [sys.executable, os.path.join('tests', 'forensics_mirrored_run.py'), str(tmp_path)],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+    [sys.executable, os.path.join('tests', 'forensics_mirrored_run.py'), str(tmp_path)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   replicas, skipped, recorded, replayed = result.stdout.strip().splitlines()[-4:]
   assert (replicas, skipped) == ('2', '2')

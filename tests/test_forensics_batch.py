@@ -1,6 +1,7 @@
 """The forensic replay sees the skipped step's own batch, whatever the pipeline does: a shuffle
 that reshuffles on every new iterator (as the shipped MNIST pipeline does) with one corrupt
 example; and a replay on request of a healthy step does not claim that the step differed."""
+
 import glob
 import os
 import re
@@ -26,17 +27,28 @@ class Reshuffled(TinyTrainer):
     x, y = next(iter(datasets.eval.unbatch().batch(512)))
     x = x.numpy()
     x[CORRUPT, 0] = np.inf
-    train = (tf.data.Dataset.from_tensor_slices((x, y.numpy()))
-             .shuffle(512, seed=self.config.seed, reshuffle_each_iteration=True).repeat()
-             .batch(self.config.train.batch_size, drop_remainder=True))
+    train = (
+      tf.data.Dataset.from_tensor_slices((x, y.numpy()))
+      .shuffle(512, seed=self.config.seed, reshuffle_each_iteration=True)
+      .repeat()
+      .batch(self.config.train.batch_size, drop_remainder=True)
+    )
     return datasets._replace(train=train)
 
 
 def test_the_replay_names_the_corrupt_input_at_each_skipped_step(tmp_path, caplog, capfd):
-  config = tiny_config(**{'precision.policy': 'mixed_float16', 'train.steps': 48,
-                          'train.steps_per_loop': 8, 'train.log_every': 8,
-                          'train.checkpoint_every': 48, 'numerics.forensics_first': 3,
-                          'numerics.forensics_every': 0, 'precision.max_consecutive_skips': 0})
+  config = tiny_config(
+    **{
+      'precision.policy': 'mixed_float16',
+      'train.steps': 48,
+      'train.steps_per_loop': 8,
+      'train.log_every': 8,
+      'train.checkpoint_every': 48,
+      'numerics.forensics_first': 3,
+      'numerics.forensics_every': 0,
+      'precision.max_consecutive_skips': 0,
+    }
+  )
   trainer = Reshuffled(config, str(tmp_path / 'w'))
   with caplog.at_level('WARNING'):
     try:
@@ -46,11 +58,15 @@ def test_the_replay_names_the_corrupt_input_at_each_skipped_step(tmp_path, caplo
   # The skipped steps, as the collapse guard prints them from inside the compiled step.
   skipped = [int(s) for s in re.findall(r'skipped step (\d+) \(', capfd.readouterr().err)]
   assert len(skipped) == 3, skipped  # one epoch = 16 steps, one corrupt example each epoch
-  lines = [r.getMessage() for r in caplog.records if 'first non-finite' in r.getMessage() or
-           'replay finite' in r.getMessage()]
+  lines = [
+    r.getMessage()
+    for r in caplog.records
+    if 'first non-finite' in r.getMessage() or 'replay finite' in r.getMessage()
+  ]
   assert [int(l.split(':')[0].split()[1]) for l in lines] == skipped, lines
-  assert all('forward input' in l and 'the batch itself has non-finite values' in l
-             for l in lines), lines
+  assert all(
+    'forward input' in l and 'the batch itself has non-finite values' in l for l in lines
+  ), lines
   # Each folder's batch holds the corrupt example, while element N of a new iterator over the
   # pipeline (what the replay read before) is, at some of these steps, another batch.
   other = []
@@ -64,11 +80,21 @@ def test_the_replay_names_the_corrupt_input_at_each_skipped_step(tmp_path, caplo
 
 def test_diagnose_on_a_healthy_run_does_not_claim_the_step_differed(tmp_path):
   result = subprocess.run(
-      [sys.executable, 'launch.py', '--config=configs/mnist_mlp.py', '--mode=diagnose',
-       f'--config.data.dir={MNIST_DIR}', '--config.precision.policy=mixed_float16',
-       f'--workdir={tmp_path / "run"}'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+    [
+      sys.executable,
+      'launch.py',
+      '--config=configs/mnist_mlp.py',
+      '--mode=diagnose',
+      f'--config.data.dir={MNIST_DIR}',
+      '--config.precision.policy=mixed_float16',
+      f'--workdir={tmp_path / "run"}',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'replay finite' in result.stdout, result.stdout
   assert 'differed' not in result.stdout + result.stderr
@@ -81,8 +107,9 @@ class OwnSkipStep(TrainStep):
   def step(self, iterator):
     outputs, grads, nonfinite, _ = self.strategy.run(self.replica_step, args=(next(iterator),))
     finite = self.all_replicas_finite(nonfinite)
-    outputs = {k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
-               for k, v in outputs.items()}
+    outputs = {
+      k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None) for k, v in outputs.items()
+    }
 
     def apply():
       self.strategy.run(self.apply_gradients, args=(grads,))
@@ -95,16 +122,23 @@ class OwnSkipStep(TrainStep):
 
 
 class ReshuffledOwnSkip(Reshuffled):
-
   def build_train_step(self):
     return OwnSkipStep(self)
 
 
 def test_a_custom_step_without_apply_or_skip_still_keeps_the_skipped_batch(tmp_path):
-  config = tiny_config(**{'precision.policy': 'mixed_float16', 'train.steps': 48,
-                          'train.steps_per_loop': 8, 'train.log_every': 8,
-                          'train.checkpoint_every': 48, 'numerics.forensics_first': 3,
-                          'numerics.forensics_every': 0, 'precision.max_consecutive_skips': 0})
+  config = tiny_config(
+    **{
+      'precision.policy': 'mixed_float16',
+      'train.steps': 48,
+      'train.steps_per_loop': 8,
+      'train.log_every': 8,
+      'train.checkpoint_every': 48,
+      'numerics.forensics_first': 3,
+      'numerics.forensics_every': 0,
+      'precision.max_consecutive_skips': 0,
+    }
+  )
   trainer = ReshuffledOwnSkip(config, str(tmp_path / 'w'))
   try:
     trainer.train()

@@ -1,5 +1,6 @@
 """Forensics during training: a skipped step is replayed from its pre-step weights and batch,
 the log names the layer, and the folder it writes replays to the same line later."""
+
 import os
 
 import pytest
@@ -27,6 +28,7 @@ def demo_config(overflow, **overrides):
 
 def train(config, workdir, caplog):
   from models.overflow_demo import OverflowDemoTrainer
+
   trainer = OverflowDemoTrainer(config, str(workdir))
   with caplog.at_level('WARNING'):
     try:
@@ -37,14 +39,18 @@ def train(config, workdir, caplog):
   return trainer, lines
 
 
-@pytest.mark.parametrize('overflow, jit, words', [
+@pytest.mark.parametrize(
+  'overflow, jit, words',
+  [
     ('forward', 'false', "forward output of 'culprit'"),
     ('forward', 'true', "forward output of 'culprit'"),  # the compiled step used XLA
     ('backward', 'false', "'amplifier'"),
-])
+  ],
+)
 def test_skips_are_replayed_and_name_the_layer(tmp_path, caplog, overflow, jit, words):
-  trainer, lines = train(demo_config(overflow, **{'train.jit_compile': jit}),
-                         tmp_path / 'w', caplog)
+  trainer, lines = train(
+    demo_config(overflow, **{'train.jit_compile': jit}), tmp_path / 'w', caplog
+  )
   skipped = int(trainer.train_step.skipped_steps.numpy())
   assert skipped >= 3
   # Rate limit: the first 2 skips, then every 5th (the 7th, 12th, ...).
@@ -57,6 +63,7 @@ def test_skips_are_replayed_and_name_the_layer(tmp_path, caplog, overflow, jit, 
   assert len(folders) == len(expected)
   # The folder replays to the same report later, from its own weights and batch.
   from models.overflow_demo import OverflowDemoTrainer
+
   fresh = OverflowDemoTrainer(demo_config(overflow), str(tmp_path / 'other'))
   first = os.path.join(tmp_path / 'w' / 'forensics', folders[0])
   report = forensics.replay_folder(fresh, first)
@@ -67,17 +74,20 @@ def test_boundaries_stay_aligned_after_an_early_stop(tmp_path, caplog):
   """A call stopped after a skip is followed by one that ends on the next steps_per_loop
   multiple: logs, evals and checkpoints keep their steps."""
   trainer, _ = train(demo_config('forward', **{'train.steps': 30}), tmp_path / 'w', caplog)
-  checkpoints = sorted(f for f in os.listdir(tmp_path / 'w' / 'checkpoints')
-                       if f.endswith('.index'))
+  checkpoints = sorted(
+    f for f in os.listdir(tmp_path / 'w' / 'checkpoints') if f.endswith('.index')
+  )
   assert checkpoints == ['ckpt-20.index', 'ckpt-30.index']
   assert int(trainer.train_step.skipped_steps.numpy()) >= 3  # calls did stop early
   assert int(trainer.global_step.numpy()) == 30
 
 
 def test_forensics_off_never_stops_a_call_early(tmp_path, caplog):
-  trainer, lines = train(demo_config('forward', **{'numerics.forensics_first': 0,
-                                                   'numerics.forensics_every': 0}),
-                         tmp_path / 'w', caplog)
+  trainer, lines = train(
+    demo_config('forward', **{'numerics.forensics_first': 0, 'numerics.forensics_every': 0}),
+    tmp_path / 'w',
+    caplog,
+  )
   assert not trainer.train_step.forensics and lines == []
   assert not os.path.exists(tmp_path / 'w' / 'forensics')
 

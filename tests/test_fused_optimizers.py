@@ -1,4 +1,5 @@
 """trainer/step/fused_optimizers.py: the fused updates equal Keras's own, step after step."""
+
 import keras
 import numpy as np
 import pytest
@@ -7,17 +8,18 @@ import tensorflow as tf
 from trainer.step import fused_optimizers
 
 CASES = {
-    'adam': (keras.optimizers.Adam, fused_optimizers.FusedAdam, {}),
-    'adam_weight_decay': (keras.optimizers.Adam, fused_optimizers.FusedAdam,
-                          {'weight_decay': 0.1}),
-    'adamw': (keras.optimizers.AdamW, fused_optimizers.FusedAdamW, {'weight_decay': 0.05}),
-    'sgd': (keras.optimizers.SGD, fused_optimizers.FusedSGD, {}),
-    'momentum': (keras.optimizers.SGD, fused_optimizers.FusedSGD, {'momentum': 0.9}),
-    'nesterov': (keras.optimizers.SGD, fused_optimizers.FusedSGD,
-                 {'momentum': 0.9, 'nesterov': True}),
+  'adam': (keras.optimizers.Adam, fused_optimizers.FusedAdam, {}),
+  'adam_weight_decay': (keras.optimizers.Adam, fused_optimizers.FusedAdam, {'weight_decay': 0.1}),
+  'adamw': (keras.optimizers.AdamW, fused_optimizers.FusedAdamW, {'weight_decay': 0.05}),
+  'sgd': (keras.optimizers.SGD, fused_optimizers.FusedSGD, {}),
+  'momentum': (keras.optimizers.SGD, fused_optimizers.FusedSGD, {'momentum': 0.9}),
+  'nesterov': (
+    keras.optimizers.SGD,
+    fused_optimizers.FusedSGD,
+    {'momentum': 0.9, 'nesterov': True},
+  ),
 }
-KERNELS = {'ResourceApplyAdagradV2', 'ResourceApplyKerasMomentum',
-           'ResourceApplyGradientDescent'}
+KERNELS = {'ResourceApplyAdagradV2', 'ResourceApplyKerasMomentum', 'ResourceApplyGradientDescent'}
 
 
 def _train(optimizer_class, kwargs, steps=6, sparse=False, rows=(3, 7, 120, 299)):
@@ -26,8 +28,10 @@ def _train(optimizer_class, kwargs, steps=6, sparse=False, rows=(3, 7, 120, 299)
   passes the first gradient as IndexedSlices of `rows`, sparse='dense' as the dense tensor the
   slices make (duplicate rows summed)."""
   rng = np.random.RandomState(0)
-  variables = [tf.Variable(rng.randn(300, 40).astype(np.float32)),
-               tf.Variable(rng.randn(40).astype(np.float32))]
+  variables = [
+    tf.Variable(rng.randn(300, 40).astype(np.float32)),
+    tf.Variable(rng.randn(40).astype(np.float32)),
+  ]
   optimizer = optimizer_class(learning_rate=0.01, **kwargs)
   optimizer.build(variables)
 
@@ -40,11 +44,14 @@ def _train(optimizer_class, kwargs, steps=6, sparse=False, rows=(3, 7, 120, 299)
     optimizer.apply_gradients([(g0, variables[0]), (g1, variables[1])])
 
   for _ in range(steps):
-    step(tf.constant(rng.randn(300, 40).astype(np.float32)),
-         tf.constant(rng.randn(40).astype(np.float32)),
-         tf.constant(rows, tf.int64))
-  graph = step.get_concrete_function(tf.TensorSpec([300, 40]), tf.TensorSpec([40]),
-                                     tf.TensorSpec([4], tf.int64)).graph
+    step(
+      tf.constant(rng.randn(300, 40).astype(np.float32)),
+      tf.constant(rng.randn(40).astype(np.float32)),
+      tf.constant(rows, tf.int64),
+    )
+  graph = step.get_concrete_function(
+    tf.TensorSpec([300, 40]), tf.TensorSpec([40]), tf.TensorSpec([4], tf.int64)
+  ).graph
   ops = {op.type for op in graph.get_operations()}
   for function in graph.as_graph_def().library.function:
     ops |= {node.op for node in function.node_def}
@@ -87,8 +94,9 @@ def test_adams_step_size_is_computed_once_per_apply_not_per_variable(monkeypatch
   the bit-for-bit test above still holds."""
   calls = []
   step_size = fused_optimizers.adam_step_size
-  monkeypatch.setattr(fused_optimizers, 'adam_step_size',
-                      lambda *args: calls.append(1) or step_size(*args))
+  monkeypatch.setattr(
+    fused_optimizers, 'adam_step_size', lambda *args: calls.append(1) or step_size(*args)
+  )
   variables = [tf.Variable(tf.ones([3, 2])), tf.Variable(tf.ones([2])), tf.Variable(tf.ones([4]))]
   optimizer = fused_optimizers.FusedAdamW(learning_rate=0.01, weight_decay=0.1)
   optimizer.build(variables)
@@ -120,10 +128,17 @@ def test_tf_fused_adam_kernel_drifts_from_keras_over_500_steps():
       step = tf.cast(self.iterations + 1, tf.float32)
       handle = lambda v: fused_optimizers._resource(v).handle  # pylint: disable=protected-access
       tf.raw_ops.ResourceApplyAdam(
-          var=handle(variable), m=handle(self._momentums[index]),
-          v=handle(self._velocities[index]), beta1_power=tf.pow(self.beta_1, step),
-          beta2_power=tf.pow(self.beta_2, step), lr=tf.cast(learning_rate, tf.float32),
-          beta1=self.beta_1, beta2=self.beta_2, epsilon=self.epsilon, grad=gradient)
+        var=handle(variable),
+        m=handle(self._momentums[index]),
+        v=handle(self._velocities[index]),
+        beta1_power=tf.pow(self.beta_1, step),
+        beta2_power=tf.pow(self.beta_2, step),
+        lr=tf.cast(learning_rate, tf.float32),
+        beta1=self.beta_1,
+        beta2=self.beta_2,
+        epsilon=self.epsilon,
+        grad=gradient,
+      )
 
   ref_vars, _, _ = _train(keras.optimizers.Adam, {}, steps=500)
   kernel_vars, _, _ = _train(KernelAdam, {}, steps=500)
@@ -155,7 +170,7 @@ def test_checkpoint_of_keras_adam_restores_into_fused_adam(tmp_path):
   """Slots keep Keras's names: a workdir written before `optimizer.fused` existed resumes."""
   variable = tf.Variable(np.ones([5], np.float32))
   keras_adam = keras.optimizers.Adam(0.1)
-  keras_adam.apply_gradients([(tf.constant([1., 2., 3., 4., 5.]), variable)])
+  keras_adam.apply_gradients([(tf.constant([1.0, 2.0, 3.0, 4.0, 5.0]), variable)])
   path = tf.train.Checkpoint(v=variable, optimizer=keras_adam).save(str(tmp_path / 'ckpt'))
   fresh = tf.Variable(np.zeros([5], np.float32))
   fused = fused_optimizers.FusedAdam(0.1)
@@ -178,6 +193,7 @@ def test_fused_optimizers_serialize_like_keras_ones(case):
 
 def test_keras_internals_the_fused_updates_read_exist_in_this_keras():
   from trainer.step import fused_optimizers
+
   for kind in fused_optimizers.KERAS_ATTRIBUTES:
     fused_optimizers.check_keras(kind)  # raises when this Keras renamed one
 
@@ -185,6 +201,7 @@ def test_keras_internals_the_fused_updates_read_exist_in_this_keras():
 def test_a_keras_without_those_internals_is_named(monkeypatch):
   from trainer.step import fused_optimizers
   from trainer.errors import ConfigError
+
   monkeypatch.setitem(fused_optimizers.KERAS_ATTRIBUTES, 'SGD', ('momentums', '_renamed_in_4'))
   fused_optimizers.check_keras.cache_clear()
   with pytest.raises(ConfigError, match=rf'_renamed_in_4.*Keras {keras.__version__}.*fused=False'):

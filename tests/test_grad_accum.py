@@ -1,4 +1,5 @@
 """train.grad_accum_steps: k micro-batches make one optimizer step equal to the whole batch's."""
+
 import keras
 import numpy as np
 import pytest
@@ -19,8 +20,9 @@ class _AccumTrainer(Trainer):
     super().__init__(config, workdir)
 
   def build_model(self):
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation='tanh'),
-                              keras.layers.Dense(3)])
+    model = keras.Sequential(
+      [keras.Input((6,)), keras.layers.Dense(8, activation='tanh'), keras.layers.Dense(3)]
+    )
     model.set_weights(self._weights)
     return model
 
@@ -35,8 +37,7 @@ class _AccumTrainer(Trainer):
     x, y = b
     logits = self.model(x, training=training)
     loss = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
-    return loss, {'accuracy': tf.cast(tf.argmax(logits, -1, output_type=tf.int32) == y,
-                                      tf.float32)}
+    return loss, {'accuracy': tf.cast(tf.argmax(logits, -1, output_type=tf.int32) == y, tf.float32)}
 
 
 def _step(k, weights, batch, *, mode='none', optimizer='sgd', tmp='/tmp'):
@@ -51,18 +52,25 @@ def _step(k, weights, batch, *, mode='none', optimizer='sgd', tmp='/tmp'):
   iterator = iter(trainer.datasets.train)
   trainer.train_step.run(iterator, 1)
   metrics = trainer.train_step.read_outputs()
-  return (trainer.model.get_weights(), int(trainer.train_step.skipped_steps.numpy()),
-          float(trainer.loss_scaler.scale.numpy()), metrics)
+  return (
+    trainer.model.get_weights(),
+    int(trainer.train_step.skipped_steps.numpy()),
+    float(trainer.loss_scaler.scale.numpy()),
+    metrics,
+  )
 
 
 @pytest.fixture
 def setup():
   keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation='tanh'),
-                            keras.layers.Dense(3)])
+  model = keras.Sequential(
+    [keras.Input((6,)), keras.layers.Dense(8, activation='tanh'), keras.layers.Dense(3)]
+  )
   rng = np.random.default_rng(0)
-  batch = (rng.normal(size=(BATCH, 6)).astype(np.float32),
-           rng.integers(0, 3, size=BATCH).astype(np.int32))
+  batch = (
+    rng.normal(size=(BATCH, 6)).astype(np.float32),
+    rng.integers(0, 3, size=BATCH).astype(np.int32),
+  )
   return model.get_weights(), batch
 
 

@@ -1,5 +1,6 @@
 """trainer.layers.CausalSelfAttention: computes in the policy's dtype, keeps float32 variables,
 softmax in float32, and is causal."""
+
 import keras
 import numpy as np
 import pytest
@@ -20,8 +21,7 @@ def _ops(layer, x):
   return graph.get_operations()
 
 
-@pytest.mark.parametrize('policy', ['mixed_bfloat16', 'mixed_float16', 'float32'],
-                         indirect=True)
+@pytest.mark.parametrize('policy', ['mixed_bfloat16', 'mixed_float16', 'float32'], indirect=True)
 def test_computes_in_policy_dtype_with_float32_variables(policy):
   compute = keras.mixed_precision.global_policy().compute_dtype
   layer = CausalSelfAttention(num_heads=4)
@@ -76,6 +76,7 @@ def test_rejects_d_model_not_divisible_by_heads():
 def test_gelu_float32_keeps_the_dtype_and_is_closer_to_exact(dtype):
   """gelu_float32: same dtype out as in, erf evaluated in float32 (and its gradient too)."""
   from trainer.nn.layers import gelu_float32
+
   x32 = tf.random.stateless_normal([4096], seed=[3, 4]) * 3.0
   x = tf.cast(x32, dtype)
   exact = tf.nn.gelu(tf.cast(x, tf.float32))  # float32 GELU of the same low-precision inputs
@@ -84,7 +85,7 @@ def test_gelu_float32_keeps_the_dtype_and_is_closer_to_exact(dtype):
     ours, native = gelu_float32(x), tf.nn.gelu(x)
   assert ours.dtype == native.dtype == dtype
   # Ours only rounds the float32 result once: within half an ulp of the low-precision format.
-  eps = 2.0 ** -8 if dtype == 'bfloat16' else 2.0 ** -11
+  eps = 2.0**-8 if dtype == 'bfloat16' else 2.0**-11
   ours_err = np.abs(ours.numpy().astype(np.float32) - exact.numpy())
   assert np.all(ours_err <= eps * np.abs(exact.numpy()) + 1e-6)
   native_err = np.abs(native.numpy().astype(np.float32) - exact.numpy())
@@ -94,8 +95,9 @@ def test_gelu_float32_keeps_the_dtype_and_is_closer_to_exact(dtype):
   with tf.GradientTape() as t32:
     t32.watch(x32)
     want = tf.nn.gelu(x32)
-  np.testing.assert_allclose(grad.numpy().astype(np.float32),
-                             t32.gradient(want, x32).numpy(), rtol=2 * eps, atol=2 * eps)
+  np.testing.assert_allclose(
+    grad.numpy().astype(np.float32), t32.gradient(want, x32).numpy(), rtol=2 * eps, atol=2 * eps
+  )
 
 
 # ---- what the backward pass keeps: masked_softmax and gelu_float32 (custom gradients) --------
@@ -103,8 +105,9 @@ TOLERANCE = {'float32': 1e-6, 'bfloat16': 2e-2, 'float16': 2e-3}
 
 
 def _plain_masked_softmax(scores, mask):
-  return tf.cast(tf.nn.softmax(tf.where(mask, tf.cast(scores, tf.float32), float('-inf'))),
-                 scores.dtype)
+  return tf.cast(
+    tf.nn.softmax(tf.where(mask, tf.cast(scores, tf.float32), float('-inf'))), scores.dtype
+  )
 
 
 def _value_and_grad(fn, x, dy):
@@ -117,6 +120,7 @@ def _value_and_grad(fn, x, dy):
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'float16'])
 def test_masked_softmax_equals_the_plain_ops_value_and_gradient(dtype):
   from trainer.nn.layers import causal_mask, masked_softmax
+
   scores = tf.cast(3 * tf.random.stateless_normal([2, 3, 7, 7], seed=[3, 4]), dtype)
   dy = tf.cast(tf.random.stateless_normal([2, 3, 7, 7], seed=[5, 6]), dtype)
   mask = causal_mask(7)
@@ -126,8 +130,9 @@ def test_masked_softmax_equals_the_plain_ops_value_and_gradient(dtype):
   tol = TOLERANCE[dtype]
   np.testing.assert_allclose(tf.cast(y, tf.float32), tf.cast(y_ref, tf.float32), atol=tol)
   # bfloat16: the reference's gradient uses the float32 softmax, ours its bfloat16 rounding
-  np.testing.assert_allclose(tf.cast(dx, tf.float32), tf.cast(dx_ref, tf.float32), atol=tol,
-                             rtol=tol)
+  np.testing.assert_allclose(
+    tf.cast(dx, tf.float32), tf.cast(dx_ref, tf.float32), atol=tol, rtol=tol
+  )
   upper = ~mask.numpy()
   assert not np.any(y.numpy()[..., upper]) and not np.any(dx.numpy()[..., upper])
 
@@ -135,6 +140,7 @@ def test_masked_softmax_equals_the_plain_ops_value_and_gradient(dtype):
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'float16'])
 def test_gelu_float32_gradient_equals_the_plain_ops(dtype):
   from trainer.nn.layers import gelu_float32
+
   x = tf.cast(3 * tf.random.stateless_normal([64, 33], seed=[7, 8]), dtype)
   dy = tf.cast(tf.random.stateless_normal([64, 33], seed=[9, 10]), dtype)
   plain = lambda t: tf.cast(tf.nn.gelu(tf.cast(t, tf.float32)), t.dtype)
@@ -143,8 +149,9 @@ def test_gelu_float32_gradient_equals_the_plain_ops(dtype):
   assert y.dtype == dx.dtype == dtype
   tol = TOLERANCE[dtype]
   np.testing.assert_allclose(tf.cast(y, tf.float32), tf.cast(y_ref, tf.float32), atol=tol)
-  np.testing.assert_allclose(tf.cast(dx, tf.float32), tf.cast(dx_ref, tf.float32), atol=tol,
-                             rtol=tol)
+  np.testing.assert_allclose(
+    tf.cast(dx, tf.float32), tf.cast(dx_ref, tf.float32), atol=tol, rtol=tol
+  )
 
 
 def _kept(fn, x):
@@ -163,6 +170,7 @@ def _kept(fn, x):
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 def test_backward_keeps_the_attention_weights_and_gelu_input_in_the_compute_dtype(dtype):
   from trainer.nn.layers import causal_mask, gelu_float32, masked_softmax
+
   scores = tf.zeros([2, 3, 16, 16], dtype)
   big = lambda kept: [t for t in kept if t.shape.num_elements() == scores.shape.num_elements()]
   ours = big(_kept(lambda s: masked_softmax(s, causal_mask(16)), scores))
@@ -209,29 +217,32 @@ def _value_and_grads(layer, x):
 @pytest.mark.parametrize('time, chunk', [(40, 16), (32, 8), (12, 64)])
 def test_chunked_attention_equals_full_to_float32_rounding(time, chunk):
   full, chunked, x = _attention_pair('float32', time, chunk)
-  for a, b in zip(tf.function(lambda x: _value_and_grads(chunked, x))(x),
-                  _value_and_grads(full, x)):
+  for a, b in zip(
+    tf.function(lambda x: _value_and_grads(chunked, x))(x), _value_and_grads(full, x)
+  ):
     # float32 rounding of sums of terms as large as the tensor's largest element
-    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5,
-                               atol=1e-5 * np.abs(b.numpy()).max())
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5 * np.abs(b.numpy()).max())
 
 
 def test_chunked_attention_in_bfloat16_within_bfloat16_rounding():
   full, chunked, x = _attention_pair('mixed_bfloat16')
   a, b = chunked(x), full(x)
   assert a.dtype == tf.bfloat16
-  np.testing.assert_allclose(tf.cast(a, tf.float32).numpy(), tf.cast(b, tf.float32).numpy(),
-                             rtol=2**-7, atol=2**-8)
+  np.testing.assert_allclose(
+    tf.cast(a, tf.float32).numpy(), tf.cast(b, tf.float32).numpy(), rtol=2**-7, atol=2**-8
+  )
 
 
 def test_chunked_attention_keeps_no_time_squared_tensor():
   _, chunked, x = _attention_pair('mixed_bfloat16', time=64, chunk=16)
   kept = _kept(chunked, tf.cast(x, tf.bfloat16))
   assert kept
-  assert not [t for t in kept if t.shape.rank == 4 and t.shape.as_list()[-1] == 64
-              and t.shape.as_list()[-2] > 1]
-  _, full_kept = None, _kept(_attention_pair('mixed_bfloat16', time=64)[0],
-                             tf.cast(x, tf.bfloat16))
+  assert not [
+    t
+    for t in kept
+    if t.shape.rank == 4 and t.shape.as_list()[-1] == 64 and t.shape.as_list()[-2] > 1
+  ]
+  _, full_kept = None, _kept(_attention_pair('mixed_bfloat16', time=64)[0], tf.cast(x, tf.bfloat16))
   assert [t for t in full_kept if t.shape.as_list()[-2:] == [64, 64]]  # the check can fail
 
 
@@ -246,6 +257,7 @@ def test_gelu_float32_gradient_keeps_relative_accuracy_in_the_left_tail():
   few roundings."""
   import math
   from trainer.nn.layers import gelu_float32
+
   x64 = np.linspace(-12.0, 4.0, 1601)
   x = tf.constant(x64, tf.float32)
   with tf.GradientTape() as tape:
@@ -253,7 +265,7 @@ def test_gelu_float32_gradient_keeps_relative_accuracy_in_the_left_tail():
     y = tf.reduce_sum(gelu_float32(x))
   dx = tape.gradient(y, x).numpy().astype(np.float64)
   xs = x.numpy().astype(np.float64)  # the float32 inputs, exactly
-  pdf = np.exp(-0.5 * xs ** 2) / np.sqrt(2 * np.pi)
+  pdf = np.exp(-0.5 * xs**2) / np.sqrt(2 * np.pi)
   want = 0.5 * np.vectorize(math.erfc)(-xs / np.sqrt(2)) + xs * pdf
   normal = np.abs(want) > 1e-30  # float32 still holds it with full relative precision
   relative = np.abs(dx[normal] - want[normal]) / np.abs(want[normal])

@@ -1,4 +1,5 @@
 """Eval-only, export, init_from and the profiler, on short real MNIST MLP runs."""
+
 import glob
 import os
 import subprocess
@@ -23,8 +24,9 @@ DATA = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
 def _config(policy='float32', steps=100, **train):
   config = mnist_mlp.get_config()
   config.data.dir = DATA
-  config.train.update({'steps': steps, 'steps_per_loop': 50, 'log_every': 50,
-                       'checkpoint_every': 100, **train})
+  config.train.update(
+    {'steps': steps, 'steps_per_loop': 50, 'log_every': 50, 'checkpoint_every': 100, **train}
+  )
   config.precision.policy = policy
   return config
 
@@ -57,8 +59,10 @@ def test_eval_under_another_config_than_the_run_says_so(trained, caplog):
   """It switched policy silently (the config file's, not the run's); a warning names it."""
   workdir, _ = trained
   lifecycle.evaluate_checkpoint(_trainer(_config('float32'), workdir))
-  assert ("was trained with another config (config.precision.policy: 'mixed_bfloat16' -> "
-          "'float32'); this config is used") in caplog.text
+  assert (
+    "was trained with another config (config.precision.policy: 'mixed_bfloat16' -> "
+    "'float32'); this config is used"
+  ) in caplog.text
   caplog.clear()  # an eval-only override of what is not computed: no warning
   lifecycle.evaluate_checkpoint(_trainer(_config('mixed_bfloat16', batch_size=64), workdir))
   assert 'another config' not in caplog.text
@@ -134,13 +138,21 @@ def test_profile_steps_errors_name_the_key(text):
 
 def test_launch_modes(trained):
   workdir, metrics = trained
-  base = [sys.executable, 'launch.py', '--config=configs/mnist_mlp.py',
-          f'--config.data.dir={DATA}', '--config.precision.policy=mixed_bfloat16',
-          '--config.train.steps=100', '--config.train.steps_per_loop=50',
-          '--config.train.log_every=50', '--config.train.checkpoint_every=100']
+  base = [
+    sys.executable,
+    'launch.py',
+    '--config=configs/mnist_mlp.py',
+    f'--config.data.dir={DATA}',
+    '--config.precision.policy=mixed_bfloat16',
+    '--config.train.steps=100',
+    '--config.train.steps_per_loop=50',
+    '--config.train.log_every=50',
+    '--config.train.checkpoint_every=100',
+  ]
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
-  run = lambda *a: subprocess.run([*base, *a], cwd=ROOT, env=env, capture_output=True,
-                                  text=True, timeout=300)
+  run = lambda *a: subprocess.run(
+    [*base, *a], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
   result = run(f'--workdir={workdir}', '--mode=eval')
   assert result.returncode == 0, result.stderr[-2000:]
   assert f'accuracy: {metrics["accuracy"]:.4f}' in result.stdout
@@ -161,7 +173,6 @@ class TokensAndScale(keras.Model):
 
 
 class _SubclassedTrainer(tiny.TinyTrainer):
-
   def build_model(self):
     return TokensAndScale()
 
@@ -173,8 +184,7 @@ class _SubclassedTrainer(tiny.TinyTrainer):
 
 
 @pytest.mark.parametrize('policy', ['float32', 'mixed_bfloat16'])
-def test_a_subclassed_models_export_takes_its_integer_inputs_and_float32(policy, tmp_path,
-                                                                          caplog):
+def test_a_subclassed_models_export_takes_its_integer_inputs_and_float32(policy, tmp_path, caplog):
   """Keras's own signature for a subclassed model gives every input the compute dtype (bfloat16
   token ids under mixed_bfloat16, which no int32 binds to; float32 ids under float32). Its
   __init__ takes no **kwargs, so model.keras would not load back: a warning says so."""
@@ -184,14 +194,18 @@ def test_a_subclassed_models_export_takes_its_integer_inputs_and_float32(policy,
   loaded = tf.saved_model.load(lifecycle.export(trainer)['saved_model'])
   specs = loaded.signatures['serve'].structured_input_signature[1]
   assert [(s.dtype, s.shape.as_list()) for _, s in sorted(specs.items())] == [
-      (tf.int32, [None, 3]), (tf.float32, [None])]
+    (tf.int32, [None, 3]),
+    (tf.float32, [None]),
+  ]
   tokens, scale = tf.constant([[1, 2, 3], [7, 0, 5]]), tf.constant([0.5, 2.0])
-  np.testing.assert_allclose(loaded.serve(tokens, scale).numpy(),
-                             trainer.model(tokens, scale).numpy(), rtol=1e-6)
+  np.testing.assert_allclose(
+    loaded.serve(tokens, scale).numpy(), trainer.model(tokens, scale).numpy(), rtol=1e-6
+  )
   assert trainer.model.call.__func__ is TokensAndScale.call  # the recording is gone
-  assert ('model.keras will not load back: TokensAndScale.__init__ takes no trainable, dtype '
-          '(no **kwargs)') in caplog.text
-
+  assert (
+    'model.keras will not load back: TokensAndScale.__init__ takes no trainable, dtype '
+    '(no **kwargs)'
+  ) in caplog.text
 
 
 class Masked(keras.Model):
@@ -226,8 +240,10 @@ def _masked_trainer(model_class):
     def compute_loss(self, batch, *, training):
       x, y = batch
       logits = self.model(tf.reshape(x, [-1, 2, 4]), mask=x[:, ::4] > 0, training=training)
-      return keras.losses.sparse_categorical_crossentropy(y, tf.reduce_mean(logits, 1),
-                                                          from_logits=True), {}
+      return keras.losses.sparse_categorical_crossentropy(
+        y, tf.reduce_mean(logits, 1), from_logits=True
+      ), {}
+
   return Trainer
 
 
@@ -241,12 +257,16 @@ def test_export_serves_a_mask_given_by_keyword(model_class, tmp_path, caplog):
   loaded = tf.saved_model.load(lifecycle.export(trainer)['saved_model'])
   specs = loaded.signatures['serve'].structured_input_signature[1]
   assert [(k, s.dtype, s.shape.as_list()) for k, s in sorted(specs.items())] == [
-      ('args_0', tf.float32, [None, 2, 4]), ('args_1', tf.bool, [None, 2])]
+    ('args_0', tf.float32, [None, 2, 4]),
+    ('args_1', tf.bool, [None, 2]),
+  ]
   x, mask = tf.ones([1, 2, 4]), tf.constant([[True, False]])
   np.testing.assert_allclose(loaded.serve(x, mask), trainer.model(x, mask=mask), rtol=1e-6)
   assert not np.allclose(loaded.serve(x, mask), trainer.model(x, mask=~mask))  # mask matters
-  assert (f'model.keras will not load back: {model_class.__name__}.get_config() returns no '
-          'units, which __init__ needs') in caplog.text
+  assert (
+    f'model.keras will not load back: {model_class.__name__}.get_config() returns no '
+    'units, which __init__ needs'
+  ) in caplog.text
 
 
 def test_a_model_keras_cannot_write_leaves_the_saved_model(tmp_path, caplog):
@@ -271,6 +291,7 @@ class Pair(keras.Model):
 def test_export_serves_in_inference_mode_several_inputs_and_no_none(tmp_path):
   """Three ways the SavedModel failed: Keras's default signature of one input (for *xs), a
   None output, and the model served with its own training default (dropout on)."""
+
   class Trainer(tiny.TinyTrainer):
     def build_model(self):
       return Pair()
@@ -279,6 +300,7 @@ def test_export_serves_in_inference_mode_several_inputs_and_no_none(tmp_path):
       x, y = batch
       logits, _ = self.model(x, x, training=training)
       return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), {}
+
   trainer = Trainer(tiny.tiny_config(**{'train.steps': 5}), str(tmp_path / 'run'))
   trainer.train()
   loaded = tf.saved_model.load(lifecycle.export(trainer)['saved_model'])

@@ -1,4 +1,5 @@
 """The loss-scale rules of trainer/step/loss_scale.py, to the letter."""
+
 import math
 
 import numpy as np
@@ -13,20 +14,38 @@ def run(scaler, flags):
   out = []
   for finite in flags:
     scaler.update(tf.constant(finite))
-    out.append((float(scaler.scale.numpy()), int(scaler.good_steps.numpy()),
-                int(scaler.hysteresis_left.numpy())))
+    out.append(
+      (
+        float(scaler.scale.numpy()),
+        int(scaler.good_steps.numpy()),
+        int(scaler.hysteresis_left.numpy()),
+      )
+    )
   return out
 
 
 def test_dynamic_sequence_exact():
-  s = LossScaler(mode='dynamic', initial_scale=8.0, growth_interval=3, growth_factor=2.0,
-                 backoff_factor=0.5, min_scale=1.0, max_scale=1024.0)
+  s = LossScaler(
+    mode='dynamic',
+    initial_scale=8.0,
+    growth_interval=3,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    min_scale=1.0,
+    max_scale=1024.0,
+  )
   got = run(s, [True, True, True, True, False, True, True, True, False, False])
   assert got == [
-      (8.0, 1, 1), (8.0, 2, 1), (16.0, 0, 1),  # third finite step in a row: grow, reset
-      (16.0, 1, 1), (8.0, 0, 0),  # non-finite: back off, reset counter, budget spent
-      (8.0, 1, 1), (8.0, 2, 1), (16.0, 0, 1),  # a finite step refilled the budget
-      (8.0, 0, 0), (4.0, 0, 0),  # every non-finite step backs off (hysteresis 1)
+    (8.0, 1, 1),
+    (8.0, 2, 1),
+    (16.0, 0, 1),  # third finite step in a row: grow, reset
+    (16.0, 1, 1),
+    (8.0, 0, 0),  # non-finite: back off, reset counter, budget spent
+    (8.0, 1, 1),
+    (8.0, 2, 1),
+    (16.0, 0, 1),  # a finite step refilled the budget
+    (8.0, 0, 0),
+    (4.0, 0, 0),  # every non-finite step backs off (hysteresis 1)
   ]
 
 
@@ -52,10 +71,12 @@ def test_hysteresis_budget():
   s = LossScaler(mode='dynamic', initial_scale=64.0, hysteresis=3, growth_interval=100)
   got = run(s, [False, False, False, False, True, False])
   assert got == [
-      (64.0, 0, 2), (64.0, 0, 1),  # the first N-1 only skip
-      (32.0, 0, 0), (16.0, 0, 0),  # the N-th and every further one back off
-      (16.0, 1, 3),  # a finite step refills the budget
-      (16.0, 0, 2),
+    (64.0, 0, 2),
+    (64.0, 0, 1),  # the first N-1 only skip
+    (32.0, 0, 0),
+    (16.0, 0, 0),  # the N-th and every further one back off
+    (16.0, 1, 3),  # a finite step refills the budget
+    (16.0, 0, 2),
   ]
 
 
@@ -88,12 +109,14 @@ def test_all_finite_is_exact_where_the_fast_sum_is_not():
   assert not bool(all_finite([tf.constant([1.0], tf.bfloat16), tf.constant([np.nan], tf.float16)]))
   sparse = tf.IndexedSlices(tf.constant([[1.0, np.inf]]), tf.constant([2]), tf.constant([4, 2]))
   assert not bool(all_finite([sparse]))
-  assert bool(all_finite([tf.IndexedSlices(tf.ones([1, 2]), tf.constant([2]),
-                                           tf.constant([4, 2]))]))
+  assert bool(
+    all_finite([tf.IndexedSlices(tf.ones([1, 2]), tf.constant([2]), tf.constant([4, 2]))])
+  )
 
 
 def test_from_config_auto():
   from trainer import config as config_lib
+
   p = config_lib.defaults().precision
   assert LossScaler.from_config(p, 'mixed_float16').mode == 'dynamic'
   assert LossScaler.from_config(p, 'mixed_bfloat16').mode == 'none'
@@ -103,6 +126,7 @@ def test_from_config_auto():
 
 
 # ---- the step around the scaler: what may and may not move the scale --------------------------
+
 
 def _one_batch_iterator(trainer, batch):
   dataset = tf.data.Dataset.from_tensors(batch).repeat()
@@ -115,8 +139,9 @@ def test_a_non_finite_learning_rate_skips_the_step_but_leaves_the_scale(tmp_path
 
   class InfRate(TinyTrainer):
     def build_optimizer(self, learning_rate):
-      return keras.optimizers.SGD(learning_rate=lambda: tf.where(
-          tf.equal(self.global_step, 1), float('inf'), 0.1))
+      return keras.optimizers.SGD(
+        learning_rate=lambda: tf.where(tf.equal(self.global_step, 1), float('inf'), 0.1)
+      )
 
   trainer = InfRate(tiny_config(**{'precision.policy': 'mixed_float16'}), str(tmp_path / 'w'))
   batch = next(iter(trainer.datasets.train))

@@ -1,6 +1,7 @@
 """16-bit master weights (config.precision.master_weights; trainer/step/low_precision.py and
 rounding.py): the rounding against NumPy references, the optimizers' updates against a float64
 Adam/SGD, skipped steps, resumes, MirroredStrategy and the config errors."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,9 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
 
 
 def test_random_bits_depend_on_the_seed_only_and_each_chunk_is_uniform():
-  draws = {seed: rounding.random_bits(tf.constant(seed, tf.int64), 20000, 3)
-           for seed in ((5, 7), (5, 8))}
+  draws = {
+    seed: rounding.random_bits(tf.constant(seed, tf.int64), 20000, 3) for seed in ((5, 7), (5, 8))
+  }
   again = rounding.random_bits(tf.constant((5, 7), tf.int64), 20000, 3)
   assert draws[(5, 7)].numpy().tobytes() == again.numpy().tobytes()
   assert draws[(5, 7)].numpy().tobytes() != draws[(5, 8)].numpy().tobytes()
@@ -143,8 +145,9 @@ def test_updates_in_several_calls_give_each_variable_its_own_bits(compiled):
   update rounded stochastically, and identical variables in different calls round with
   different bits."""
   variables = [keras.Variable(np.ones((30, 10), np.float32), dtype='bfloat16') for _ in range(4)]
-  optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-3, master_weights='bfloat16_sr',
-                                             seed=3)
+  optimizer = low_precision.LowPrecisionAdam(
+    learning_rate=1e-3, master_weights='bfloat16_sr', seed=3
+  )
   optimizer.CALL_ELEMENTS = 512  # 300 elements pad to 512: one variable per call
   optimizer.build(variables)
   g = tf.constant(np.full((30, 10), 0.5, np.float32))
@@ -159,12 +162,14 @@ def test_updates_in_several_calls_give_each_variable_its_own_bits(compiled):
 
 def test_update_step_called_directly_gives_each_variable_its_own_bits():
   variables = [keras.Variable(np.ones(4096, np.float32), dtype='bfloat16') for _ in range(2)]
-  optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-3, master_weights='bfloat16_sr',
-                                             seed=3)
+  optimizer = low_precision.LowPrecisionAdam(
+    learning_rate=1e-3, master_weights='bfloat16_sr', seed=3
+  )
   optimizer.build(variables)
   for v in variables:
-    optimizer.update_step(tf.constant(np.full(4096, 0.5, np.float32)), v,
-                          tf.constant(1e-3, tf.float32))
+    optimizer.update_step(
+      tf.constant(np.full(4096, 0.5, np.float32)), v, tf.constant(1e-3, tf.float32)
+    )
   ref_w, _, _ = adam_reference(1.0, 0.5, 0.0, 0.0, 1, 1e-3)
   for v in variables:
     sr_check(v, ref_w)
@@ -174,10 +179,12 @@ def test_update_step_called_directly_gives_each_variable_its_own_bits():
 def test_an_optimizer_stream_draws_other_bits_and_stream_0_the_usual_ones():
   """Two optimizers with the same seed round identical weights with the same bits unless their
   streams differ (an update group's index, set by the step); stream 0 is the seed as before."""
+
   def after_one_update(stream=None):
     variable = keras.Variable(np.ones(4096, np.float32), dtype='bfloat16')
-    optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-3, master_weights='bfloat16_sr',
-                                               seed=3)
+    optimizer = low_precision.LowPrecisionAdam(
+      learning_rate=1e-3, master_weights='bfloat16_sr', seed=3
+    )
     if stream is not None:
       optimizer.stream = stream
     optimizer.build([variable])
@@ -204,9 +211,10 @@ def two_group_trainer(make_second, second: int):
     @property
     def groups(self):
       layers = self.model.layers
-      return [UpdateGroup(self.optimizer, layers[1 - second].trainable_variables,
-                          self.loss_scaler),
-              UpdateGroup(self.second, layers[second].trainable_variables, self.loss_scaler)]
+      return [
+        UpdateGroup(self.optimizer, layers[1 - second].trainable_variables, self.loss_scaler),
+        UpdateGroup(self.second, layers[second].trainable_variables, self.loss_scaler),
+      ]
 
   class TwoGroupTrainer(TinyTrainer):
     def build_train_step(self):
@@ -219,8 +227,9 @@ def test_each_update_group_gets_its_own_stream(tmp_path):
   """A step with two update groups, both optimizers made by build_optimizer (one config.seed):
   build_optimizers gives them streams 0 and 1, and the step trains."""
   trainer_class = two_group_trainer(lambda trainer: trainer.build_optimizer(lambda: 1e-3), 1)
-  trainer = trainer_class(tiny_config(**runs.overrides('bfloat16_sr'), **{'train.steps': 2}),
-                          str(tmp_path / 'work'))
+  trainer = trainer_class(
+    tiny_config(**runs.overrides('bfloat16_sr'), **{'train.steps': 2}), str(tmp_path / 'work')
+  )
   groups = trainer.train_step.groups
   assert isinstance(groups[1].optimizer, low_precision.LowPrecisionAdamW)
   assert [group.optimizer.stream for group in groups] == [0, 1]
@@ -274,8 +283,9 @@ def test_adam_kahan_tracks_float64_adam_over_many_steps():
 def test_sgd_sr_update_equals_float64_sgd_in_expectation(nesterov):
   n = 8192
   w0, g = np.full(n, 1.0, np.float32), np.full(n, 0.3, np.float32)
-  variable, _ = one_update(low_precision.LowPrecisionSGD, 'bfloat16_sr', w0, [g, g],
-                           momentum=0.9, nesterov=nesterov)
+  variable, _ = one_update(
+    low_precision.LowPrecisionSGD, 'bfloat16_sr', w0, [g, g], momentum=0.9, nesterov=nesterov
+  )
   # Keras's SGD: m = momentum * m - lr * g; w += m (nesterov: w += momentum * m - lr * g)
   w, m = 1.0, 0.0
   for _ in range(2):
@@ -316,22 +326,34 @@ def test_grad_accumulation_equals_one_batch(tmp_path):
   compared to 1e-6, as the summation order of the gradients differs."""
   out = []
   for k in (1, 2):
-    config = tiny_config(**runs.overrides('bfloat16_kahan', 'sgd',
-                                          **{'train.grad_accum_steps': k}))
+    config = tiny_config(**runs.overrides('bfloat16_kahan', 'sgd', **{'train.grad_accum_steps': k}))
     trainer = TinyTrainer(config, str(tmp_path / f'k{k}'))
     runs.run_steps(trainer, 3)
-    out.append([as_f64(v) + as_f64(c) for v, c in zip(
-        [v for v in trainer.model.trainable_variables if v.dtype == 'bfloat16'],
-        trainer.optimizer._compensations)])
+    out.append(
+      [
+        as_f64(v) + as_f64(c)
+        for v, c in zip(
+          [v for v in trainer.model.trainable_variables if v.dtype == 'bfloat16'],
+          trainer.optimizer._compensations,
+        )
+      ]
+    )
   for a, b in zip(*out):
     np.testing.assert_allclose(a, b, atol=2e-3)
 
 
 def test_master_weights_needs_mixed_bfloat16():
-  with pytest.raises(ConfigError, match=r"^config.precision.master_weights='bfloat16_sr' needs "
-                                        r"config.precision.policy='mixed_bfloat16'"):
-    TinyTrainer(tiny_config(**{'precision.master_weights': 'bfloat16_sr',
-                               'precision.policy': 'mixed_float16'}), '/nonexistent')
+  with pytest.raises(
+    ConfigError,
+    match=r"^config.precision.master_weights='bfloat16_sr' needs "
+    r"config.precision.policy='mixed_bfloat16'",
+  ):
+    TinyTrainer(
+      tiny_config(
+        **{'precision.master_weights': 'bfloat16_sr', 'precision.policy': 'mixed_float16'}
+      ),
+      '/nonexistent',
+    )
 
 
 @pytest.mark.parametrize('resolved', ['mixed_bfloat16', 'float32'])
@@ -339,12 +361,16 @@ def test_master_weights_under_auto_follow_what_auto_resolves_to(tmp_path, monkey
   """policy='auto' is checked once resolved: it trains with bfloat16 masters where it resolves
   to mixed_bfloat16 (a CPU with AVX512_BF16, a TPU) and is a one-line error elsewhere."""
   from trainer.step import precision
+
   monkeypatch.setattr(precision, 'resolve', lambda name: (resolved, 'test'))
   config = tiny_config(**{'precision.master_weights': 'bfloat16_sr', 'precision.policy': 'auto'})
   if resolved == 'float32':
-    with pytest.raises(ConfigError, match=r"needs config.precision.policy='mixed_bfloat16' "
-                                          r"\(got 'auto', which resolved to 'float32' on this "
-                                          r"machine\); or set master_weights='float32'\.$"):
+    with pytest.raises(
+      ConfigError,
+      match=r"needs config.precision.policy='mixed_bfloat16' "
+      r"\(got 'auto', which resolved to 'float32' on this "
+      r"machine\); or set master_weights='float32'\.$",
+    ):
       TinyTrainer(config, str(tmp_path / 'work'))
     return
   trainer = TinyTrainer(config, str(tmp_path / 'work'))
@@ -366,9 +392,14 @@ def test_mirrored_skip_and_resume(tmp_path):
   """Two logical CPU devices (a subprocess): skips bit-identical, replicas identical, resume
   bit-identical, for bfloat16_sr, bfloat16_kahan and state_bits=8."""
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'low_precision_runs.py'),
-                         str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True,
-                        timeout=1200)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'tests', 'low_precision_runs.py'), str(tmp_path)],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=1200,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   results = json.loads((tmp_path / 'results.json').read_text())
   for setting, r in results.items():
@@ -384,9 +415,21 @@ def test_mirrored_skip_and_resume(tmp_path):
 def test_built_from_the_config_with_its_hyperparameters(name):
   from trainer import config as config_lib
   from trainer.step import optimizers
-  config = config_lib.validate(tiny_config(**runs.overrides('bfloat16_kahan', name, **{
-      'optimizer.beta_1': 0.8, 'optimizer.beta_2': 0.99, 'optimizer.epsilon': 1e-6,
-      'optimizer.momentum': 0.5})))
+
+  config = config_lib.validate(
+    tiny_config(
+      **runs.overrides(
+        'bfloat16_kahan',
+        name,
+        **{
+          'optimizer.beta_1': 0.8,
+          'optimizer.beta_2': 0.99,
+          'optimizer.epsilon': 1e-6,
+          'optimizer.momentum': 0.5,
+        },
+      )
+    )
+  )
   optimizer = optimizers.build(config.optimizer, 1e-3, master_weights='bfloat16_kahan')
   assert isinstance(optimizer, low_precision.CLASSES[name])
   assert optimizer.master_weights == 'bfloat16_kahan'

@@ -1,4 +1,5 @@
 """MNIST end to end through the Trainer: each policy trains; overflow shows in TensorBoard."""
+
 import numpy as np
 import pytest
 
@@ -17,9 +18,16 @@ def test_loader_reads_the_real_files(mnist_dir):
 
 @pytest.mark.parametrize('policy', ['float32', 'mixed_bfloat16', 'mixed_float16'])
 def test_short_run_trains_in_each_policy(policy, mnist_dir, tmp_path):
-  config = tiny_config(**{'data.dir': mnist_dir, 'precision.policy': policy,
-                           'train.steps': 40, 'train.steps_per_loop': 10,
-                           'train.log_every': 10, 'train.checkpoint_every': 40})
+  config = tiny_config(
+    **{
+      'data.dir': mnist_dir,
+      'precision.policy': policy,
+      'train.steps': 40,
+      'train.steps_per_loop': 10,
+      'train.log_every': 10,
+      'train.checkpoint_every': 40,
+    }
+  )
   trainer = MnistCnnTrainer(config, str(tmp_path))
   assert trainer.policy == policy
   assert trainer.model.layers[0].compute_dtype == policy.replace('mixed_', '')
@@ -33,18 +41,32 @@ def test_short_run_trains_in_each_policy(policy, mnist_dir, tmp_path):
 
 
 def test_injected_overflow_shows_in_tensorboard(mnist_dir, tmp_path):
-  config = tiny_config(**{'data.dir': mnist_dir, 'precision.policy': 'mixed_float16',
-                           'train.steps': 12, 'train.steps_per_loop': 2, 'train.log_every': 2,
-                           'train.checkpoint_every': 12, 'precision.initial_scale': 1024.0,
-                           'debug.inject_nonfinite_steps': '6'})
+  config = tiny_config(
+    **{
+      'data.dir': mnist_dir,
+      'precision.policy': 'mixed_float16',
+      'train.steps': 12,
+      'train.steps_per_loop': 2,
+      'train.log_every': 2,
+      'train.checkpoint_every': 12,
+      'precision.initial_scale': 1024.0,
+      'debug.inject_nonfinite_steps': '6',
+    }
+  )
   MnistCnnTrainer(config, str(tmp_path)).train()
   s = read_scalars(str(tmp_path))
   skipped = dict(s['train/skipped_steps'])
   scale = dict(s['train/loss_scale'])
   assert skipped == {2: 0, 4: 0, 6: 0, 8: 1, 10: 1, 12: 1}  # step 6 runs in the loop ending at 8
   assert scale == {2: 1024, 4: 1024, 6: 1024, 8: 512, 10: 512, 12: 512}
-  for tag in ('train/loss', 'train/accuracy', 'train/learning_rate', 'train/steps_per_sec',
-              'eval/loss', 'eval/accuracy'):
+  for tag in (
+    'train/loss',
+    'train/accuracy',
+    'train/learning_rate',
+    'train/steps_per_sec',
+    'eval/loss',
+    'eval/accuracy',
+  ):
     assert tag in s, tag
 
 

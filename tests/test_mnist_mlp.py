@@ -1,12 +1,14 @@
 """The MNIST MLP config trains through the Trainer on the real data."""
+
 import os
 
 
 import models
 from configs import mnist_mlp
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '..', 'shared',
-                    'data', 'mnist')
+DATA = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '..', 'shared', 'data', 'mnist'
+)
 
 
 def test_mlp_learns_mnist_in_300_steps(tmp_path):

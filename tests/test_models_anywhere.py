@@ -1,4 +1,5 @@
 """`config.model` as a dotted module path: a model in a package outside models/."""
+
 import os
 import subprocess
 import sys
@@ -23,14 +24,14 @@ def make_package(tmp_path, body: str, name='my_project', module='tiny_model'):
 
 
 # tests/tiny.py's model, in a module of its own package: one Trainer subclass.
-ONE = '''
+ONE = """
     import tiny
     from trainer import Trainer
 
 
     class MyTiny(tiny.TinyTrainer):
       pass
-    '''
+    """
 
 
 def test_dotted_path_finds_the_one_subclass(tmp_path, monkeypatch):
@@ -38,11 +39,17 @@ def test_dotted_path_finds_the_one_subclass(tmp_path, monkeypatch):
   assert models.get_trainer_class('my_project.tiny_model').__name__ == 'MyTiny'
 
 
-@pytest.mark.parametrize('package, body, words', [
+@pytest.mark.parametrize(
+  'package, body, words',
+  [
     ('pkg_none', 'from trainer import Trainer\n', 'found 0 (none)'),
-    ('pkg_two', 'from trainer import Trainer\nclass A(Trainer): pass\nclass B(Trainer): pass\n',
-     'found 2 (A, B)'),
-])
+    (
+      'pkg_two',
+      'from trainer import Trainer\nclass A(Trainer): pass\nclass B(Trainer): pass\n',
+      'found 2 (A, B)',
+    ),
+  ],
+)
 def test_none_or_several_subclasses_is_one_line(tmp_path, monkeypatch, package, body, words):
   monkeypatch.syspath_prepend(str(make_package(tmp_path, body, name=package)))
   with pytest.raises(ConfigError) as info:
@@ -62,8 +69,9 @@ def test_missing_module_is_one_line():
 
 
 def test_an_import_error_inside_the_module_keeps_its_traceback(tmp_path, monkeypatch):
-  monkeypatch.syspath_prepend(str(make_package(tmp_path, 'import not_installed_dep\n',
-                                               name='pkg_broken')))
+  monkeypatch.syspath_prepend(
+    str(make_package(tmp_path, 'import not_installed_dep\n', name='pkg_broken'))
+  )
   with pytest.raises(ModuleNotFoundError, match='not_installed_dep'):
     models.get_trainer_class('pkg_broken.tiny_model')
 
@@ -71,17 +79,35 @@ def test_an_import_error_inside_the_module_keeps_its_traceback(tmp_path, monkeyp
 def test_launch_trains_a_model_from_a_package_outside_models(tmp_path):
   """Then --mode=eval and --mode=export leave every file of the run folder byte-identical."""
   from test_workdir import snapshot
+
   src = make_package(tmp_path, ONE, name='outside_pkg')
   workdir = tmp_path / 'run'
-  env = {**os.environ, 'PYTHONPATH': os.pathsep.join([ROOT, TESTS, str(src)]),
-         'TF_CPP_MIN_LOG_LEVEL': '3'}
+  env = {
+    **os.environ,
+    'PYTHONPATH': os.pathsep.join([ROOT, TESTS, str(src)]),
+    'TF_CPP_MIN_LOG_LEVEL': '3',
+  }
   launch = lambda *a: subprocess.run(
-      [sys.executable, 'launch.py', '--config=configs/mnist_mlp.py', f'--workdir={workdir}',
-       '--config.model=outside_pkg.tiny_model', '--config.train.batch_size=32',
-       '--config.train.steps=10', '--config.train.steps_per_loop=5',
-       '--config.train.log_every=5', '--config.train.checkpoint_every=5',
-       '--config.precision.policy=float32', *a],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      'launch.py',
+      '--config=configs/mnist_mlp.py',
+      f'--workdir={workdir}',
+      '--config.model=outside_pkg.tiny_model',
+      '--config.train.batch_size=32',
+      '--config.train.steps=10',
+      '--config.train.steps_per_loop=5',
+      '--config.train.log_every=5',
+      '--config.train.checkpoint_every=5',
+      '--config.precision.policy=float32',
+      *a,
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   result = launch()
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'training MyTiny: 10 steps' in result.stderr

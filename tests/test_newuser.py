@@ -1,6 +1,7 @@
 """A new user's mistakes, found by writing a first model from the README: each is one line
 naming the hook and the fix, raised before the workdir is touched (or a warning line where the
 run can still be right)."""
+
 import gc
 import logging as logging_lib
 
@@ -58,8 +59,10 @@ def batched_by(size, drop_remainder=True):
     def build_datasets(self):
       x, y = points()
       data = tf.data.Dataset.from_tensor_slices((x, y))
-      return Datasets(train=data.repeat().batch(size, drop_remainder=drop_remainder),
-                      eval=data.batch(size))
+      return Datasets(
+        train=data.repeat().batch(size, drop_remainder=drop_remainder), eval=data.batch(size)
+      )
+
   return Trainer
 
 
@@ -81,6 +84,7 @@ def test_empty_eval_set(tmp_path):
     def build_datasets(self):
       datasets = super().build_datasets()
       return datasets._replace(eval=datasets.eval.take(0))
+
   message = rejected(Empty, tmp_path)
   assert message.startswith('build_datasets returned an empty Datasets.eval')
 
@@ -88,10 +92,12 @@ def test_empty_eval_set(tmp_path):
 # ---- compute_loss ---------------------------------------------------------------------------
 def test_metrics_as_a_list(tmp_path):
   """It said 'compute_loss returned a tuple of 2', which is what the README asks for."""
+
   class ListMetrics(TinyTrainer):
     def compute_loss(self, batch, *, training):
       loss, metrics = super().compute_loss(batch, training=training)
       return loss, list(metrics.values())
+
   message = rejected(ListMetrics, tmp_path)
   assert message.startswith('compute_loss returned (loss, list); the second item must be a dict')
 
@@ -100,10 +106,12 @@ def test_metrics_as_a_list(tmp_path):
 def test_metric_with_a_name_the_trainer_uses(tmp_path, name):
   """A metric named 'loss' replaced the loss in the progress line and the eval; 'skipped' or
   'steps' vanished into the step counters."""
+
   class Clash(TinyTrainer):
     def compute_loss(self, batch, *, training):
       loss, metrics = super().compute_loss(batch, training=training)
       return loss, {name: metrics['accuracy']}
+
   message = rejected(Clash, tmp_path)
   assert message.startswith(f"compute_loss returned a metric named '{name}', a name the trainer")
 
@@ -112,11 +120,13 @@ def test_loss_without_gradients(tmp_path):
   """A loss cut off from the model (NumPy, .numpy(), tf.stop_gradient) failed at the first
   compiled call with a Keras traceback ('No gradients provided for any variable'), after the
   workdir was written."""
+
   class Cut(TinyTrainer):
     def compute_loss(self, batch, *, training):
       x, y = batch
       logits = tf.stop_gradient(self.model(x, training=training))
       return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), {}
+
   message = rejected(Cut, tmp_path)
   assert message.startswith('compute_loss returned a loss (float32 [32]) that does not depend on')
 
@@ -126,6 +136,7 @@ def test_an_error_in_compute_loss_names_the_batch(tmp_path):
     def compute_loss(self, batch, *, training):
       x, y, w = batch  # the batch is (x, y)
       return super().compute_loss((x, y), training=training)
+
   with pytest.raises(ValueError) as info:
     Typo(tiny_config(), str(tmp_path / 'work'))
   assert 'first eval batch, float32 [32, 8], int32 [32]' in ''.join(info.value.__notes__)
@@ -136,9 +147,12 @@ def test_nonfinite_loss_at_the_initial_weights_warns(tmp_path, warnings):
     def compute_loss(self, batch, *, training):
       x, _ = batch
       return -tf.math.log(tf.reduce_sum(self.model(x, training=training), -1) * 0.0), {}
+
   LogZero(tiny_config(), str(tmp_path / 'work'))
-  assert any(w.startswith('compute_loss returned a non-finite loss (inf) for 32 of 32 examples')
-             for w in warnings)
+  assert any(
+    w.startswith('compute_loss returned a non-finite loss (inf) for 32 of 32 examples')
+    for w in warnings
+  )
 
 
 # ---- the hooks' signatures and results ------------------------------------------------------
@@ -146,6 +160,7 @@ def test_compute_loss_without_training(tmp_path):
   class NoTraining(TinyTrainer):
     def compute_loss(self, batch):  # pylint: disable=arguments-differ
       return super().compute_loss(batch, training=False)
+
   message = rejected(NoTraining, tmp_path)
   assert message.startswith('NoTraining.compute_loss(batch) cannot be called as the trainer')
   assert message.endswith('define it as `def compute_loss(self, batch, *, training):`')
@@ -155,6 +170,7 @@ def test_build_datasets_taking_the_config(tmp_path):
   class WithConfig(TinyTrainer):
     def build_datasets(self, config):  # pylint: disable=arguments-differ
       return super().build_datasets()
+
   message = rejected(WithConfig, tmp_path)
   assert 'define it as `def build_datasets(self):`' in message
 
@@ -163,6 +179,7 @@ def test_a_positional_training_argument_is_fine(tmp_path):
   class Positional(TinyTrainer):
     def compute_loss(self, batch, training):  # pylint: disable=arguments-differ
       return super().compute_loss(batch, training=training)
+
   Positional(tiny_config(**{'train.steps': 2}), str(tmp_path / 'work')).train()
 
 
@@ -170,6 +187,7 @@ def test_misspelled_compute_loss(tmp_path):
   class Misspelled(TinyTrainer):
     compute_losses = TinyTrainer.compute_loss
     compute_loss = Trainer.compute_loss  # as if TinyTrainer had not defined it
+
   message = rejected(Misspelled, tmp_path)
   assert message.startswith('Misspelled does not define compute_loss')
 
@@ -178,6 +196,7 @@ def test_build_model_returning_none(tmp_path):
   class NoReturn(TinyTrainer):
     def build_model(self):
       super().build_model()
+
   message = rejected(NoReturn, tmp_path)
   assert message.startswith('build_model returned None; return a keras.Model')
 
@@ -185,6 +204,7 @@ def test_build_model_returning_none(tmp_path):
 def test_a_model_class_named_with_an_underscore(tmp_path):
   """Keras names a model `_Net` '__net', which TensorFlow refuses as a root name scope: it
   trained, then failed at the first evaluation (Keras's fit fails at its first step)."""
+
   class _Net(keras.Model):  # pylint: disable=invalid-name
     def __init__(self, **kwargs):
       super().__init__(**kwargs)
@@ -196,9 +216,11 @@ def test_a_model_class_named_with_an_underscore(tmp_path):
   class Underscore(TinyTrainer):
     def build_model(self):
       return _Net()
+
   message = rejected(Underscore, tmp_path)
-  assert message.startswith("build_model returned a model named '__net' (Keras names it after "
-                            'its class, _Net)')
+  assert message.startswith(
+    "build_model returned a model named '__net' (Keras names it after its class, _Net)"
+  )
   _Net.__name__ = 'Net'  # the same model, named 'net': trains and evaluates
   Underscore(tiny_config(**{'train.steps': 2}), str(tmp_path / 'named')).train()
 
@@ -206,19 +228,22 @@ def test_a_model_class_named_with_an_underscore(tmp_path):
 @pytest.mark.parametrize('key', ['early_stopping', 'best_checkpoint'])
 def test_a_misspelled_eval_metric_for_an_action(key, tmp_path):
   """It failed at the first eval, after steps of training and before any checkpoint."""
-  message = rejected(TinyTrainer, tmp_path, **{f'{key}.metric': 'acuracy',
-                                               'train.eval_every': 5})
-  assert message == (f"config.{key}.metric='acuracy' is not an eval metric; the eval reports "
-                     "loss, accuracy (did you mean 'accuracy'?)")
+  message = rejected(TinyTrainer, tmp_path, **{f'{key}.metric': 'acuracy', 'train.eval_every': 5})
+  assert message == (
+    f"config.{key}.metric='acuracy' is not an eval metric; the eval reports "
+    "loss, accuracy (did you mean 'accuracy'?)"
+  )
 
 
 def test_a_loss_written_for_whole_batches_passes_the_gradient_check(tmp_path):
   """The gradient check runs on one example; a loss that reshapes by the batch size failed
   there with a bare TensorFlow error. It now checks on the whole first eval batch instead."""
+
   class WholeBatches(TinyTrainer):
     def compute_loss(self, batch, *, training):
       loss, metrics = super().compute_loss(batch, training=training)
       return tf.reshape(tf.reshape(loss, [self.config.train.batch_size, 1]), [-1]), metrics
+
   WholeBatches(tiny_config(**{'train.steps': 2}), str(tmp_path / 'work')).train()
 
   class Broken(TinyTrainer):
@@ -226,38 +251,49 @@ def test_a_loss_written_for_whole_batches_passes_the_gradient_check(tmp_path):
       if training:
         raise RuntimeError('broken')
       return super().compute_loss(batch, training=training)
+
   with pytest.raises(RuntimeError) as info:
     Broken(tiny_config(), str(tmp_path / 'broken'))
   assert info.value.__notes__ == [
-      '(raised by compute_loss(batch, training=True) on the first eval batch, float32 [32, 8], '
-      'int32 [32], when the trainer checked its hooks: trainer/step/contract.py)']
+    '(raised by compute_loss(batch, training=True) on the first eval batch, float32 [32, 8], '
+    'int32 [32], when the trainer checked its hooks: trainer/step/contract.py)'
+  ]
 
 
 def test_an_unbatched_train_set_of_sequences(tmp_path):
   """Sequences [T] against eval batches [B, T]: the batch-size check took T for a batch size
   ('leading dimension 8 ... not config.train.batch_size=32')."""
+
   class Sequences(TinyTrainer):
     def build_datasets(self):
       tokens = np.zeros([512, 8], np.int32)
-      return Datasets(train=tf.data.Dataset.from_tensor_slices((tokens, tokens)).repeat(),
-                      eval=tf.data.Dataset.from_tensor_slices((tokens, tokens)).batch(32),
-                      train_examples=512)
+      return Datasets(
+        train=tf.data.Dataset.from_tensor_slices((tokens, tokens)).repeat(),
+        eval=tf.data.Dataset.from_tensor_slices((tokens, tokens)).batch(32),
+        train_examples=512,
+      )
+
   message = rejected(Sequences, tmp_path)
-  assert message == ('build_datasets returned an unbatched Datasets.train: its elements (int32 '
-                     '[8], int32 [8]) have one axis fewer than the eval batches (int32 [?, 8], '
-                     'int32 [?, 8]); add .batch(config.train.batch_size, drop_remainder=True) to '
-                     'the train dataset')
+  assert message == (
+    'build_datasets returned an unbatched Datasets.train: its elements (int32 '
+    '[8], int32 [8]) have one axis fewer than the eval batches (int32 [?, 8], '
+    'int32 [?, 8]); add .batch(config.train.batch_size, drop_remainder=True) to '
+    'the train dataset'
+  )
 
   # Ten crops per eval image ([B, 10, 8] against train [B, 8]; labels [B] both) are batched.
   data = TinyTrainer(tiny_config(**{'train.steps': 1}), str(tmp_path / 'crops')).datasets
-  checks.check_datasets(data._replace(eval=data.eval.map(lambda x, y: (tf.stack([x] * 10, 1), y))),
-                        batch_size=32)
+  checks.check_datasets(
+    data._replace(eval=data.eval.map(lambda x, y: (tf.stack([x] * 10, 1), y))), batch_size=32
+  )
   # Two views per train image ([32, 2, 8] against eval [?, 8]; labels [B] both) are batched too.
-  checks.check_datasets(data._replace(train=data.train.map(lambda x, y: (tf.stack([x] * 2, 1), y))),
-                        batch_size=32)
+  checks.check_datasets(
+    data._replace(train=data.train.map(lambda x, y: (tf.stack([x] * 2, 1), y))), batch_size=32
+  )
   # And train batches of unknown size against eval crops with per-crop labels.
-  unsized = tf.data.Dataset.from_tensor_slices((np.zeros([64, 8], np.float32),
-                                                np.zeros([64], np.int32))).batch(32)
+  unsized = tf.data.Dataset.from_tensor_slices(
+    (np.zeros([64, 8], np.float32), np.zeros([64], np.int32))
+  ).batch(32)
   crops = unsized.map(lambda x, y: (tf.stack([x] * 10, 1), tf.stack([y] * 10, 1)))
   checks.check_datasets(Datasets(train=unsized, eval=crops, train_examples=64))
 
@@ -266,17 +302,20 @@ def test_build_metrics_returning_a_list(tmp_path):
   class ListOfMetrics(TinyTrainer):
     def build_metrics(self):
       return [keras.metrics.AUC()]
+
   assert rejected(ListOfMetrics, tmp_path).startswith('build_metrics returned list; return a dict')
 
 
 def test_action_without_the_event_argument(tmp_path):
   """It failed at the first progress line, with a traceback, after the workdir was written."""
+
   def hello():
     print('hello')
 
   class Hello(TinyTrainer):
     def build_actions(self):
       return super().build_actions() + [hello]
+
   message = rejected(Hello, tmp_path)
   assert message.startswith('build_actions: action hello cannot be called with one event')
 
@@ -290,8 +329,15 @@ def test_resume_with_a_changed_model_says_so(tmp_path, warnings):
 
   class Wider(TinyTrainer):
     def build_model(self):
-      return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation='relu'),
-                               keras.layers.Dense(4, dtype='float32')], name='tiny')
+      return keras.Sequential(
+        [
+          keras.Input((8,)),
+          keras.layers.Dense(32, activation='relu'),
+          keras.layers.Dense(4, dtype='float32'),
+        ],
+        name='tiny',
+      )
+
   with pytest.raises(UserError) as info:
     Wider(tiny_config(**{'train.steps': 10}), workdir).train()
   message = str(info.value)
@@ -316,8 +362,9 @@ def test_resume_with_a_changed_model_says_so(tmp_path, warnings):
 def test_the_gradient_check_leaves_a_mirrored_run_alone(tmp_path):
   """Under MirroredStrategy the variables are distributed (no handle outside a replica
   context): the probe's gradient check must not touch them (it crashed every mirrored run)."""
-  config = tiny_config(**{'train.steps': 2, 'distribute.strategy': 'mirrored',
-                          'distribute.devices': 'CPU:0'})
+  config = tiny_config(
+    **{'train.steps': 2, 'distribute.strategy': 'mirrored', 'distribute.devices': 'CPU:0'}
+  )
   TinyTrainer(config, str(tmp_path / 'work')).train()
 
 
@@ -329,8 +376,9 @@ def test_a_finished_run_says_it_trains_nothing(tmp_path, monkeypatch):
   lines = []
   monkeypatch.setattr(logging, 'info', lambda msg, *args: lines.append(msg % args))
   TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
-  assert any(line.startswith('the run is already at step 5 of 5: nothing to train')
-             for line in lines)
+  assert any(
+    line.startswith('the run is already at step 5 of 5: nothing to train') for line in lines
+  )
 
 
 def test_resume_with_another_optimizer_names_the_optimizer(tmp_path, warnings):
@@ -338,8 +386,12 @@ def test_resume_with_another_optimizer_names_the_optimizer(tmp_path, warnings):
   workdir = str(tmp_path / 'work')
   TinyTrainer(tiny_config(**{'train.steps': 5, 'optimizer.name': 'sgd'}), workdir).train()
   with pytest.raises(UserError) as info:
-    TinyTrainer(tiny_config(**{'train.steps': 10, 'optimizer.name': 'adam',
-                               'train.accept_config_change': True}), workdir).train()
+    TinyTrainer(
+      tiny_config(
+        **{'train.steps': 10, 'optimizer.name': 'adam', 'train.accept_config_change': True}
+      ),
+      workdir,
+    ).train()
   message = str(info.value)
   assert 'another optimizer state than config.optimizer builds now' in message
   assert 'build_model' not in message
@@ -350,10 +402,18 @@ def test_an_action_added_on_resume_starts_fresh(tmp_path):
   """Adding early stopping to a resumed run failed: the checkpoint had no state for it."""
   workdir = str(tmp_path / 'work')
   TinyTrainer(tiny_config(**{'train.steps': 5}), workdir).train()
-  trainer = TinyTrainer(tiny_config(**{'train.steps': 10, 'train.eval_every': 5,
-                                       'early_stopping.metric': 'loss',
-                                       'early_stopping.patience': 100,
-                                       'train.accept_config_change': True}), workdir)
+  trainer = TinyTrainer(
+    tiny_config(
+      **{
+        'train.steps': 10,
+        'train.eval_every': 5,
+        'early_stopping.metric': 'loss',
+        'early_stopping.patience': 100,
+        'train.accept_config_change': True,
+      }
+    ),
+    workdir,
+  )
   trainer.train()
   assert int(trainer.global_step.numpy()) == 10
 
@@ -361,6 +421,7 @@ def test_an_action_added_on_resume_starts_fresh(tmp_path):
 def test_an_eval_path_with_other_weights_is_not_a_loss_without_gradient(tmp_path):
   """The gradient check differentiated compute_loss(training=False); a trainer that evaluates an
   average of the weights (a copy with no trainable variables) was refused."""
+
   class AveragedEval(TinyTrainer):
     def build_model(self):
       model = super().build_model()
@@ -370,9 +431,9 @@ def test_an_eval_path_with_other_weights_is_not_a_loss_without_gradient(tmp_path
 
     def compute_loss(self, batch, *, training):
       x, y = batch
-      logits = tf.cast((self.model if training else self.average)(x, training=training),
-                       tf.float32)
+      logits = tf.cast((self.model if training else self.average)(x, training=training), tf.float32)
       return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), {}
+
   trainer = AveragedEval(tiny_config(**{'train.steps': 2}), str(tmp_path / 'work'))
   trainer.train()
   assert int(trainer.global_step.numpy()) == 2
@@ -380,12 +441,14 @@ def test_an_eval_path_with_other_weights_is_not_a_loss_without_gradient(tmp_path
 
 def test_a_hook_set_on_the_instance_counts(tmp_path):
   """compute_loss assigned in __init__ before super().__init__() was 'does not define'."""
+
   class Assigned(Trainer):
     build_datasets, build_model = TinyTrainer.build_datasets, TinyTrainer.build_model
 
     def __init__(self, config, workdir):
       self.compute_loss = lambda batch, *, training: TinyTrainer.compute_loss(
-          self, batch, training=training)
+        self, batch, training=training
+      )
       super().__init__(config, workdir)
 
   trainer = Assigned(tiny_config(**{'train.steps': 2}), str(tmp_path / 'a'))
@@ -396,6 +459,7 @@ def test_a_hook_set_on_the_instance_counts(tmp_path):
 def test_a_metric_with_the_three_methods_is_accepted(tmp_path):
   class Count:
     """Not a keras.metrics.Metric: update_state, result and reset_state are enough."""
+
     def __init__(self):
       self.total = keras.Variable(0.0, trainable=False)
 
@@ -415,5 +479,6 @@ def test_a_metric_with_the_three_methods_is_accepted(tmp_path):
     def compute_loss(self, batch, *, training):
       loss, metrics = super().compute_loss(batch, training=training)
       return loss, {**metrics, 'examples': (tf.ones_like(loss),)}
+
   trainer = Counted(tiny_config(**{'train.steps': 2}), str(tmp_path / 'w'))
   assert trainer.train()['examples'] > 0

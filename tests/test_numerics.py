@@ -18,21 +18,34 @@ class Wide(TinyTrainer):
   to float16's largest value."""
 
   def build_model(self):
-    loud = keras.layers.Dense(16, name='loud', kernel_initializer=keras.initializers.Constant(
-        1e3 / 16), use_bias=False)
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation='relu'), loud,
-                             keras.layers.Dense(4, dtype='float32')], name='wide')
+    loud = keras.layers.Dense(
+      16, name='loud', kernel_initializer=keras.initializers.Constant(1e3 / 16), use_bias=False
+    )
+    return keras.Sequential(
+      [
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation='relu'),
+        loud,
+        keras.layers.Dense(4, dtype='float32'),
+      ],
+      name='wide',
+    )
 
 
 def test_statistics_name_layers_and_are_written(tmp_path, caplog):
-  trainer = Wide(tiny_config(**{'precision.policy': 'mixed_float16', 'numerics.every': 10,
-                                'train.steps': 20}), str(tmp_path / 'w'))
+  trainer = Wide(
+    tiny_config(**{'precision.policy': 'mixed_float16', 'numerics.every': 10, 'train.steps': 20}),
+    str(tmp_path / 'w'),
+  )
   with caplog.at_level('INFO'):
     trainer.train()
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('numerics at')]
   # The first log step, then the first log step past each multiple of numerics.every.
-  assert [l.split(':')[0] for l in lines] == ['numerics at step 5', 'numerics at step 10',
-                                              'numerics at step 20']
+  assert [l.split(':')[0] for l in lines] == [
+    'numerics at step 5',
+    'numerics at step 10',
+    'numerics at step 20',
+  ]
   assert 'least headroom wide/loud' in lines[0]
   stats, overall = trainer.runner.numerics.probe.measure()
   loud = stats['wide/loud']
@@ -42,8 +55,11 @@ def test_statistics_name_layers_and_are_written(tmp_path, caplog):
   assert all(0.0 <= overall[k] <= 1.0 for k in ('grad_flushed', 'grad_subnormal', 'grad_zero'))
   scalars = events.read_scalars(str(tmp_path / 'w'))
   assert [s for s, _ in scalars['numerics/wide/loud/headroom_bits']] == [5, 10, 20]
-  assert {'numerics/gradient_flushed', 'numerics/gradient_subnormal',
-          'numerics/gradient_zero'} <= set(scalars)
+  assert {
+    'numerics/gradient_flushed',
+    'numerics/gradient_subnormal',
+    'numerics/gradient_zero',
+  } <= set(scalars)
   assert 'numerics/wide/loud/grad_flushed' in scalars
   # Finite outputs: output_nonfinite 0. Scaled by 1e3 more, the loud layer overflows float16:
   # its output_max and headroom_bits are not finite, and output_nonfinite tells TensorBoard.
@@ -65,14 +81,16 @@ def test_underflow_fraction_follows_the_scale(tmp_path):
 
   fractions = {}
   for scale in ('1', '32768'):
-    trainer = Small(tiny_config(**{'precision.policy': 'mixed_float16',
-                                   'precision.loss_scale': scale}), str(tmp_path / scale))
+    trainer = Small(
+      tiny_config(**{'precision.policy': 'mixed_float16', 'precision.loss_scale': scale}),
+      str(tmp_path / scale),
+    )
     from trainer.insight.numerics import Probe
+
     stats, overall = Probe(trainer).measure(next(iter(trainer.datasets.train)))
     layer = stats[trainer.model.layers[0].path]
     fractions[scale] = layer['grad_flushed'] + layer['grad_subnormal']
   assert fractions['1'] > 0.5 and fractions['32768'] < 0.1, fractions
-
 
 
 def test_the_probe_runs_eagerly_first_then_compiled_with_the_same_numbers(tmp_path):
@@ -86,8 +104,10 @@ def test_the_probe_runs_eagerly_first_then_compiled_with_the_same_numbers(tmp_pa
       loss, metrics = super().compute_loss(batch, training=training)
       return loss * 1e-5, metrics
 
-  trainer = Small(tiny_config(**{'precision.policy': 'mixed_float16',
-                                 'precision.loss_scale': '1'}), str(tmp_path / 'w'))
+  trainer = Small(
+    tiny_config(**{'precision.policy': 'mixed_float16', 'precision.loss_scale': '1'}),
+    str(tmp_path / 'w'),
+  )
   probe = numerics.Probe(trainer)
   probe._fn.eager_seconds = float('inf')  # the count alone decides here
   batch = next(iter(trainer.datasets.train))
@@ -100,11 +120,14 @@ def test_the_probe_runs_eagerly_first_then_compiled_with_the_same_numbers(tmp_pa
   assert overall['grad_flushed'] > 0 and overall['grad_subnormal'] > 0, overall
   assert compiled == eager[0]
 
+
 def test_probe_leaves_weights_state_and_training_order_alone(tmp_path):
   from test_trainer_contract import BatchNormTrainer
+
   trainer = BatchNormTrainer(tiny_config(), str(tmp_path / 'w'))
   before = [v.numpy().copy() for v in trainer.model.variables]
   from trainer.insight.numerics import Probe
+
   Probe(trainer).measure()
   for a, v in zip(before, trainer.model.variables):
     np.testing.assert_array_equal(a, v.numpy())
@@ -121,6 +144,7 @@ def test_probe_measures_one_micro_batch_as_the_step_computes_it(tmp_path):
   32): the probe measures those, not the whole batch's (4x larger, underflow under-reported)."""
   import tensorflow as tf
   from trainer.insight.numerics import Probe
+
   trainer = TinyTrainer(tiny_config(**{'train.grad_accum_steps': 4}), str(tmp_path / 'w'))
   batch = next(iter(trainer.datasets.train))
   stats, _ = Probe(trainer).measure(batch)
@@ -130,8 +154,9 @@ def test_probe_measures_one_micro_batch_as_the_step_computes_it(tmp_path):
     per_example, _ = trainer.compute_loss(micro, training=True)
     loss = tf.reduce_sum(per_example) / 32
   kernel = tape.gradient(loss, first.kernel)
-  np.testing.assert_allclose(stats[first.path]['grad_max'],
-                             float(tf.reduce_max(tf.abs(kernel))), rtol=1e-5)
+  np.testing.assert_allclose(
+    stats[first.path]['grad_max'], float(tf.reduce_max(tf.abs(kernel))), rtol=1e-5
+  )
 
 
 # ---- underflow = what the precision loses, against a NumPy float16 / bfloat16 emulation -------
@@ -144,10 +169,10 @@ C = np.logspace(-14, -2, UNITS).astype(np.float32)
 
 
 class Spread(TinyTrainer):
-
   def build_model(self):
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(UNITS, name='spread')],
-                            name='spread_model')
+    return keras.Sequential(
+      [keras.Input((8,)), keras.layers.Dense(UNITS, name='spread')], name='spread_model'
+    )
 
   def compute_loss(self, batch, *, training):
     x, _ = batch
@@ -162,27 +187,33 @@ def reference_counts(x, scale, dtype):
   upstream32 = C.astype(np.float64) * scale / len(x)  # d loss / d out, float32 side
   upstream = upstream32.astype(dtype)  # the Cast's gradient into the compute dtype
   x_low = x.astype(dtype).astype(np.float64)
-  grads = [(x_low.T @ np.tile(upstream.astype(np.float64), (len(x), 1))).astype(dtype),
-           (len(x) * upstream.astype(np.float64)).astype(dtype)]
+  grads = [
+    (x_low.T @ np.tile(upstream.astype(np.float64), (len(x), 1))).astype(dtype),
+    (len(x) * upstream.astype(np.float64)).astype(dtype),
+  ]
   grads32 = [x.astype(np.float64).T @ np.tile(upstream32, (len(x), 1)), len(x) * upstream32]
   tiny = float(ml_dtypes.finfo(dtype).tiny)
-  flushed = sum(int(np.sum((g.astype(np.float64) == 0) & (r != 0))) for g, r in
-                zip(grads, grads32))
-  subnormal = sum(int(np.sum((g != 0) & (np.abs(g.astype(np.float64)) < tiny)))
-                  for g in grads)
+  flushed = sum(int(np.sum((g.astype(np.float64) == 0) & (r != 0))) for g, r in zip(grads, grads32))
+  subnormal = sum(int(np.sum((g != 0) & (np.abs(g.astype(np.float64)) < tiny))) for g in grads)
   zero = sum(int(np.sum(r == 0)) for r in grads32)
   return flushed, subnormal, zero, sum(g.size for g in grads)
 
 
-@pytest.mark.parametrize('policy, loss_scale, scale, dtype', [
+@pytest.mark.parametrize(
+  'policy, loss_scale, scale, dtype',
+  [
     ('mixed_float16', 'none', 1.0, np.float16),
     ('mixed_float16', '32768', 32768.0, np.float16),
     ('mixed_bfloat16', 'none', 1.0, ml_dtypes.bfloat16),
-])
+  ],
+)
 def test_flushed_fraction_matches_a_numpy_reference(tmp_path, policy, loss_scale, scale, dtype):
   from trainer.insight.numerics import Probe, summary_line
-  trainer = Spread(tiny_config(**{'precision.policy': policy,
-                                  'precision.loss_scale': loss_scale}), str(tmp_path / 'w'))
+
+  trainer = Spread(
+    tiny_config(**{'precision.policy': policy, 'precision.loss_scale': loss_scale}),
+    str(tmp_path / 'w'),
+  )
   batch = next(iter(trainer.datasets.train))
   stats, overall = Probe(trainer).measure(batch)
   flushed, subnormal, zero, total = reference_counts(batch[0].numpy(), scale, dtype)
@@ -196,8 +227,13 @@ def test_flushed_fraction_matches_a_numpy_reference(tmp_path, policy, loss_scale
     assert flushed == 0 and layer['grad_flushed'] == 0.0  # bfloat16: float32's range
   assert layer['grad_zero'] == zero / total == 0.0  # nothing is zero in float32 here
   assert overall['grad_flushed'] == layer['grad_flushed']  # the only layer
-  line = summary_line(7, stats, overall, scale=None if loss_scale == 'none' else scale,
-                      dtypes=Probe(trainer).low_precision)
+  line = summary_line(
+    7,
+    stats,
+    overall,
+    scale=None if loss_scale == 'none' else scale,
+    dtypes=Probe(trainer).low_precision,
+  )
   if dtype is np.float16:
     assert f'flushed to zero {100 * layer["grad_flushed"]:.1f} %' in line, line
     assert ('at loss scale 32768' in line) == (loss_scale != 'none'), line
@@ -211,14 +247,22 @@ def test_exact_zeros_are_not_underflow(tmp_path):
 
   class Dead(TinyTrainer):
     def build_model(self):
-      return keras.Sequential([
+      return keras.Sequential(
+        [
           keras.Input((8,)),
-          keras.layers.Dense(16, activation='relu', bias_initializer=keras.initializers.Constant(
-              [-100.0] * 8 + [0.0] * 8)),  # 8 of 16 units never fire
-          keras.layers.Dense(4, dtype='float32')], name='dead')
+          keras.layers.Dense(
+            16,
+            activation='relu',
+            bias_initializer=keras.initializers.Constant([-100.0] * 8 + [0.0] * 8),
+          ),  # 8 of 16 units never fire
+          keras.layers.Dense(4, dtype='float32'),
+        ],
+        name='dead',
+      )
 
   trainer = Dead(tiny_config(**{'precision.policy': 'mixed_float16'}), str(tmp_path / 'w'))
   from trainer.insight.numerics import Probe
+
   batch = next(iter(trainer.datasets.train))
   stats, _ = Probe(trainer).measure(batch)
   first = trainer.model.layers[0]
@@ -247,14 +291,24 @@ def test_activation_flushed_and_subnormal_match_a_numpy_reference(tmp_path):
   flush to zero and some are subnormal. NumPy: float16 inputs and kernel, products summed in
   float64 and rounded once, against float64."""
   from trainer.insight.numerics import Probe
+
   scales = np.logspace(-12, -2, UNITS)
 
   class Quiet(TinyTrainer):
     def build_model(self):
       kernel = np.ones((8, UNITS)) * scales
-      return keras.Sequential([keras.Input((8,)), keras.layers.Dense(
-          UNITS, name='quiet', kernel_initializer=keras.initializers.Constant(kernel),
-          use_bias=False)], name='quiet_model')
+      return keras.Sequential(
+        [
+          keras.Input((8,)),
+          keras.layers.Dense(
+            UNITS,
+            name='quiet',
+            kernel_initializer=keras.initializers.Constant(kernel),
+            use_bias=False,
+          ),
+        ],
+        name='quiet_model',
+      )
 
     def compute_loss(self, batch, *, training):
       x, _ = batch
@@ -266,8 +320,11 @@ def test_activation_flushed_and_subnormal_match_a_numpy_reference(tmp_path):
   stats, _ = Probe(trainer).measure(batch)
   x = batch[0].numpy()[:32].astype(np.float64)
   kernel = trainer.model.layers[0].kernel.numpy()
-  out16 = (x.astype(np.float16).astype(np.float64) @
-           kernel.astype(np.float16).astype(np.float64)).astype(np.float16).astype(np.float64)
+  out16 = (
+    (x.astype(np.float16).astype(np.float64) @ kernel.astype(np.float16).astype(np.float64))
+    .astype(np.float16)
+    .astype(np.float64)
+  )
   out32 = x @ kernel.astype(np.float64)
   tiny = float(np.finfo(np.float16).tiny)
   flushed = np.mean((out16 == 0) & (out32 != 0) & (np.abs(out32) < tiny))
@@ -304,12 +361,17 @@ def test_the_line_names_layers_in_the_models_order_and_says_which_outputs_are_no
   the first layer (the culprit) without 'and 1 more'; a non-finite output read '-inf doublings
   to overflow' in the least-headroom part."""
   from trainer.insight.numerics import summary_line
+
   inf = float('inf')
-  stats = {'net/big': {'grad_nonfinite': 1.0, 'headroom_bits': -inf},
-           'net/norm': {'grad_nonfinite': 1.0, 'headroom_bits': -inf},
-           'net/hidden': {'grad_nonfinite': 1.0, 'headroom_bits': 3.0},
-           'net/head': {'grad_nonfinite': 0.5, 'headroom_bits': 100.0}}
+  stats = {
+    'net/big': {'grad_nonfinite': 1.0, 'headroom_bits': -inf},
+    'net/norm': {'grad_nonfinite': 1.0, 'headroom_bits': -inf},
+    'net/hidden': {'grad_nonfinite': 1.0, 'headroom_bits': 3.0},
+    'net/head': {'grad_nonfinite': 0.5, 'headroom_bits': 100.0},
+  }
   overall = {'grad_flushed': 0.0, 'grad_subnormal': 0.0, 'grad_zero': 0.0, 'grad_nonfinite': 0.9}
   line = summary_line(3, stats, overall, scale=1024.0, dtypes=['float16'])
-  assert ('non-finite gradients in net/big, net/norm, net/hidden and 1 more; non-finite outputs '
-          'in net/big, net/norm; least headroom net/hidden (3.0 doublings to overflow)') in line
+  assert (
+    'non-finite gradients in net/big, net/norm, net/hidden and 1 more; non-finite outputs '
+    'in net/big, net/norm; least headroom net/hidden (3.0 doublings to overflow)'
+  ) in line

@@ -1,5 +1,6 @@
 """config.optimizer's Adam moments (beta_1, beta_2, epsilon) and cosine floor (min_learning_rate)
 reach the schedule and the optimizer: checked against values computed by hand and a NumPy Adam."""
+
 import math
 
 import keras
@@ -20,15 +21,20 @@ def _opt_config(**values):
 
 def test_cosine_decays_to_the_floor():
   """nanoGPT's recipe: peak 1e-3, floor 1e-4, 100 warm-up steps, 2000 steps in all."""
-  o = _opt_config(learning_rate=1e-3, min_learning_rate=1e-4, schedule='cosine',
-                  warmup_steps=100)
+  o = _opt_config(learning_rate=1e-3, min_learning_rate=1e-4, schedule='cosine', warmup_steps=100)
   rate = optimizers.schedule(o, total_steps=2000)
   # By hand: warm-up (step + 1) / 100 of the peak; then 1e-4 + 0.9e-3 * (1 + cos(pi * p)) / 2
   # with p = (step - 100) / 1900.
-  expected = {0: 1e-5, 49: 5e-4, 99: 1e-3, 100: 1e-3,
-              1050: 1e-4 + 0.9e-3 * 0.5,  # half way: cos(pi / 2) = 0
-              575: 1e-4 + 0.9e-3 * (1 + math.cos(math.pi / 4)) / 2,
-              2000: 1e-4, 5000: 1e-4}  # the floor at the end, and after it
+  expected = {
+    0: 1e-5,
+    49: 5e-4,
+    99: 1e-3,
+    100: 1e-3,
+    1050: 1e-4 + 0.9e-3 * 0.5,  # half way: cos(pi / 2) = 0
+    575: 1e-4 + 0.9e-3 * (1 + math.cos(math.pi / 4)) / 2,
+    2000: 1e-4,
+    5000: 1e-4,
+  }  # the floor at the end, and after it
   for step, want in expected.items():
     assert float(rate(step)) == pytest.approx(want, rel=1e-5), step
 
@@ -58,7 +64,7 @@ def _numpy_adamw(w, grads, lr, beta_1, beta_2, epsilon, weight_decay):
     w = w - lr * weight_decay * w
     m = beta_1 * m + (1 - beta_1) * g
     v = beta_2 * v + (1 - beta_2) * g * g
-    alpha = lr * math.sqrt(1 - beta_2 ** t) / (1 - beta_1 ** t)
+    alpha = lr * math.sqrt(1 - beta_2**t) / (1 - beta_1**t)
     w = w - alpha * m / (np.sqrt(v) + epsilon)
   return w
 
@@ -72,8 +78,14 @@ def test_moments_reach_the_optimizer(name, fused):
   weight_decay = 0.1 if name == 'adamw' else 0.0
   o = _opt_config(name=name, fused=fused, weight_decay=weight_decay, **moments)
   optimizer = optimizers.build(o, 0.01)
-  assert isinstance(optimizer, fused_optimizers.FusedAdam if fused and name == 'adam' else
-                    fused_optimizers.FusedAdamW if fused else keras.optimizers.Adam)
+  assert isinstance(
+    optimizer,
+    fused_optimizers.FusedAdam
+    if fused and name == 'adam'
+    else fused_optimizers.FusedAdamW
+    if fused
+    else keras.optimizers.Adam,
+  )
   assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.5, 0.9, 0.1)
 
   rng = np.random.default_rng(0)

@@ -1,4 +1,5 @@
 """trainer.plot renders a PNG from the TensorBoard events of a real short run."""
+
 import os
 
 import keras
@@ -12,8 +13,9 @@ from trainer.errors import UserError
 
 matplotlib = pytest.importorskip('matplotlib')
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '..', 'shared',
-                    'data', 'mnist')
+DATA = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '..', 'shared', 'data', 'mnist'
+)
 
 
 @pytest.fixture(scope='module')
@@ -22,8 +24,9 @@ def run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('plot') / 'mlp_f16')
   config = mnist_mlp.get_config()
   config.data.dir = DATA
-  config.train.update(steps=200, steps_per_loop=50, log_every=50, eval_every=100,
-                      checkpoint_every=200)
+  config.train.update(
+    steps=200, steps_per_loop=50, log_every=50, eval_every=100, checkpoint_every=200
+  )
   config.precision.update(policy='mixed_float16', loss_scale='dynamic', initial_scale=1024.0)
   config.debug.inject_nonfinite_steps = '60,120'
   models.get_trainer_class(config.model)(config, workdir).train()
@@ -51,6 +54,7 @@ def test_renders_png_with_every_panel(run, tmp_path):
 
 def test_panels_name_the_policy_and_show_speed_wall_clock_and_eval_curves(run):
   import matplotlib.pyplot as plt
+
   fig = plot.figure([run])
   axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
   assert fig._suptitle.get_text() == 'mlp_f16 (mixed_float16)'

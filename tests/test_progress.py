@@ -1,5 +1,6 @@
 """Progress cadence (trainer/run/progress.py) with a fake clock, the live bar, and a resumed run's
 first line and TensorBoard point."""
+
 import io
 
 from trainer.insight import events
@@ -47,8 +48,15 @@ def test_bar_on_a_terminal_only():
   quiet.draw(10)
   assert stream.getvalue() == ''
   live = progress.Progress(total=100, log_every=50, clock=clock, stream=stream, live=True)
-  progress.line(step=0, total=100, metrics={'loss': 0.5}, learning_rate=1e-3, scale=128.0,
-                skipped=0, steps_per_sec=0.0)
+  progress.line(
+    step=0,
+    total=100,
+    metrics={'loss': 0.5},
+    learning_rate=1e-3,
+    scale=128.0,
+    skipped=0,
+    steps_per_sec=0.0,
+  )
   clock.now += 4
   live.draw(20)
   text = stream.getvalue()
@@ -65,11 +73,23 @@ def test_bar_on_a_terminal_only():
 def test_resumed_run_writes_a_tensorboard_point_at_its_first_call(tiny_trainer):
   # log_every 20 is far away: without the first-call line a resumed run would show nothing
   # until step 20.
-  first = tiny_trainer(**{'train.steps': 5, 'train.log_every': 20, 'train.steps_per_loop': 5,
-                          'train.checkpoint_every': 5})
+  first = tiny_trainer(
+    **{
+      'train.steps': 5,
+      'train.log_every': 20,
+      'train.steps_per_loop': 5,
+      'train.checkpoint_every': 5,
+    }
+  )
   first.train()
-  resumed = tiny_trainer(**{'train.steps': 40, 'train.log_every': 20, 'train.steps_per_loop': 5,
-                            'train.checkpoint_every': 5})
+  resumed = tiny_trainer(
+    **{
+      'train.steps': 40,
+      'train.log_every': 20,
+      'train.steps_per_loop': 5,
+      'train.checkpoint_every': 5,
+    }
+  )
   resumed.train()
   steps = [s for s, _ in events.read_scalars(resumed.workdir)['train/loss']]
   assert steps == [5, 10, 20, 40]

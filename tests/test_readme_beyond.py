@@ -5,6 +5,7 @@ The GAN block is written to my_project/gan.py and used through the public step c
 one loss scale for two optimizers, both updates skipped together, a resume bit-identical to an
 uninterrupted run. The metric block's AUC equals the rank statistic of the same predictions.
 """
+
 import importlib
 import sys
 
@@ -56,14 +57,14 @@ def gan_config(**overrides):
 
 def state(trainer):
   step = trainer.train_step
-  return ([v.numpy().copy() for v in trainer.model.weights] +
-          [v.numpy().copy() for v in trainer.optimizer.variables + step.g_optimizer.variables])
+  return [v.numpy().copy() for v in trainer.model.weights] + [
+    v.numpy().copy() for v in trainer.optimizer.variables + step.g_optimizer.variables
+  ]
 
 
 def test_gan_step_one_scale_skips_both_updates_together(package, tmp_path):
   gan = package('my_project.gan')
-  trainer = gan.GanTrainer(gan_config(**{'debug.inject_nonfinite_steps': '2'}),
-                           str(tmp_path / 'w'))
+  trainer = gan.GanTrainer(gan_config(**{'debug.inject_nonfinite_steps': '2'}), str(tmp_path / 'w'))
   step = trainer.train_step
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
   trainer.runner.run_steps(iterator, 2)  # steps 0, 1 apply both updates
@@ -151,12 +152,16 @@ def test_auc_metric_equals_the_rank_statistic_of_the_same_predictions(zeros, tmp
 def test_actions_stop_at_target_and_keep_the_best(zeros, tmp_path):
   workdir = tmp_path / 'w'
   trainer = zeros[1].ZeroDetectorToTarget(
-      zeros_config(**{'train.steps': 400, 'optimizer.learning_rate': 3e-3,
-                      'best_checkpoint.metric': 'auc'}), str(workdir))
+    zeros_config(
+      **{'train.steps': 400, 'optimizer.learning_rate': 3e-3, 'best_checkpoint.metric': 'auc'}
+    ),
+    str(workdir),
+  )
   metrics = trainer.train()
   step = int(trainer.global_step.numpy())
   assert metrics['auc'] >= 0.99 and step < 400 and step % 20 == 0  # stopped at an eval
   assert tf.train.latest_checkpoint(str(workdir / 'checkpoints')).endswith(f'ckpt-{step}')
   import json
+
   best = json.loads((workdir / 'best' / 'best.json').read_text())
   assert best['step'] == step and best['value'] == pytest.approx(metrics['auc'])

@@ -1,5 +1,6 @@
 """The README's "Write your own model" walk-through runs verbatim on a copy of the repository, and
 the same model with its pipeline written out (docs/guides/model-and-data.md) trains."""
+
 import importlib
 import os
 import re
@@ -37,8 +38,9 @@ def test_walkthrough_runs_verbatim(tmp_path):
   repo = tmp_path / 'repo'
   repo.mkdir()
   for name in ('trainer', 'models', 'configs'):
-    shutil.copytree(os.path.join(ROOT, name), repo / name,
-                    ignore=shutil.ignore_patterns('__pycache__'))
+    shutil.copytree(
+      os.path.join(ROOT, name), repo / name, ignore=shutil.ignore_patterns('__pycache__')
+    )
   shutil.copy(os.path.join(ROOT, 'launch.py'), repo)
   os.symlink(os.path.realpath(os.path.join(ROOT, '..', 'shared')), tmp_path / 'shared')
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': str(repo)}
@@ -48,8 +50,9 @@ def test_walkthrough_runs_verbatim(tmp_path):
       (repo / path).write_text(code)
       continue
     command = code.replace('\\\n', ' ').strip().replace('python ', f'{sys.executable} ', 1)
-    result = subprocess.run(command, shell=True, cwd=repo, env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+      command, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, f'{command}\n{result.stderr[-3000:]}'
     outputs.append(result.stdout)
   audit, train, _ = outputs
@@ -78,6 +81,7 @@ def test_pipeline_written_out_trains(tmp_path, monkeypatch, mnist_dir):
   finally:
     sys.modules.pop('my_mlp_pipeline', None)
   from trainer.data import mnist
+
   _, (x_test, y_test) = mnist.load(mnist_dir)
   labels, right = [], 0
   for images, batch_labels in trainer.datasets.eval:

@@ -1,6 +1,7 @@
 """Bad input: each case is a one-line error naming the culprit, a non-zero exit code, nothing
 written to the workdir and no traceback. Config and data cases go through the Python API (fast);
 the launcher's own cases, and a few of the others end to end, through launch.py."""
+
 import gzip
 import os
 import struct
@@ -27,6 +28,7 @@ def one_line(error) -> str:
 # ---- config values (trainer.config.validate) ---------------------------------------------------
 def test_unknown_model_name():
   import models
+
   with pytest.raises(ConfigError) as info:
     models.get_trainer_class('resnet9000')
   message = one_line(info.value)
@@ -165,9 +167,15 @@ def test_launch_value_of_wrong_type(tmp_path):
 def test_launch_unwritable_workdir(tmp_path):
   blocker = tmp_path / 'a_file'
   blocker.write_text('')  # a folder cannot be made under a file, even as root
-  line = launch(tmp_path, *MNIST, '--config.train.steps=1', '--config.train.steps_per_loop=1',
-                '--config.train.log_every=1', '--config.train.checkpoint_every=1',
-                workdir=str(blocker / 'run'))
+  line = launch(
+    tmp_path,
+    *MNIST,
+    '--config.train.steps=1',
+    '--config.train.steps_per_loop=1',
+    '--config.train.log_every=1',
+    '--config.train.checkpoint_every=1',
+    workdir=str(blocker / 'run'),
+  )
   assert 'workdir' in line and str(blocker / 'run') in line
   assert blocker.read_text() == ''
 
@@ -178,6 +186,5 @@ def test_launch_bad_value_names_the_key(tmp_path):
 
 
 def test_launch_data_folder_missing(tmp_path):
-  line = launch(tmp_path, '--config=configs/mnist.py',
-                f'--config.data.dir={tmp_path / "nowhere"}')
+  line = launch(tmp_path, '--config=configs/mnist.py', f'--config.data.dir={tmp_path / "nowhere"}')
   assert 'config.data.dir' in line

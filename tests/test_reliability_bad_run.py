@@ -3,6 +3,7 @@ launch.py prints `error: ...` and exits 2), and nothing is written to a new work
 (a file-size limit, RLIMIT_FSIZE, makes the real writes fail in-process) during a checkpoint save
 or the config write; a TF_CONFIG task not in its cluster; MNIST files with 0 images; init_from a
 damaged checkpoint; --audit into an unwritable workdir."""
+
 import contextlib
 import glob
 import json
@@ -83,11 +84,14 @@ def test_disk_full_during_the_config_write(tmp_path):
 CLUSTER = {'worker': ['127.0.0.1:2222', '127.0.0.1:2223']}
 
 
-@pytest.mark.parametrize('task,expected', [
+@pytest.mark.parametrize(
+  'task,expected',
+  [
     ({'type': 'worker', 'index': 2}, "task index 2 is not in the cluster: 'worker' has 2"),
     ({'type': 'worker', 'index': -1}, 'task index -1 is not in the cluster'),
     ({'type': 'chief', 'index': 0}, "task type 'chief' is not in the cluster (it has 'worker')"),
-])
+  ],
+)
 def test_tf_config_task_not_in_cluster(tmp_path, monkeypatch, task, expected):
   monkeypatch.setenv('TF_CONFIG', json.dumps({'cluster': CLUSTER, 'task': task}))
   workdir = tmp_path / 'run'

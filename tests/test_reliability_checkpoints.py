@@ -1,5 +1,6 @@
 """Checkpoints: a crash mid-save leaves the previous one usable; an unreadable newest one falls
 back to the previous with a warning; none readable is one clear error."""
+
 import glob
 import os
 import sys
@@ -52,8 +53,9 @@ def damage(workdir, step, how):
     raise ValueError(how)
 
 
-@pytest.mark.parametrize('how', ['garbage index', 'truncated data', 'flipped data',
-                                 'missing index'])
+@pytest.mark.parametrize(
+  'how', ['garbage index', 'truncated data', 'flipped data', 'missing index']
+)
 def test_unreadable_newest_falls_back_to_previous(tmp_path, how, caplog):
   snapshots = trained(tmp_path)
   damage(tmp_path, 15, how)
@@ -116,6 +118,7 @@ def test_state_file_is_written_by_atomic_rename(tmp_path, monkeypatch):
   """What makes the above hold: the state file goes through file_io.atomic_write_string_to_file
   (write to a temporary name, then rename)."""
   from tensorflow.python.lib.io import file_io
+
   written = []
   real = file_io.atomic_write_string_to_file
 

@@ -1,6 +1,7 @@
 """Training converges through injected faults: MNIST in mixed_bfloat16 with every 20th step's
 gradients made non-finite ends within 0.3 points of test accuracy of the clean run. Two full
 runs of configs/mnist.py (5 epochs): minutes on a CPU, so marked slow."""
+
 import os
 
 import pytest
@@ -33,7 +34,9 @@ def test_every_20th_step_injected_converges_like_clean_run(tmp_path):
   assert int(clean.train_step.skipped_steps.numpy()) == 0
   assert int(injected.train_step.skipped_steps.numpy()) == (total - 1) // 20  # steps 20, 40, ..
   assert int(injected.optimizer.iterations.numpy()) == total - (total - 1) // 20
-  print(f'clean accuracy {clean_metrics["accuracy"]:.4f}, injected '
-        f'{injected_metrics["accuracy"]:.4f}, {total} steps')
+  print(
+    f'clean accuracy {clean_metrics["accuracy"]:.4f}, injected '
+    f'{injected_metrics["accuracy"]:.4f}, {total} steps'
+  )
   assert clean_metrics['accuracy'] > 0.98
   assert abs(injected_metrics['accuracy'] - clean_metrics['accuracy']) <= 0.003

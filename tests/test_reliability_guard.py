@@ -1,4 +1,5 @@
 """The collapse guard (precision.max_consecutive_skips) and the skip-branch overflow report."""
+
 import os
 import sys
 
@@ -15,9 +16,15 @@ STORM = ','.join(str(s) for s in range(7, 40))  # every step from 7 on is non-fi
 
 
 def test_collapse_stops_with_step_scale_and_variable(tmp_path, capfd):
-  config = tiny_config(**{'precision.policy': 'mixed_float16', 'precision.initial_scale': 1024.0,
-                          'precision.max_consecutive_skips': 4, 'train.steps': 30,
-                          'debug.inject_nonfinite_steps': STORM})
+  config = tiny_config(
+    **{
+      'precision.policy': 'mixed_float16',
+      'precision.initial_scale': 1024.0,
+      'precision.max_consecutive_skips': 4,
+      'train.steps': 30,
+      'debug.inject_nonfinite_steps': STORM,
+    }
+  )
   trainer = TinyTrainer(config, str(tmp_path))
   with pytest.raises(CollapseError) as info:
     trainer.train()
@@ -37,12 +44,18 @@ def test_collapse_stops_with_step_scale_and_variable(tmp_path, capfd):
 
 
 def test_a_collapse_from_step_0_says_the_rate_is_not_the_cause_and_goodput_counts_skips(
-    tmp_path, caplog):
+  tmp_path, caplog
+):
   """Every step non-finite from the first: no update was ever applied, so the advice is not to
   lower the learning rate; the goodput line counts the collapsed call's steps as skipped (it
   said 'startup 100%': the call was never recorded)."""
-  config = tiny_config(**{'precision.max_consecutive_skips': 4, 'train.steps': 30,
-                          'debug.inject_nonfinite_steps': ','.join(map(str, range(30)))})
+  config = tiny_config(
+    **{
+      'precision.max_consecutive_skips': 4,
+      'train.steps': 30,
+      'debug.inject_nonfinite_steps': ','.join(map(str, range(30))),
+    }
+  )
   trainer = TinyTrainer(config, str(tmp_path))
   with pytest.raises(CollapseError) as info:
     trainer.train()
@@ -57,17 +70,28 @@ def test_a_collapse_from_step_0_says_the_rate_is_not_the_cause_and_goodput_count
 def test_a_static_loss_scale_too_large_is_named_at_collapse(tmp_path):
   """A static scale of 1e30 overflows every float16 gradient from the first step: the error
   blamed only the model or the data, never config.precision.loss_scale."""
-  config = tiny_config(**{'precision.policy': 'mixed_float16', 'precision.loss_scale': '1e30',
-                          'precision.max_consecutive_skips': 4, 'train.steps': 30})
+  config = tiny_config(
+    **{
+      'precision.policy': 'mixed_float16',
+      'precision.loss_scale': '1e30',
+      'precision.max_consecutive_skips': 4,
+      'train.steps': 30,
+    }
+  )
   with pytest.raises(CollapseError) as info:
     TinyTrainer(config, str(tmp_path)).train()
-  assert ("not the cause: the static loss scale 1e+30 (config.precision.loss_scale) overflows "
-          "the gradients (lower it, or set it to 'dynamic'), or the model") in str(info.value)
+  assert (
+    'not the cause: the static loss scale 1e+30 (config.precision.loss_scale) overflows '
+    "the gradients (lower it, or set it to 'dynamic'), or the model"
+  ) in str(info.value)
 
 
 def test_last_good_checkpoint_is_intact_and_loads(tmp_path):
-  overrides = {'precision.max_consecutive_skips': 4, 'train.steps': 30,
-               'debug.inject_nonfinite_steps': STORM}
+  overrides = {
+    'precision.max_consecutive_skips': 4,
+    'train.steps': 30,
+    'debug.inject_nonfinite_steps': STORM,
+  }
   trainer = TinyTrainer(tiny_config(**overrides), str(tmp_path))
   with pytest.raises(CollapseError):
     trainer.train()
@@ -83,8 +107,13 @@ def test_last_good_checkpoint_is_intact_and_loads(tmp_path):
 
 
 def test_guard_off_trains_through_the_storm(tmp_path):
-  config = tiny_config(**{'precision.max_consecutive_skips': 0, 'train.steps': 20,
-                          'debug.inject_nonfinite_steps': STORM})
+  config = tiny_config(
+    **{
+      'precision.max_consecutive_skips': 0,
+      'train.steps': 20,
+      'debug.inject_nonfinite_steps': STORM,
+    }
+  )
   trainer = TinyTrainer(config, str(tmp_path))
   trainer.train()
   assert int(trainer.global_step.numpy()) == 20
@@ -93,8 +122,9 @@ def test_guard_off_trains_through_the_storm(tmp_path):
 
 def test_isolated_skips_never_trip_the_guard(tmp_path):
   """Every other step non-finite: 10 skips in total, never 2 in a row, guard at 2."""
-  config = tiny_config(**{'precision.max_consecutive_skips': 2, 'train.steps': 20,
-                          'debug.inject_nonfinite_every': 2})
+  config = tiny_config(
+    **{'precision.max_consecutive_skips': 2, 'train.steps': 20, 'debug.inject_nonfinite_every': 2}
+  )
   trainer = TinyTrainer(config, str(tmp_path))
   trainer.train()
   assert int(trainer.train_step.skipped_steps.numpy()) == 9  # 2, 4, ..., 18
@@ -114,13 +144,14 @@ def test_finite_steps_do_not_touch_the_overflow_record(tmp_path):
 def test_max_consecutive_skips_is_validated():
   from trainer import config as config_lib
   from trainer.errors import ConfigError
+
   config = config_lib.defaults()
   config.precision.max_consecutive_skips = -1
   with pytest.raises(ConfigError, match=r'config\.precision\.max_consecutive_skips=-1'):
     config_lib.validate(config)
 
 
-MIRRORED = r'''
+MIRRORED = r"""
 import os, sys
 import tensorflow as tf
 cpu = tf.config.list_physical_devices('CPU')[0]
@@ -136,16 +167,21 @@ try:
   trainer.train()
 except CollapseError as e:
   print('COLLAPSE', trainer.global_step.numpy(), trainer.train_step.skipped_steps.numpy(), e)
-'''
+"""
 
 
 def test_guard_under_mirrored_strategy_two_replicas(tmp_path):
   """Both replicas' gradients are poisoned; the guard and its report work across replicas."""
   import subprocess
+
   result = subprocess.run(
-      [sys.executable, '-c', MIRRORED, os.path.dirname(os.path.abspath(__file__)), str(tmp_path)],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-      text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+    [sys.executable, '-c', MIRRORED, os.path.dirname(os.path.abspath(__file__)), str(tmp_path)],
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   line = next(l for l in result.stdout.splitlines() if l.startswith('COLLAPSE'))
   assert line.startswith('COLLAPSE 10 3 training collapsed at step 10'), line

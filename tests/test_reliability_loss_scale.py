@@ -1,5 +1,6 @@
 """Hysteresis rules of trainer/step/loss_scale.py, exactly, and the budget saved in checkpoints; the
 scale's trajectory under fault injection in mixed_float16."""
+
 import os
 import sys
 
@@ -32,14 +33,19 @@ def test_hysteresis_1_backs_off_on_every_nonfinite_step():
 
 
 def test_hysteresis_3_skips_two_then_backs_off_on_the_third_and_every_further_one():
-  assert run(dynamic(hysteresis=3), 'NNNNN') == [
-      (1024, 2), (1024, 1), (512, 0), (256, 0), (128, 0)]
+  assert run(dynamic(hysteresis=3), 'NNNNN') == [(1024, 2), (1024, 1), (512, 0), (256, 0), (128, 0)]
 
 
 def test_one_finite_step_refills_the_whole_budget():
   # N N F: budget back to 3; then N N only skip, the third N backs off.
   assert run(dynamic(hysteresis=3), 'NNFNNN') == [
-      (1024, 2), (1024, 1), (1024, 3), (1024, 2), (1024, 1), (512, 0)]
+    (1024, 2),
+    (1024, 1),
+    (1024, 3),
+    (1024, 2),
+    (1024, 1),
+    (512, 0),
+  ]
 
 
 def test_storm_longer_than_budget_backs_off_each_step_until_min_scale():
@@ -68,9 +74,13 @@ def test_budget_is_saved_and_restored_mid_storm(tmp_path):
 def test_budget_survives_a_trainer_resume(tmp_path):
   """Through the Trainer's own checkpoint: stop mid-storm at a checkpoint, resume, and the
   scale trajectory matches an uninterrupted run."""
-  overrides = {'precision.policy': 'mixed_float16', 'precision.hysteresis': 3,
-               'precision.initial_scale': 1024.0, 'debug.inject_nonfinite_steps': '4,5,6,7',
-               'train.steps': 10}
+  overrides = {
+    'precision.policy': 'mixed_float16',
+    'precision.hysteresis': 3,
+    'precision.initial_scale': 1024.0,
+    'debug.inject_nonfinite_steps': '4,5,6,7',
+    'train.steps': 10,
+  }
   straight = TinyTrainer(tiny_config(**overrides), str(tmp_path / 'a'))
   straight.train()
   first = TinyTrainer(tiny_config(**{**overrides, 'train.steps': 6}), str(tmp_path / 'b'))
@@ -87,10 +97,18 @@ def test_budget_survives_a_trainer_resume(tmp_path):
 def test_scale_trajectory_under_injection_mixed_float16(tmp_path):
   """Every 4th step injected, hysteresis 1: each injection halves the scale, and skips; every
   other step applies; growth after 3 finite steps in a row would never fire (interval 10)."""
-  config = tiny_config(**{'precision.policy': 'mixed_float16', 'debug.inject_nonfinite_every': 4,
-                          'precision.initial_scale': 4096.0, 'precision.growth_interval': 10,
-                          'train.steps': 16, 'train.steps_per_loop': 1, 'train.log_every': 1,
-                          'train.checkpoint_every': 16})
+  config = tiny_config(
+    **{
+      'precision.policy': 'mixed_float16',
+      'debug.inject_nonfinite_every': 4,
+      'precision.initial_scale': 4096.0,
+      'precision.growth_interval': 10,
+      'train.steps': 16,
+      'train.steps_per_loop': 1,
+      'train.log_every': 1,
+      'train.checkpoint_every': 16,
+    }
+  )
   trainer = TinyTrainer(config, str(tmp_path))
   assert trainer.loss_scaler.mode == 'dynamic'
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))

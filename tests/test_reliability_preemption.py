@@ -1,6 +1,7 @@
 """Preemption across hosts: SIGTERM to one worker of a two-process MultiWorkerMirroredStrategy run
 (127.0.0.1) makes both workers save at the same step and exit cleanly (code 0); the restart of
 both resumes from that checkpoint and finishes with identical weights on both."""
+
 import os
 import sys
 

@@ -5,6 +5,7 @@ update, then every step skipped). The saves after it hold finite but broken weig
 (max_to_keep=2) must not remove the last healthy checkpoint, and the collapse message names it.
 With train.recover_tries the run restores it, lowers the learning rate and finishes. At the end
 of every run one goodput line splits the wall time."""
+
 import json
 import logging
 import math
@@ -22,8 +23,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny import TinyTrainer, tiny_config, weights  # noqa: E402
 
 HEALTHY = {'train.steps': 20, 'train.max_to_keep': 2, 'precision.max_consecutive_skips': 8}
-BROKEN = {**HEALTHY, 'train.steps': 60, 'optimizer.learning_rate': 1e38,
-          'train.accept_config_change': True, 'precision.max_consecutive_skips': 20}
+BROKEN = {
+  **HEALTHY,
+  'train.steps': 60,
+  'optimizer.learning_rate': 1e38,
+  'train.accept_config_change': True,
+  'precision.max_consecutive_skips': 20,
+}
 
 
 def healthy_run(workdir):
@@ -65,9 +71,10 @@ def first_kernel(workdir, name):
 
 def test_with_recovery_the_run_finishes(tmp_path, caplog):
   healthy_run(tmp_path)
-  trainer = TinyTrainer(tiny_config(**BROKEN, **{'train.recover_tries': 3,
-                                                 'train.recover_lr_factor': 1e-20}),
-                        str(tmp_path))
+  trainer = TinyTrainer(
+    tiny_config(**BROKEN, **{'train.recover_tries': 3, 'train.recover_lr_factor': 1e-20}),
+    str(tmp_path),
+  )
   with caplog.at_level(logging.INFO):
     metrics = trainer.train()
   assert int(trainer.global_step.numpy()) == 60
@@ -86,8 +93,10 @@ def test_with_recovery_the_run_finishes(tmp_path, caplog):
   assert trainer.runner.clock.redone_steps >= 10 and trainer.runner.clock.shares()['redone'] > 0
   # The recoveries are in TensorBoard.
   from tensorboard.backend.event_processing import event_accumulator
-  events = event_accumulator.EventAccumulator(str(tmp_path / 'tensorboard'),
-                                              size_guidance={'tensors': 0})
+
+  events = event_accumulator.EventAccumulator(
+    str(tmp_path / 'tensorboard'), size_guidance={'tensors': 0}
+  )
   events.Reload()
   tags = events.Tags()['tensors']
   assert 'recovery/recoveries' in tags and 'goodput/train' in tags

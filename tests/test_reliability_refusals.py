@@ -2,6 +2,7 @@
 an empty or garbled train.lock, and writes into a run that cannot be written. Each is refused
 (nothing written outside the run) or one line; an empty lock is taken over once it is older
 than the grace period."""
+
 import json
 import logging
 import os
@@ -33,13 +34,14 @@ def outside(tmp_path):
   return folder
 
 
-SKIPS = {'debug.inject_nonfinite_steps': '3', 'train.steps': 10,
-         'numerics.forensics_first': 3}
+SKIPS = {'debug.inject_nonfinite_steps': '3', 'train.steps': 10, 'numerics.forensics_first': 3}
 
 
 # ---- symlinks ----------------------------------------------------------------------------------
-@pytest.mark.parametrize('where', ['forensics', 'forensics/step-3', 'forensics/step-3/meta.json',
-                                   'forensics/step-3/weights'])
+@pytest.mark.parametrize(
+  'where',
+  ['forensics', 'forensics/step-3', 'forensics/step-3/meta.json', 'forensics/step-3/weights'],
+)
 def test_training_never_writes_through_a_planted_symlink(tmp_path, caplog, where):
   target = outside(tmp_path)
   run = tmp_path / 'run'
@@ -77,8 +79,9 @@ def test_advice_into_a_symlink_or_an_unwritable_run(tmp_path):
   run.mkdir()
   os.symlink(target / 'meta.json', run / 'advice.md')
   files.write(str(run / 'advice.md'), 'text', '--advise')
-  assert (target / 'meta.json').read_text() == 'precious' and (run / 'advice.md').read_text() \
-      == 'text'
+  assert (target / 'meta.json').read_text() == 'precious' and (
+    run / 'advice.md'
+  ).read_text() == 'text'
   blocker = tmp_path / 'a_file'
   blocker.write_text('')  # a folder cannot be made under a file, even as root
   with pytest.raises(UserError) as info:
@@ -95,20 +98,22 @@ def recorded(tmp_path):
 
 
 DAMAGE = {
-    'meta.json not JSON': lambda f: open(f + '/meta.json', 'w').write('{not json'),
-    'meta.json a list': lambda f: open(f + '/meta.json', 'w').write('[1, 2]'),
-    'meta.json empty': lambda f: open(f + '/meta.json', 'w').write(''),
-    'meta.json without step': lambda f: _edit(f, lambda m: m.pop('step')),
-    'meta.json step a word': lambda f: _edit(f, lambda m: m.update(step='four')),
-    'meta.json config a string': lambda f: _edit(f, lambda m: m.update(config='x')),
-    'structure names a missing leaf': lambda f: _edit(
-        f, lambda m: m.update(batch_structure={'leaf': 'leaf_99'})),
-    'batch.npz missing': lambda f: os.remove(f + '/batch.npz'),
-    'batch.npz garbage': lambda f: open(f + '/batch.npz', 'w').write('garbage'),
-    'batch.npz a folder': lambda f: (os.remove(f + '/batch.npz'), os.mkdir(f + '/batch.npz')),
-    'weights missing': lambda f: __import__('shutil').rmtree(f + '/weights'),
-    'batch of another shape': lambda f: np.savez(f + '/batch.npz', leaf_0=np.zeros((2, 3)),
-                                                 leaf_1=np.zeros(2, np.int32)),
+  'meta.json not JSON': lambda f: open(f + '/meta.json', 'w').write('{not json'),
+  'meta.json a list': lambda f: open(f + '/meta.json', 'w').write('[1, 2]'),
+  'meta.json empty': lambda f: open(f + '/meta.json', 'w').write(''),
+  'meta.json without step': lambda f: _edit(f, lambda m: m.pop('step')),
+  'meta.json step a word': lambda f: _edit(f, lambda m: m.update(step='four')),
+  'meta.json config a string': lambda f: _edit(f, lambda m: m.update(config='x')),
+  'structure names a missing leaf': lambda f: _edit(
+    f, lambda m: m.update(batch_structure={'leaf': 'leaf_99'})
+  ),
+  'batch.npz missing': lambda f: os.remove(f + '/batch.npz'),
+  'batch.npz garbage': lambda f: open(f + '/batch.npz', 'w').write('garbage'),
+  'batch.npz a folder': lambda f: (os.remove(f + '/batch.npz'), os.mkdir(f + '/batch.npz')),
+  'weights missing': lambda f: __import__('shutil').rmtree(f + '/weights'),
+  'batch of another shape': lambda f: np.savez(
+    f + '/batch.npz', leaf_0=np.zeros((2, 3)), leaf_1=np.zeros(2, np.int32)
+  ),
 }
 
 
@@ -160,6 +165,7 @@ def test_a_young_empty_lock_is_waited_for_then_taken_over(tmp_path, monkeypatch,
 def test_a_young_lock_whose_record_arrives_is_respected(tmp_path, monkeypatch):
   """An empty lock that a live holder fills in during the grace period is that holder's."""
   import threading
+
   monkeypatch.setattr(workdir_lock, 'GRACE_SECONDS', 5.0)
   path = tmp_path / workdir_lock.NAME
   path.write_bytes(b'')
@@ -175,26 +181,31 @@ def test_a_young_lock_whose_record_arrives_is_respected(tmp_path, monkeypatch):
 def test_warm_up_longer_than_the_run(tmp_path):
   with pytest.raises(ConfigError) as info:
     TinyTrainer(tiny_config(**{'optimizer.warmup_steps': 21}), str(tmp_path / 'run'))
-  assert 'config.optimizer.warmup_steps=21 is longer than the run (20 steps)' in \
-      one_line(info.value)
+  assert 'config.optimizer.warmup_steps=21 is longer than the run (20 steps)' in one_line(
+    info.value
+  )
   assert not (tmp_path / 'run').exists()
   TinyTrainer(tiny_config(**{'optimizer.warmup_steps': 20}), str(tmp_path / 'run'))  # fits
 
 
 def test_fault_injection_aimed_at_a_replica_that_does_not_exist(tmp_path):
   with pytest.raises(ConfigError) as info:
-    TinyTrainer(tiny_config(**{'debug.inject_nonfinite_steps': '3',
-                               'debug.inject_nonfinite_replica': 1}), str(tmp_path / 'run'))
-  assert 'config.debug.inject_nonfinite_replica=1: the run has 1 replica(s)' in \
-      one_line(info.value)
+    TinyTrainer(
+      tiny_config(**{'debug.inject_nonfinite_steps': '3', 'debug.inject_nonfinite_replica': 1}),
+      str(tmp_path / 'run'),
+    )
+  assert 'config.debug.inject_nonfinite_replica=1: the run has 1 replica(s)' in one_line(info.value)
   assert not (tmp_path / 'run').exists()
 
 
-@pytest.mark.parametrize('address', ['nothost', '127.0.0.1:notaport', 123, '10.0.0.1:70000',
-                                     ':2222'])
+@pytest.mark.parametrize(
+  'address', ['nothost', '127.0.0.1:notaport', 123, '10.0.0.1:70000', ':2222']
+)
 def test_tf_config_address_that_is_not_one(tmp_path, monkeypatch, address):
-  monkeypatch.setenv('TF_CONFIG', json.dumps({'cluster': {'worker': [address]},
-                                              'task': {'type': 'worker', 'index': 0}}))
+  monkeypatch.setenv(
+    'TF_CONFIG',
+    json.dumps({'cluster': {'worker': [address]}, 'task': {'type': 'worker', 'index': 0}}),
+  )
   with pytest.raises(UserError) as info:
     TinyTrainer(tiny_config(**{'distribute.strategy': 'multi_worker'}), str(tmp_path / 'run'))
   assert f'TF_CONFIG: {address!r} in cluster.worker is not an address' in one_line(info.value)
@@ -204,18 +215,23 @@ def test_tf_config_address_that_is_not_one(tmp_path, monkeypatch, address):
 @pytest.mark.parametrize('name', ['../x', '.mnist_mlp', 'models/mnist_mlp.py'])
 def test_model_name_that_is_not_a_module_name(name):
   import models
+
   with pytest.raises(ConfigError) as info:
     models.get_trainer_class(name)
   assert f'config.model={name!r} is not a module name' in one_line(info.value)
 
 
-@pytest.mark.parametrize('args, expected', [
+@pytest.mark.parametrize(
+  'args, expected',
+  [
     (['--config=configs/mnist.py', '--config.model=../x'], "config.model='../x' is not a module"),
     (['--config=configs/mnist.py', '--config.model=.mnist_mlp'], "'.mnist_mlp' is not a module"),
     (['--config={none}', '--config.train.steps=3'], 'get_config() returned None'),
-])
+  ],
+)
 def test_through_launch(tmp_path, args, expected):
   from test_reliability_bad_config import launch
+
   none = tmp_path / 'none_config.py'
   none.write_text('def get_config():\n  config = None\n')
   line = launch(tmp_path, *[a.format(none=none) for a in args])

@@ -4,6 +4,7 @@ With train.deterministic, a run killed with SIGKILL at a random step and started
 same command ends with bit-identical weights, optimizer slots and loss-scale state to an
 uninterrupted run; SIGTERM and SIGINT save a checkpoint at the end of the current loop and exit
 with code 0, and the same command resumes (again bit-identical)."""
+
 import os
 import random
 import re
@@ -18,12 +19,19 @@ import tensorflow as tf
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_DIR = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
 STEPS = 30
-ARGS = ['--config=configs/mnist.py', f'--config.data.dir={MNIST_DIR}',
-        f'--config.train.steps={STEPS}', '--config.train.batch_size=32',
-        '--config.train.steps_per_loop=5', '--config.train.log_every=5',
-        '--config.train.checkpoint_every=10', '--config.train.deterministic=true',
-        '--config.precision.policy=mixed_bfloat16', '--config.debug.inject_nonfinite_steps=12',
-        '--config.seed=7']
+ARGS = [
+  '--config=configs/mnist.py',
+  f'--config.data.dir={MNIST_DIR}',
+  f'--config.train.steps={STEPS}',
+  '--config.train.batch_size=32',
+  '--config.train.steps_per_loop=5',
+  '--config.train.log_every=5',
+  '--config.train.checkpoint_every=10',
+  '--config.train.deterministic=true',
+  '--config.precision.policy=mixed_bfloat16',
+  '--config.debug.inject_nonfinite_steps=12',
+  '--config.seed=7',
+]
 PROGRESS = re.compile(rf'step (\d+)/{STEPS}')
 
 
@@ -36,8 +44,9 @@ def env():
 
 
 def run(workdir):
-  result = subprocess.run(command(workdir), cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=600)
+  result = subprocess.run(
+    command(workdir), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stderr
 
@@ -45,8 +54,14 @@ def run(workdir):
 def interrupt(workdir, at_step, send):
   """Starts a run; once the progress line for `at_step` appears, calls send(process); returns
   (exit code, stderr)."""
-  process = subprocess.Popen(command(workdir), cwd=ROOT, env=env(), stderr=subprocess.PIPE,
-                             stdout=subprocess.DEVNULL, text=True)
+  process = subprocess.Popen(
+    command(workdir),
+    cwd=ROOT,
+    env=env(),
+    stderr=subprocess.PIPE,
+    stdout=subprocess.DEVNULL,
+    text=True,
+  )
   seen = []
   try:
     for line in process.stderr:
@@ -66,9 +81,11 @@ def interrupt(workdir, at_step, send):
 def final_state(workdir):
   """{variable name in the checkpoint: value} of the checkpoint at the last step."""
   reader = tf.train.load_checkpoint(os.path.join(workdir, 'checkpoints', f'ckpt-{STEPS}'))
-  return {name: reader.get_tensor(name)  # save_counter differs: a preempted run saves once more
-          for name in reader.get_variable_to_shape_map()
-          if 'OBJECT_GRAPH' not in name and not name.startswith('save_counter')}
+  return {
+    name: reader.get_tensor(name)  # save_counter differs: a preempted run saves once more
+    for name in reader.get_variable_to_shape_map()
+    if 'OBJECT_GRAPH' not in name and not name.startswith('save_counter')
+  }
 
 
 def assert_bit_identical(a, b):
@@ -97,14 +114,17 @@ def test_kill_9_at_a_random_step_then_resume_is_bit_identical(reference, tmp_pat
 
 
 @pytest.mark.parametrize(
-    'sig', [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
-    ids=['SIGTERM', 'SIGINT'])
+  'sig',
+  [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+  ids=['SIGTERM', 'SIGINT'],
+)
 def test_signal_saves_at_loop_boundary_and_resumes(reference, tmp_path, sig):
   code, log = interrupt(tmp_path, 5, lambda p: p.send_signal(sig))
   assert code == 0, log[-3000:]
   assert 'Traceback' not in log
-  match = re.search(rf'stopped by {sig.name} at step (\d+)/{STEPS}; checkpoint saved to (\S+);',
-                    log)
+  match = re.search(
+    rf'stopped by {sig.name} at step (\d+)/{STEPS}; checkpoint saved to (\S+);', log
+  )
   assert match, log[-3000:]
   step = int(match.group(1))
   assert step % 5 == 0 and 5 <= step < STEPS  # a loop boundary, before the end
@@ -115,12 +135,14 @@ def test_signal_saves_at_loop_boundary_and_resumes(reference, tmp_path, sig):
 
 
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL], ids=['SIGTERM', 'SIGKILL'])
-def test_async_checkpoints_survive_a_signal_and_resume_bit_identical(reference, tmp_path,
-                                                                       monkeypatch, sig):
+def test_async_checkpoints_survive_a_signal_and_resume_bit_identical(
+  reference, tmp_path, monkeypatch, sig
+):
   """train.async_checkpoint: SIGTERM waits for the background write before exiting (code 0);
   kill -9 right after a save leaves the previous checkpoint named; both resume bit-identical."""
-  monkeypatch.setattr(sys.modules[__name__], 'ARGS',
-                      ARGS + ['--config.train.async_checkpoint=true'])
+  monkeypatch.setattr(
+    sys.modules[__name__], 'ARGS', ARGS + ['--config.train.async_checkpoint=true']
+  )
   code, log = interrupt(tmp_path, 10, lambda p: p.send_signal(sig))  # ckpt-10 being written
   assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), log[-3000:]
   assert 'Traceback' not in log

@@ -8,6 +8,7 @@ state), and the best-checkpoint save too. A restored non-finite checkpoint falls
 previous finite one for training and is a one-line error for eval, export and init_from. Eval of
 a run whose checkpoints rotate away while it reads goes back to the state file for the newer
 ones."""
+
 import glob
 import hashlib
 import json
@@ -52,7 +53,8 @@ def absolute_state(workdir, steps):
   folder = os.path.join(workdir, 'checkpoints')
   paths = [os.path.join(folder, f'ckpt-{s}') for s in steps]
   checkpoint_management.update_checkpoint_state_internal(
-      folder, paths[-1], all_model_checkpoint_paths=paths, save_relative_paths=False)
+    folder, paths[-1], all_model_checkpoint_paths=paths, save_relative_paths=False
+  )
   assert all(os.path.isabs(n) for n in state_names(workdir))
 
 
@@ -86,12 +88,15 @@ def test_copied_run_with_absolute_state_resumes_from_its_own_files(tmp_path):
   assert trainer.runner.workdir.latest_checkpoint == str(copy / 'checkpoints' / 'ckpt-10')
   trainer.train()  # saves 15, 20, 25; max_to_keep=2 rotates out 5, 10, 15: b's own
   assert files(original) == before  # a untouched: ckpt-5 and ckpt-10 still there, bytes equal
-  assert sorted(os.path.basename(p) for p in glob.glob(str(copy / 'checkpoints' / '*.index'))) \
-      == ['ckpt-20.index', 'ckpt-25.index']
+  assert sorted(os.path.basename(p) for p in glob.glob(str(copy / 'checkpoints' / '*.index'))) == [
+    'ckpt-20.index',
+    'ckpt-25.index',
+  ]
   assert all(n == os.path.basename(n) for n in state_names(copy))
   # The same 25 steps uninterrupted (deterministic ops): the copy resumed a's step-10 state.
-  reference = TinyTrainer(config(**{'train.steps': 25, 'train.max_to_keep': 2}),
-                          str(tmp_path / 'ref'))
+  reference = TinyTrainer(
+    config(**{'train.steps': 25, 'train.max_to_keep': 2}), str(tmp_path / 'ref')
+  )
   reference.train()
   for a, b in zip(weights(trainer), weights(reference), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -117,10 +122,14 @@ def test_state_naming_another_runs_checkpoint_is_not_followed(tmp_path, caplog):
   TinyTrainer(config(**{'train.steps': 20}), str(other)).train()  # ckpt-10, 15, 20
   snapshots = trained(ours, steps=10)  # ckpt-5, ckpt-10 (max_to_keep 3)
   folder = str(ours / 'checkpoints')
-  paths = [os.path.join(folder, 'ckpt-5'), os.path.join(folder, 'ckpt-10'),
-           str(other / 'checkpoints' / 'ckpt-20')]  # an edit, or a bad merge of two runs
+  paths = [
+    os.path.join(folder, 'ckpt-5'),
+    os.path.join(folder, 'ckpt-10'),
+    str(other / 'checkpoints' / 'ckpt-20'),
+  ]  # an edit, or a bad merge of two runs
   checkpoint_management.update_checkpoint_state_internal(
-      folder, paths[-1], all_model_checkpoint_paths=paths, save_relative_paths=False)
+    folder, paths[-1], all_model_checkpoint_paths=paths, save_relative_paths=False
+  )
   before = files(other)
   trainer = TinyTrainer(config(**{'train.steps': 30}), str(ours))
   with caplog.at_level(py_logging.WARNING):
@@ -175,8 +184,9 @@ def test_plain_variable_and_actions_state_are_checked(tmp_path):
   with pytest.raises(NonFiniteError, match='ema_decay'):
     trainer.runner.save()
   trainer.ema_decay.assign(0.99)
-  best = TinyTrainer(config(**{'best_checkpoint.metric': 'loss', 'train.eval_every': 5}),
-                     str(tmp_path / 'best'))
+  best = TinyTrainer(
+    config(**{'best_checkpoint.metric': 'loss', 'train.eval_every': 5}), str(tmp_path / 'best')
+  )
   best.runner.restore()
   best.runner.actions[1]._best.assign(float('nan'))  # pylint: disable=protected-access
   with pytest.raises(NonFiniteError, match='best'):
@@ -184,8 +194,9 @@ def test_plain_variable_and_actions_state_are_checked(tmp_path):
 
 
 def test_best_checkpoint_refuses_a_non_finite_model(tmp_path, caplog):
-  trainer = TinyTrainer(config(**{'best_checkpoint.metric': 'loss', 'train.eval_every': 5}),
-                        str(tmp_path))
+  trainer = TinyTrainer(
+    config(**{'best_checkpoint.metric': 'loss', 'train.eval_every': 5}), str(tmp_path)
+  )
   trainer.runner.restore()
   action = trainer.runner.actions[1]
   bias = trainer.model.layers[0].bias
@@ -225,8 +236,9 @@ def test_nan_checkpoint_falls_back_on_resume(tmp_path, caplog):
   assert 'ckpt-15 holds a non-finite state' in warned and name.split('/')[-1] in warned
   trainer.train()  # redoes 10..15, a finite ckpt-15 over the NaN one
   reader = tf.train.load_checkpoint(str(tmp_path / 'checkpoints' / 'ckpt-15'))
-  values = [reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
-            if 'OBJECT_GRAPH' not in k]
+  values = [
+    reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if 'OBJECT_GRAPH' not in k
+  ]
   assert all(np.isfinite(v).all() for v in values if np.issubdtype(v.dtype, np.floating))
 
 
@@ -234,8 +246,10 @@ def test_nan_checkpoint_is_refused_by_eval_export_and_init_from(tmp_path):
   trained(tmp_path / 'run', steps=10)
   plant_nan(tmp_path / 'run', 10)
   before = files(tmp_path / 'run')
-  for call in (lifecycle.evaluate_checkpoint,
-               lambda t: lifecycle.export(t, str(tmp_path / 'export'))):
+  for call in (
+    lifecycle.evaluate_checkpoint,
+    lambda t: lifecycle.export(t, str(tmp_path / 'export')),
+  ):
     trainer = TinyTrainer(config(**{'train.steps': 10}), str(tmp_path / 'run'))
     with pytest.raises(UserError) as info:
       call(trainer)
@@ -244,8 +258,7 @@ def test_nan_checkpoint_is_refused_by_eval_export_and_init_from(tmp_path):
     assert 'delete' not in message
   assert not os.path.exists(tmp_path / 'export')
   assert files(tmp_path / 'run') == before
-  trainer = TinyTrainer(config(**{'train.init_from': str(tmp_path / 'run')}),
-                        str(tmp_path / 'new'))
+  trainer = TinyTrainer(config(**{'train.init_from': str(tmp_path / 'run')}), str(tmp_path / 'new'))
   with pytest.raises(ConfigError) as info:
     trainer.train()
   assert '\n' not in str(info.value) and 'non-finite weights' in str(info.value)
@@ -269,8 +282,11 @@ def test_eval_retries_when_checkpoints_rotate_away(tmp_path, monkeypatch):
         for name in glob.glob(os.path.join(folder, f'ckpt-{step}.*')):
           os.remove(name)
       checkpoint_management.update_checkpoint_state_internal(
-          folder, os.path.join(folder, 'ckpt-30'), save_relative_paths=True,
-          all_model_checkpoint_paths=[os.path.join(folder, f'ckpt-{s}') for s in (25, 30)])
+        folder,
+        os.path.join(folder, 'ckpt-30'),
+        save_relative_paths=True,
+        all_model_checkpoint_paths=[os.path.join(folder, f'ckpt-{s}') for s in (25, 30)],
+      )
     return real(items, path)
 
   monkeypatch.setattr(checkpoints, 'restore', restore)
@@ -282,6 +298,7 @@ def test_eval_retries_when_checkpoints_rotate_away(tmp_path, monkeypatch):
 
 def test_read_only_failure_never_advises_deleting(tmp_path):
   from test_reliability_checkpoints import damage
+
   trained(tmp_path, steps=10)
   for step in (5, 10):
     damage(tmp_path, step, 'garbage index')
@@ -296,8 +313,9 @@ def test_async_checkpoints_hold_the_state_at_their_step_and_resume_identically(t
   """Each background write holds the weights of its step although training went on while it
   was written; a resumed async run ends bit-identical to a synchronous uninterrupted one."""
   snapshots = trained(tmp_path / 'async', steps=15)  # the synchronous reference snapshots
-  trainer = TinyTrainer(config(**{'train.steps': 15, 'train.async_checkpoint': True}),
-                        str(tmp_path / 'a2'))
+  trainer = TinyTrainer(
+    config(**{'train.steps': 15, 'train.async_checkpoint': True}), str(tmp_path / 'a2')
+  )
   trainer.train()
   for step in (5, 10, 15):
     fresh = TinyTrainer(config(**{'train.steps': 15}), str(tmp_path / 'reader'))
@@ -305,8 +323,9 @@ def test_async_checkpoints_hold_the_state_at_their_step_and_resume_identically(t
     for a, b in zip(weights(fresh), snapshots[step], strict=True):
       np.testing.assert_array_equal(a, b)
   assert json.loads((tmp_path / 'a2' / 'checkpoints' / 'healthy.json').read_text())['step'] == 15
-  longer = TinyTrainer(config(**{'train.steps': 25, 'train.async_checkpoint': True}),
-                       str(tmp_path / 'a2'))
+  longer = TinyTrainer(
+    config(**{'train.steps': 25, 'train.async_checkpoint': True}), str(tmp_path / 'a2')
+  )
   assert longer.runner.restore() == 15
   longer.train()
   reference = TinyTrainer(config(**{'train.steps': 25}), str(tmp_path / 'sync25'))

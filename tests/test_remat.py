@@ -1,6 +1,7 @@
 """Gradient checkpointing (config.train.remat, trainer/nn/remat.py) in the Transformer LM: the same
 gradients as without it, less kept for the backward pass, and it composes with mixed precision,
 loss scaling, skipped steps and MirroredStrategy."""
+
 import os
 import subprocess
 import sys
@@ -17,8 +18,17 @@ DATA = os.path.join(ROOT, '..', 'shared', 'data', 'tinyshakespeare')
 
 def _model_config(**kw):
   from models import transformer_lm
-  return ml_collections.ConfigDict({**transformer_lm.MODEL_DEFAULTS, 'context': 32,
-                                    'd_model': 32, 'num_heads': 2, 'num_layers': 2, **kw})
+
+  return ml_collections.ConfigDict(
+    {
+      **transformer_lm.MODEL_DEFAULTS,
+      'context': 32,
+      'd_model': 32,
+      'num_heads': 2,
+      'num_layers': 2,
+      **kw,
+    }
+  )
 
 
 def _remat(on):
@@ -32,6 +42,7 @@ def _loss_and_grads(model, tokens):
       logits = tf.cast(model(tokens, training=True), tf.float32)
       loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(tokens, logits))
     return loss, tape.gradient(loss, model.trainable_variables)
+
   return step
 
 
@@ -41,6 +52,7 @@ def _tokens():
 
 def test_gradients_equal_without_remat_float32():
   from models.transformer_lm import build_transformer
+
   keras.utils.set_random_seed(0)
   plain = build_transformer(11, _model_config(), _remat(False))
   remat = build_transformer(11, _model_config(), _remat(True))
@@ -50,14 +62,16 @@ def test_gradients_equal_without_remat_float32():
   assert float(loss) == pytest.approx(float(loss_r), abs=1e-6)
   assert len(grads) == len(grads_r) == len(plain.trainable_variables)
   for g, g_r, v in zip(grads, grads_r, plain.trainable_variables):
-    np.testing.assert_allclose(tf.convert_to_tensor(g_r), tf.convert_to_tensor(g), atol=1e-6,
-                               err_msg=v.path)
+    np.testing.assert_allclose(
+      tf.convert_to_tensor(g_r), tf.convert_to_tensor(g), atol=1e-6, err_msg=v.path
+    )
 
 
 @pytest.mark.parametrize('policy', ['float32', 'mixed_bfloat16'])
 def test_remat_keeps_only_block_inputs_for_the_backward_pass(policy):
   from benchmarks.memory import kept_for_backward
   from models.transformer_lm import build_transformer
+
   keras.mixed_precision.set_global_policy(policy)
   tokens = _tokens()
   kept = {}
@@ -74,6 +88,7 @@ def test_remat_keeps_only_block_inputs_for_the_backward_pass(policy):
 def test_remat_with_dropout_is_a_config_error():
   from models.transformer_lm import build_transformer
   from trainer.errors import ConfigError
+
   with pytest.raises(ConfigError, match='config.model_config.dropout'):
     build_transformer(11, _model_config(dropout=0.1), _remat(True))
 
@@ -82,9 +97,11 @@ def test_keras_remat_scope_fails_inside_tf_function_with_training_argument():
   """Why trainer/nn/remat.py uses tf.recompute_grad: Keras's scope passes `training=` through
   tf.custom_gradient, which refuses keyword arguments in a tf.function. If this starts passing,
   keras.RematScope could replace trainer/remat.checkpoint."""
+
   class Block(keras.layers.Layer):
     def build(self, shape):
       self.dense = keras.layers.Dense(shape[-1], name='remat_scope_dense')
+
     def call(self, x, training=False):
       return self.dense(x)
 
@@ -109,13 +126,16 @@ def train(workdir, steps, remat, start=None, **overrides):
   from configs import shakespeare
   from models.transformer_lm import TransformerLmTrainer
   from trainer.config import set_dotted
+
   c = shakespeare.get_config()
   c.data.dir = DATA
   c.model_config.update(context=32, d_model=32, num_heads=2, num_layers=2)
-  c.train.update(batch_size=8, steps=steps, steps_per_loop=1, remat=bool(remat),
-                 jit_compile='false')
-  c.optimizer.update(name='sgd', learning_rate=0.1, schedule='constant', warmup_steps=0,
-                     weight_decay=0.0)
+  c.train.update(
+    batch_size=8, steps=steps, steps_per_loop=1, remat=bool(remat), jit_compile='false'
+  )
+  c.optimizer.update(
+    name='sgd', learning_rate=0.1, schedule='constant', warmup_steps=0, weight_decay=0.0
+  )
   for key, value in overrides.items():
     set_dotted(c, key, value)
   t = TransformerLmTrainer(c, workdir)
@@ -125,17 +145,25 @@ def train(workdir, steps, remat, start=None, **overrides):
   iterator = iter(t.strategy.experimental_distribute_dataset(t.datasets.train))
   for _ in range(steps):
     t.train_step.run(iterator, 1)
-  return start, t.model.get_weights(), {
+  return (
+    start,
+    t.model.get_weights(),
+    {
       'skipped': int(t.train_step.skipped_steps.numpy()),
       'scale': float(t.loss_scaler.scale.numpy()),
       'loss': float(t.train_step.read_outputs()['loss']),
-      'replicas': t.strategy.num_replicas_in_sync}
+      'replicas': t.strategy.num_replicas_in_sync,
+    },
+  )
 
 
 def compare(start, end_off, end_on, off, on):
-  return {**{f'{k}/False': v for k, v in off.items()}, **{f'{k}/True': v for k, v in on.items()},
-          'max_weight_diff': max(float(np.max(np.abs(a - b))) for a, b in zip(end_off, end_on)),
-          'max_weight_change': max(float(np.max(np.abs(a - b))) for a, b in zip(start, end_off))}
+  return {
+    **{f'{k}/False': v for k, v in off.items()},
+    **{f'{k}/True': v for k, v in on.items()},
+    'max_weight_diff': max(float(np.max(np.abs(a - b))) for a, b in zip(end_off, end_on)),
+    'max_weight_change': max(float(np.max(np.abs(a - b))) for a, b in zip(start, end_off)),
+  }
 
 
 def train_pair(workdir, steps, **overrides):
@@ -145,13 +173,21 @@ def train_pair(workdir, steps, **overrides):
   return compare(start, end_off, end_on, off, on)
 
 
-@pytest.mark.parametrize('policy,loss_scale,atol', [('mixed_bfloat16', '128', 1e-2),
-                                                    ('mixed_float16', 'dynamic', 2e-3)])
-def test_composes_with_mixed_precision_loss_scaling_and_skipped_steps(tmp_path, policy,
-                                                                      loss_scale, atol):
-  r = train_pair(str(tmp_path), 3, **{'precision.policy': policy,
-                                      'precision.loss_scale': loss_scale,
-                                      'debug.inject_nonfinite_steps': '2'})
+@pytest.mark.parametrize(
+  'policy,loss_scale,atol', [('mixed_bfloat16', '128', 1e-2), ('mixed_float16', 'dynamic', 2e-3)]
+)
+def test_composes_with_mixed_precision_loss_scaling_and_skipped_steps(
+  tmp_path, policy, loss_scale, atol
+):
+  r = train_pair(
+    str(tmp_path),
+    3,
+    **{
+      'precision.policy': policy,
+      'precision.loss_scale': loss_scale,
+      'debug.inject_nonfinite_steps': '2',
+    },
+  )
   assert r['skipped/False'] == r['skipped/True'] == 1
   assert r['scale/False'] == r['scale/True']
   assert r['loss/True'] == pytest.approx(r['loss/False'], abs=atol)
@@ -165,23 +201,36 @@ def mirrored(tmp_path_factory):
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
   results = {}
   for name in ('float32', 'mixed_float16'):  # two processes at a time: remat off and on
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'remat_runs.py'),
-                               str(out), name, str(remat)], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for remat in (0, 1)]
+    procs = [
+      subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, 'tests', 'remat_runs.py'), str(out), name, str(remat)],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+      )
+      for remat in (0, 1)
+    ]
     for proc in procs:
       _, err = proc.communicate(timeout=600)
       assert proc.returncode == 0, err[-3000:]
     off, on = np.load(out / f'{name}_remat0.npz'), np.load(out / f'{name}_remat1.npz')
-    part = lambda a, what: [a[k] for k in sorted(
+    part = lambda a, what: [
+      a[k]
+      for k in sorted(
         (k for k in a.files if k.startswith(f'{name}/{what}/')),
-        key=lambda k: int(k.rsplit('/', 1)[1]))]
-    scalars = lambda a: {k: a[f'{name}/{k}'].item()
-                         for k in ('skipped', 'scale', 'loss', 'replicas')}
+        key=lambda k: int(k.rsplit('/', 1)[1]),
+      )
+    ]
+    scalars = lambda a: {
+      k: a[f'{name}/{k}'].item() for k in ('skipped', 'scale', 'loss', 'replicas')
+    }
     for a, b in zip(part(off, 'start'), part(on, 'start')):
       np.testing.assert_array_equal(a, b)  # the same initial weights in both processes
-    results[name] = compare(part(off, 'start'), part(off, 'end'), part(on, 'end'),
-                            scalars(off), scalars(on))
+    results[name] = compare(
+      part(off, 'start'), part(off, 'end'), part(on, 'end'), scalars(off), scalars(on)
+    )
   return results
 
 

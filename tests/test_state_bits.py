@@ -1,6 +1,7 @@
 """8-bit Adam state (config.optimizer.state_bits=8; trainer/step/low_precision.py and
 rounding.py): the block-wise logarithmic code against NumPy, the update against a float64 Adam,
 the bytes, skipped steps and resumes."""
+
 from __future__ import annotations
 
 import keras
@@ -79,8 +80,9 @@ def test_quantize_lands_on_a_neighbouring_code_within_the_bound(signed):
 def test_quantize_is_unbiased(signed):
   values = np.array([0.3, 0.77, 0.0123, 0.999], np.float32)
   draws = 256 * 64
-  x = np.concatenate([np.append(np.full(255, v, np.float32), 1.0) for v in values
-                      for _ in range(draws // 256)])  # each block: 255 copies and absmax 1
+  x = np.concatenate(
+    [np.append(np.full(255, v, np.float32), 1.0) for v in values for _ in range(draws // 256)]
+  )  # each block: 255 copies and absmax 1
   codes, absmax = quantize(x, [3, 4], signed)
   out = decode(codes.numpy(), absmax.numpy(), signed).reshape(len(values), -1, 256)[:, :, :255]
   for v, got in zip(values, out):
@@ -91,7 +93,7 @@ def test_quantize_is_unbiased(signed):
 
 def test_dequantize_inverts_exactly_representable_values():
   x = np.zeros(300, np.float32)
-  x[:5] = [2.0, -1.0, 0.5, -2.0 ** -30, 0.0]  # on the signed code (absmax 2)
+  x[:5] = [2.0, -1.0, 0.5, -(2.0**-30), 0.0]  # on the signed code (absmax 2)
   codes, absmax = quantize(x, [0, 0], True)
   back = rounding.dequantize(codes, absmax, [300], signed=True).numpy()
   np.testing.assert_array_equal(back, x)
@@ -115,16 +117,17 @@ def test_adam_update_uses_the_dequantized_state():
     g = rng.normal(size=shape).astype(np.float32) * 10.0 ** rng.uniform(-3, 0, size=shape)
     w_before = variable.numpy().astype(np.float64)
     optimizer.apply_gradients([(tf.constant(g, tf.float32), variable)])
-    expected, m_new, v_new = adam64(w_before.reshape(-1), g.astype(np.float64).reshape(-1), m,
-                                    v, t)
+    expected, m_new, v_new = adam64(w_before.reshape(-1), g.astype(np.float64).reshape(-1), m, v, t)
     np.testing.assert_allclose(variable.numpy().reshape(-1), expected, rtol=1e-5, atol=1e-7)
-    m = decode(optimizer._momentums[0].numpy(), optimizer._momentum_scales[0].numpy(),
-               True).reshape(-1)[:600]
-    v = decode(optimizer._velocities[0].numpy(), optimizer._velocity_scales[0].numpy(),
-               False).reshape(-1)[:600]
+    m = decode(
+      optimizer._momentums[0].numpy(), optimizer._momentum_scales[0].numpy(), True
+    ).reshape(-1)[:600]
+    v = decode(
+      optimizer._velocities[0].numpy(), optimizer._velocity_scales[0].numpy(), False
+    ).reshape(-1)[:600]
     # the stored state is the float64 state within the codes' relative steps
-    assert np.all(np.abs(m - m_new) <= (2 ** 0.25 - 1) * np.abs(m_new) * 1.001 + 1e-9)
-    assert np.all(np.abs(v - v_new) <= (2 ** 0.125 - 1) * v_new * 1.001 + 1e-12)
+    assert np.all(np.abs(m - m_new) <= (2**0.25 - 1) * np.abs(m_new) * 1.001 + 1e-9)
+    assert np.all(np.abs(v - v_new) <= (2**0.125 - 1) * v_new * 1.001 + 1e-12)
 
 
 @pytest.mark.parametrize('master_weights', ['float32', 'bfloat16_sr'])
@@ -137,8 +140,9 @@ def test_an_embedding_gradient_updates_as_its_dense_equal(master_weights):
   results = []
   for sparse in (True, False):
     embedding = keras.Variable(table, dtype=dtype)
-    optimizer = low_precision.LowPrecisionAdam(learning_rate=1e-2, state_bits=8, seed=2,
-                                               master_weights=master_weights)
+    optimizer = low_precision.LowPrecisionAdam(
+      learning_rate=1e-2, state_bits=8, seed=2, master_weights=master_weights
+    )
     optimizer.build([embedding])
 
     def make_step(embedding, optimizer, sparse):
@@ -150,6 +154,7 @@ def test_an_embedding_gradient_updates_as_its_dense_equal(master_weights):
         grad = tape.gradient(loss, embedding.value)
         grad = tf.IndexedSlices(grad.values, grad.indices, dense_shape)
         optimizer.apply_gradients([(grad if sparse else tf.convert_to_tensor(grad), embedding)])
+
       return step
 
     step = make_step(embedding, optimizer, sparse)
@@ -160,8 +165,7 @@ def test_an_embedding_gradient_updates_as_its_dense_equal(master_weights):
 
 
 def test_state_is_at_most_0_3x_of_float32_moments(tiny_trainer):
-  model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512),
-                            keras.layers.Dense(10)])
+  model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512), keras.layers.Dense(10)])
   params = model.count_params()
   optimizer = low_precision.LowPrecisionAdamW(learning_rate=1e-3, state_bits=8)
   optimizer.build(model.trainable_variables)
@@ -187,7 +191,9 @@ def test_resume_is_bit_identical(tmp_path, setting):
 
 
 def test_state_bits_8_needs_adam():
-  with pytest.raises(ConfigError, match=r"^config.optimizer.state_bits=8 quantizes Adam/AdamW "
-                                        r"moments; config.optimizer.name='sgd'"):
-    TinyTrainer(tiny_config(**{'optimizer.state_bits': 8, 'optimizer.name': 'sgd'}),
-                '/nonexistent')
+  with pytest.raises(
+    ConfigError,
+    match=r'^config.optimizer.state_bits=8 quantizes Adam/AdamW '
+    r"moments; config.optimizer.name='sgd'",
+  ):
+    TinyTrainer(tiny_config(**{'optimizer.state_bits': 8, 'optimizer.name': 'sgd'}), '/nonexistent')

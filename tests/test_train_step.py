@@ -1,4 +1,5 @@
 """The compiled step: skip semantics, the global step, clipping, checkpoints."""
+
 import keras
 import numpy as np
 import pytest
@@ -21,8 +22,13 @@ def run_steps(trainer, n):
 
 @pytest.mark.parametrize('policy', ['float32', 'mixed_float16'])
 def test_nonfinite_step_is_skipped_bit_identically(tiny_trainer, policy):
-  trainer = tiny_trainer(**{'debug.inject_nonfinite_steps': '3', 'precision.policy': policy,
-                           'precision.loss_scale': 'dynamic'})
+  trainer = tiny_trainer(
+    **{
+      'debug.inject_nonfinite_steps': '3',
+      'precision.policy': policy,
+      'precision.loss_scale': 'dynamic',
+    }
+  )
   run_steps(trainer, 3)  # steps 0, 1, 2 apply
   before = snapshot(trainer)
   scale = float(trainer.loss_scaler.scale.numpy())
@@ -36,8 +42,9 @@ def test_nonfinite_step_is_skipped_bit_identically(tiny_trainer, policy):
   assert int(trainer.optimizer.iterations.numpy()) == applied
   assert float(trainer.loss_scaler.scale.numpy()) == scale * 0.5
   run_steps(trainer, 1)  # step 4 applies again
-  assert any(not np.array_equal(a, v.numpy())
-             for a, v in zip(after[0], trainer.model.trainable_variables))
+  assert any(
+    not np.array_equal(a, v.numpy()) for a, v in zip(after[0], trainer.model.trainable_variables)
+  )
 
 
 def test_skip_without_loss_scaling(tiny_trainer):
@@ -119,6 +126,7 @@ def test_autograph_converts_the_users_code_and_not_the_frameworks(tmp_path):
   assert logs['steps'] == 3 and np.isfinite(logs['loss'])
   assert 0 < logs['rows_above_zero'] <= 3 * 32  # rows of 3 batches of 32 random normals
   from trainer.insight import numerics  # the numerics probe's pass converts compute_loss too
+
   stats, overall = numerics.Probe(trainer).measure()
   assert stats and overall['grad_nonfinite'] == 0.0
   with mock.patch.object(api, '_convert_actual', wraps=api._convert_actual) as convert:
@@ -173,8 +181,14 @@ def test_the_schedule_is_traced_once_per_graph_not_once_per_read(tiny_trainer):
   """Keras reads an optimizer's learning-rate callable at every use, AdamW's weight decay once
   per variable; each read put the schedule's ops into the step again. Now the step's graph
   computes it once where the finite check reads it and once in the update's branch."""
-  trainer = tiny_trainer(**{'optimizer.name': 'adamw', 'optimizer.weight_decay': 0.1,
-                           'optimizer.schedule': 'cosine', 'train.steps': 10})
+  trainer = tiny_trainer(
+    **{
+      'optimizer.name': 'adamw',
+      'optimizer.weight_decay': 0.1,
+      'optimizer.schedule': 'cosine',
+      'train.steps': 10,
+    }
+  )
   schedule, calls = trainer.learning_rate, []
 
   def counted(step):
@@ -190,8 +204,9 @@ def test_the_schedule_is_traced_once_per_graph_not_once_per_read(tiny_trainer):
 
 
 def test_learning_rate_follows_global_step_not_optimizer_iterations(tiny_trainer):
-  trainer = tiny_trainer(**{'optimizer.schedule': 'cosine', 'train.steps': 10,
-                           'debug.inject_nonfinite_steps': '0,1,2'})
+  trainer = tiny_trainer(
+    **{'optimizer.schedule': 'cosine', 'train.steps': 10, 'debug.inject_nonfinite_steps': '0,1,2'}
+  )
   run_steps(trainer, 5)
   assert int(trainer.optimizer.iterations.numpy()) == 2
   expected = float(trainer.learning_rate(5))
@@ -201,8 +216,13 @@ def test_learning_rate_follows_global_step_not_optimizer_iterations(tiny_trainer
 
 def test_clipping_acts_on_unscaled_gradients(tiny_trainer):
   """With a static scale of 1024 and clip_norm c, the update equals the float32 unscaled run."""
-  common = {'optimizer.name': 'sgd', 'optimizer.momentum': 0.0, 'optimizer.clip_norm': 0.01,
-            'optimizer.learning_rate': 1.0, 'train.steps': 1}
+  common = {
+    'optimizer.name': 'sgd',
+    'optimizer.momentum': 0.0,
+    'optimizer.clip_norm': 0.01,
+    'optimizer.learning_rate': 1.0,
+    'train.steps': 1,
+  }
   results = []
   for scale in ('none', '1024'):
     trainer = tiny_trainer(**common, **{'precision.loss_scale': scale})
@@ -221,26 +241,40 @@ class EmbeddingTrainer(TinyTrainer):
   gradient is an IndexedSlices with one row per lookup, many at the same index."""
 
   def build_model(self):
-    return keras.Sequential([keras.Input((6,), dtype='int32'), keras.layers.Embedding(10, 4),
-                             keras.layers.GlobalAveragePooling1D(),
-                             keras.layers.Dense(4, dtype='float32')], name='embedding')
+    return keras.Sequential(
+      [
+        keras.Input((6,), dtype='int32'),
+        keras.layers.Embedding(10, 4),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(4, dtype='float32'),
+      ],
+      name='embedding',
+    )
 
   def build_datasets(self):
     rng = np.random.default_rng(7)
     x = np.where(rng.random((64, 6)) < 0.7, 0, rng.integers(1, 10, (64, 6))).astype(np.int32)
     y = (x.sum(1) % 4).astype(np.int32)
     ds = tf.data.Dataset.from_tensor_slices((x, y))
-    return Datasets(train=ds.repeat().batch(32, drop_remainder=True), eval=ds.batch(32),
-                    train_examples=64)
+    return Datasets(
+      train=ds.repeat().batch(32, drop_remainder=True), eval=ds.batch(32), train_examples=64
+    )
 
 
 def test_clipping_takes_an_embedding_gradient_at_its_dense_norm(tmp_path):
   """The clipped update's norm is clip_norm, also when the embedding's rows repeat an index:
   the norm of the IndexedSlices' rows as they are (tf.linalg.global_norm) is smaller than the
   dense gradient's, and clipping by it let a larger update through."""
-  config = tiny_config(**{'optimizer.name': 'sgd', 'optimizer.momentum': 0.0,
-                          'optimizer.clip_norm': 0.01, 'optimizer.learning_rate': 1.0,
-                          'train.batch_size': 32, 'train.steps': 1})
+  config = tiny_config(
+    **{
+      'optimizer.name': 'sgd',
+      'optimizer.momentum': 0.0,
+      'optimizer.clip_norm': 0.01,
+      'optimizer.learning_rate': 1.0,
+      'train.batch_size': 32,
+      'train.steps': 1,
+    }
+  )
   trainer = EmbeddingTrainer(config, str(tmp_path / 'work'))
   batch = next(iter(trainer.datasets.train))
   with tf.GradientTape() as tape:
@@ -253,28 +287,50 @@ def test_clipping_takes_an_embedding_gradient_at_its_dense_norm(tmp_path):
   run_steps(trainer, 1)
   delta = [v.numpy() - a for v, a in zip(trainer.model.trainable_variables, w0)]
   assert np.sqrt(sum((d.astype('float64') ** 2).sum() for d in delta)) == pytest.approx(
-      0.01, rel=1e-4)  # lr = 1: the update is the clipped gradient
-  np.testing.assert_allclose(delta[0], -0.01 / dense * tf.convert_to_tensor(grads[0]).numpy(),
-                             rtol=1e-4, atol=1e-9)
+    0.01, rel=1e-4
+  )  # lr = 1: the update is the clipped gradient
+  np.testing.assert_allclose(
+    delta[0], -0.01 / dense * tf.convert_to_tensor(grads[0]).numpy(), rtol=1e-4, atol=1e-9
+  )
 
 
 def test_checkpoint_round_trip_restores_scale_counter_and_step(tiny_trainer, tmp_path):
-  trainer = tiny_trainer(**{'precision.policy': 'mixed_float16', 'precision.growth_interval': 4,
-                           'precision.initial_scale': 8.0, 'debug.inject_nonfinite_steps': '1'})
+  trainer = tiny_trainer(
+    **{
+      'precision.policy': 'mixed_float16',
+      'precision.growth_interval': 4,
+      'precision.initial_scale': 8.0,
+      'debug.inject_nonfinite_steps': '1',
+    }
+  )
   run_steps(trainer, 7)
-  state = (float(trainer.loss_scaler.scale.numpy()), int(trainer.loss_scaler.good_steps.numpy()),
-           int(trainer.global_step.numpy()), int(trainer.train_step.skipped_steps.numpy()))
+  state = (
+    float(trainer.loss_scaler.scale.numpy()),
+    int(trainer.loss_scaler.good_steps.numpy()),
+    int(trainer.global_step.numpy()),
+    int(trainer.train_step.skipped_steps.numpy()),
+  )
   assert state == (8.0, 1, 7, 1)  # 8 -> 4 at step 1, 4 finite steps -> 8 at step 5, 1 since
   weights, slots = snapshot(trainer)
   trainer.runner.save()
 
   # The same config: a resume with a changed one is an error (trainer/run/workdir.py).
-  fresh = tiny_trainer(**{'precision.policy': 'mixed_float16', 'precision.growth_interval': 4,
-                          'precision.initial_scale': 8.0, 'debug.inject_nonfinite_steps': '1'})
+  fresh = tiny_trainer(
+    **{
+      'precision.policy': 'mixed_float16',
+      'precision.growth_interval': 4,
+      'precision.initial_scale': 8.0,
+      'debug.inject_nonfinite_steps': '1',
+    }
+  )
   assert int(fresh.global_step.numpy()) == 0
   assert fresh.runner.restore() == 7
-  assert (float(fresh.loss_scaler.scale.numpy()), int(fresh.loss_scaler.good_steps.numpy()),
-          int(fresh.global_step.numpy()), int(fresh.train_step.skipped_steps.numpy())) == state
+  assert (
+    float(fresh.loss_scaler.scale.numpy()),
+    int(fresh.loss_scaler.good_steps.numpy()),
+    int(fresh.global_step.numpy()),
+    int(fresh.train_step.skipped_steps.numpy()),
+  ) == state
   for a, b in zip(weights + slots, sum(snapshot(fresh), [])):
     np.testing.assert_array_equal(a, b)
 
@@ -303,21 +359,29 @@ def test_grad_accumulation_with_a_custom_compute_gradients_is_a_warning(tmp_path
       return WholeBatch(self)
 
   Custom(tiny_config(**{'train.grad_accum_steps': 2}), str(tmp_path / 'a'))
-  assert ('config.train.grad_accum_steps=2 is applied by TrainStep.compute_gradients, which '
-          'WholeBatch overrides') in caplog.text
+  assert (
+    'config.train.grad_accum_steps=2 is applied by TrainStep.compute_gradients, which '
+    'WholeBatch overrides'
+  ) in caplog.text
   caplog.clear()
   TinyTrainer(tiny_config(**{'train.grad_accum_steps': 2}), str(tmp_path / 'b'))
   assert 'grad_accum_steps' not in caplog.text  # the default step splits the batch itself
 
 
-@pytest.mark.parametrize('mistake, expected', [
-    ('per_example_loss', "returned 'loss' of shape (32,): return the loss averaged over the "
-                         'global batch, a scalar'),
+@pytest.mark.parametrize(
+  'mistake, expected',
+  [
+    (
+      'per_example_loss',
+      "returned 'loss' of shape (32,): return the loss averaged over the global batch, a scalar",
+    ),
     ('swapped', 'returned (grads, outputs); return (outputs, grads)'),
     ('one_short', 'returned 3 gradients for 4 variables'),
-])
-def test_a_custom_compute_gradients_mistake_is_one_line_naming_the_step(tmp_path, mistake,
-                                                                      expected):
+  ],
+)
+def test_a_custom_compute_gradients_mistake_is_one_line_naming_the_step(
+  tmp_path, mistake, expected
+):
   """Mistakes a custom compute_gradients makes, which failed deep inside the step (a shape
   mismatch assigning the guard's counter, a string dtype in the loss scaler, a matmul of the
   wrong dimensions in Adam): one UserError naming the step class."""

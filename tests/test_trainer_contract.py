@@ -1,5 +1,6 @@
 """The Trainer's public contract: checkpoint_items (and old checkpoints), the finite gate, the
 forward-pass state on skipped steps, finite-only saves, non-finite losses, actions."""
+
 import json
 import os
 import shutil
@@ -23,7 +24,8 @@ def run(trainer, n):
   if iterator is None:
     trainer.runner.restore()
     iterator = trainer._it = iter(
-        trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
+      trainer.strategy.experimental_distribute_dataset(trainer.datasets.train)
+    )
   return trainer.runner.run_steps(iterator, n)
 
 
@@ -40,8 +42,11 @@ def test_checkpoint_written_before_checkpoint_items_still_restores(tmp_path):
   assert int(trainer.train_step.guard.consecutive.numpy()) == 0  # absent: its initial value
   reader = tf.train.load_checkpoint(str(workdir / 'checkpoints' / 'ckpt-10'))
   kernel = trainer.model.trainable_variables[0]
-  stored = [reader.get_tensor(n) for n, shape in tf.train.list_variables(
-      str(workdir / 'checkpoints' / 'ckpt-10')) if list(shape) == list(kernel.shape)]
+  stored = [
+    reader.get_tensor(n)
+    for n, shape in tf.train.list_variables(str(workdir / 'checkpoints' / 'ckpt-10'))
+    if list(shape) == list(kernel.shape)
+  ]
   assert any(np.array_equal(s, kernel.numpy()) for s in stored)
 
 
@@ -77,14 +82,20 @@ class BatchNormTrainer(TinyTrainer):
   under float16 its forward pass overflows (inf in the BatchNorm input)."""
 
   def build_model(self):
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
-                             keras.layers.BatchNormalization(), keras.layers.Activation('relu'),
-                             keras.layers.Dense(4, dtype='float32')], name='bn')
+    return keras.Sequential(
+      [
+        keras.Input((8,)),
+        keras.layers.Dense(16),
+        keras.layers.BatchNormalization(),
+        keras.layers.Activation('relu'),
+        keras.layers.Dense(4, dtype='float32'),
+      ],
+      name='bn',
+    )
 
   def build_datasets(self):
     datasets = super().build_datasets()
-    huge = datasets.train.enumerate().map(
-        lambda i, b: (tf.where(i == 3, b[0] * 1e6, b[0]), b[1]))
+    huge = datasets.train.enumerate().map(lambda i, b: (tf.where(i == 3, b[0] * 1e6, b[0]), b[1]))
     return Datasets(train=huge, eval=datasets.eval, train_examples=datasets.train_examples)
 
 
@@ -93,8 +104,9 @@ def moving_stats(trainer):
 
 
 def test_skipped_step_leaves_batchnorm_statistics_bit_identical(tmp_path):
-  trainer = BatchNormTrainer(tiny_config(**{'debug.inject_nonfinite_steps': '2'}),
-                             str(tmp_path / 'w'))
+  trainer = BatchNormTrainer(
+    tiny_config(**{'debug.inject_nonfinite_steps': '2'}), str(tmp_path / 'w')
+  )
   run(trainer, 2)
   before = moving_stats(trainer)
   run(trainer, 1)  # step 2: injected skip (float32: the forward pass itself is fine)
@@ -107,10 +119,18 @@ def test_skipped_step_leaves_batchnorm_statistics_bit_identical(tmp_path):
 
 def test_float16_forward_overflow_leaves_statistics_finite_and_eval_sane(tmp_path):
   trainer = BatchNormTrainer(
-      tiny_config(**{'precision.policy': 'mixed_float16', 'train.steps': 60,
-                     'train.steps_per_loop': 10, 'train.log_every': 10,
-                     'train.checkpoint_every': 60, 'optimizer.learning_rate': 1e-2}),
-      str(tmp_path / 'w'))
+    tiny_config(
+      **{
+        'precision.policy': 'mixed_float16',
+        'train.steps': 60,
+        'train.steps_per_loop': 10,
+        'train.log_every': 10,
+        'train.checkpoint_every': 60,
+        'optimizer.learning_rate': 1e-2,
+      }
+    ),
+    str(tmp_path / 'w'),
+  )
   metrics = trainer.train()
   assert int(trainer.train_step.skipped_steps.numpy()) >= 1  # the huge batch was skipped
   assert all(np.isfinite(s).all() for s in moving_stats(trainer))
@@ -139,8 +159,9 @@ class InfLoss(TinyTrainer):
 
 
 def test_nonfinite_loss_shows_and_stops_the_run(tmp_path, caplog):
-  trainer = InfLoss(tiny_config(**{'precision.max_consecutive_skips': 8, 'train.steps': 30}),
-                    str(tmp_path / 'w'))
+  trainer = InfLoss(
+    tiny_config(**{'precision.max_consecutive_skips': 8, 'train.steps': 30}), str(tmp_path / 'w')
+  )
   with caplog.at_level('INFO'), pytest.raises(CollapseError, match='loss was not'):
     trainer.train()
   assert int(trainer.train_step.skipped_steps.numpy()) == 0  # applied: gradients were finite
@@ -177,9 +198,15 @@ def test_nonfinite_final_eval_is_an_error(tmp_path):
 
 
 def test_early_stopping_ends_the_run_with_a_checkpoint(tiny_trainer, tmp_path):
-  trainer = tiny_trainer(**{'train.steps': 40, 'train.eval_every': 5,
-                            'early_stopping.metric': 'loss', 'early_stopping.patience': 2,
-                            'early_stopping.min_delta': 100.0})
+  trainer = tiny_trainer(
+    **{
+      'train.steps': 40,
+      'train.eval_every': 5,
+      'early_stopping.metric': 'loss',
+      'early_stopping.patience': 2,
+      'early_stopping.min_delta': 100.0,
+    }
+  )
   trainer.train()
   # Eval at 5 sets the best; 10 and 15 do not improve by 100: stop at 15.
   assert int(trainer.global_step.numpy()) == 15
@@ -187,8 +214,12 @@ def test_early_stopping_ends_the_run_with_a_checkpoint(tiny_trainer, tmp_path):
 
 
 def test_early_stopping_counts_on_across_a_resume(tiny_trainer):
-  keys = {'train.eval_every': 5, 'early_stopping.metric': 'loss',
-          'early_stopping.patience': 3, 'early_stopping.min_delta': 100.0}
+  keys = {
+    'train.eval_every': 5,
+    'early_stopping.metric': 'loss',
+    'early_stopping.patience': 3,
+    'early_stopping.min_delta': 100.0,
+  }
   tiny_trainer(**keys, **{'train.steps': 10}).train()  # evals at 5 (best) and 10 (1 without)
   trainer = tiny_trainer(**keys, **{'train.steps': 40})
   trainer.train()
@@ -214,10 +245,23 @@ def test_calls_return_to_the_steps_per_loop_grid_after_an_off_grid_resume(tiny_t
     def build_actions(self):
       return [lambda e: seen.append((e.kind, e.step))]
 
-  tiny_trainer(**{'train.steps': 6, 'train.steps_per_loop': 3, 'train.log_every': 3,
-                  'train.checkpoint_every': 3}).train()
-  trainer = tiny_trainer(**{'train.steps': 16, 'train.steps_per_loop': 4, 'train.log_every': 4,
-                            'train.checkpoint_every': 8, 'train.eval_every': 8})
+  tiny_trainer(
+    **{
+      'train.steps': 6,
+      'train.steps_per_loop': 3,
+      'train.log_every': 3,
+      'train.checkpoint_every': 3,
+    }
+  ).train()
+  trainer = tiny_trainer(
+    **{
+      'train.steps': 16,
+      'train.steps_per_loop': 4,
+      'train.log_every': 4,
+      'train.checkpoint_every': 8,
+      'train.eval_every': 8,
+    }
+  )
   Watched(trainer.config, trainer.workdir).train()
   # From step 6 the first call runs 2 steps, so the eval and the checkpoint at 8 happen.
   assert [s for k, s in seen if k == 'log'] == [8, 12, 16]
@@ -240,7 +284,13 @@ def test_an_action_sees_every_boundary(tmp_path):
 
   Watched(tiny_config(**{'train.steps': 10, 'train.eval_every': 5}), str(tmp_path / 'w')).train()
   kinds = [(k, s) for k, s, _, _ in seen]
-  assert kinds == [('log', 5), ('eval', 5), ('save', 5), ('log', 10), ('eval', 10),
-                   ('save', 10)]  # the final eval before the last save: its actions' state saved
+  assert kinds == [
+    ('log', 5),
+    ('eval', 5),
+    ('save', 5),
+    ('log', 10),
+    ('eval', 10),
+    ('save', 10),
+  ]  # the final eval before the last save: its actions' state saved
   assert seen[0][2] == ['accuracy', 'loss']
   assert seen[2][3].endswith('ckpt-5')

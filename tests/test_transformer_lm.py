@@ -1,4 +1,5 @@
 """Tiny Shakespeare loader, the Transformer LM trainer and its sampling helper, on the real text."""
+
 import math
 import os
 
@@ -12,8 +13,13 @@ from models import transformer_lm
 from trainer.data import shakespeare
 from trainer.errors import ConfigError, DataError
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '..', 'shared',
-                    'data', 'tinyshakespeare')
+DATA = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  '..',
+  'shared',
+  'data',
+  'tinyshakespeare',
+)
 
 
 def test_corpus_split_is_the_last_ten_percent_of_the_characters():
@@ -43,8 +49,9 @@ def _tiny_config(policy):
   config = shakespeare_config.get_config()
   config.data.dir = DATA
   config.model_config.update(context=32, d_model=32, num_heads=2, num_layers=1)
-  config.train.update(batch_size=32, steps=200, steps_per_loop=50, log_every=100,
-                      eval_every=0, checkpoint_every=200)
+  config.train.update(
+    batch_size=32, steps=200, steps_per_loop=50, log_every=100, eval_every=0, checkpoint_every=200
+  )
   config.optimizer.update(learning_rate=1e-2, warmup_steps=20)
   config.precision.policy = policy
   return config

@@ -2,6 +2,7 @@
 private name, skips one group's update on its own, puts BatchNorm's statistics back, keeps its
 stateful metric and resumes bit-identically; a subclass redefining a framework name is one line.
 """
+
 import importlib
 import re
 
@@ -39,8 +40,9 @@ def arrays(variables):
 
 
 def test_one_group_skips_alone_and_the_forward_state_is_put_back(gan2, tmp_path):
-  trainer = gan2.TwoScaleGanTrainer(gan_config(**{'debug.inject_nonfinite_steps': '2'}),
-                                    str(tmp_path / 'w'))
+  trainer = gan2.TwoScaleGanTrainer(
+    gan_config(**{'debug.inject_nonfinite_steps': '2'}), str(tmp_path / 'w')
+  )
   step, model = trainer.train_step, trainer.model
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
   trainer.runner.run_steps(iterator, 2)  # steps 0, 1: both groups apply
@@ -54,11 +56,14 @@ def test_one_group_skips_alone_and_the_forward_state_is_put_back(gan2, tmp_path)
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (2, 2)
 
   trainer.runner.run_steps(iterator, 1)  # step 2: the first group's (the D's) gradient poisoned
-  for a, b in zip(before_d + before_d_opt + before_bn,
-                  arrays(d_vars) + arrays(trainer.optimizer.variables) + arrays(bn)):
+  for a, b in zip(
+    before_d + before_d_opt + before_bn,
+    arrays(d_vars) + arrays(trainer.optimizer.variables) + arrays(bn),
+  ):
     np.testing.assert_array_equal(a, b)  # the D, its optimizer and BatchNorm's state unmoved
-  assert any(not np.array_equal(a, b)
-             for a, b in zip(before_g, arrays(model.generator.trainable_variables)))
+  assert any(
+    not np.array_equal(a, b) for a, b in zip(before_g, arrays(model.generator.trainable_variables))
+  )
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (2, 3)
   assert float(trainer.loss_scaler.scale.numpy()) == d_scale / 2  # the D's scale backed off
   assert float(step.g_scaler.scale.numpy()) == g_scale  # the G's did not
@@ -87,8 +92,12 @@ def test_two_scale_gan_resumes_bit_identically(gan2, tmp_path):
 
   def state(t):
     s = t.train_step
-    return arrays(t.model.weights + t.optimizer.variables + s.g_optimizer.variables +
-                  [t.loss_scaler.scale, s.g_scaler.scale, s.g_scaler.good_steps])
+    return arrays(
+      t.model.weights
+      + t.optimizer.variables
+      + s.g_optimizer.variables
+      + [t.loss_scaler.scale, s.g_scaler.scale, s.g_scaler.good_steps]
+    )
 
   for a, b in zip(state(straight), state(resumed)):
     np.testing.assert_array_equal(a, b)

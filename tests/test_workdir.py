@@ -2,6 +2,7 @@
 config record survives resumes; bad workdir contents are one-line errors that write nothing;
 writes never follow a symlink out of it; a missing, empty or garbled checkpoint state file falls
 back to the checkpoints on disk; one training process per workdir (trainer/run/lock.py)."""
+
 import hashlib
 import json
 import logging
@@ -41,8 +42,10 @@ def set_writable(folder, writable: bool):
     for name in dirs + files + ['.']:
       path = os.path.join(root, name)
       mode = os.stat(path).st_mode
-      os.chmod(path, mode | stat.S_IWUSR if writable else
-               mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+      os.chmod(
+        path,
+        mode | stat.S_IWUSR if writable else mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH),
+      )
 
 
 def train(workdir, **overrides):
@@ -69,7 +72,8 @@ def test_eval_export_and_init_from_leave_a_read_only_run_byte_identical(run, tmp
     assert again == pytest.approx(metrics, rel=1e-6)
     # An override on eval is not recorded anywhere (it used to rewrite config.json).
     lifecycle.evaluate_checkpoint(
-        TinyTrainer(tiny_config(**{'optimizer.learning_rate': 0.5}), str(workdir)))
+      TinyTrainer(tiny_config(**{'optimizer.learning_rate': 0.5}), str(workdir))
+    )
     paths = lifecycle.export(TinyTrainer(tiny_config(), str(workdir)), str(tmp_path / 'out'))
     assert os.path.exists(paths['keras'])
     warm = TinyTrainer(tiny_config(**{'train.init_from': str(workdir)}), str(tmp_path / 'warm'))
@@ -115,8 +119,7 @@ def test_diagnostics_frequency_may_change_on_resume(run, caplog):
   assert json.loads((workdir / 'config-step-10.json').read_text())['numerics']['every'] == 7
 
 
-def test_a_longer_run_under_a_cosine_schedule_says_the_rate_follows_the_new_curve(tmp_path,
-                                                                                   caplog):
+def test_a_longer_run_under_a_cosine_schedule_says_the_rate_follows_the_new_curve(tmp_path, caplog):
   workdir = tmp_path / 'run'
   train(workdir, **{'optimizer.schedule': 'cosine'})
   caplog.clear()
@@ -139,8 +142,10 @@ def test_changed_config_is_an_error_naming_the_keys_and_writes_nothing(run):
 def test_accepted_change_resumes_and_is_recorded(run):
   workdir, _ = run
   first = (workdir / 'config.json').read_bytes()
-  train(workdir, **{'optimizer.learning_rate': 0.01, 'train.steps': 15,
-                    'train.accept_config_change': True})
+  train(
+    workdir,
+    **{'optimizer.learning_rate': 0.01, 'train.steps': 15, 'train.accept_config_change': True},
+  )
   record = json.loads((workdir / 'config-step-10.json').read_text())
   assert record['optimizer']['learning_rate'] == 0.01
   assert (workdir / 'config.json').read_bytes() == first
@@ -153,8 +158,15 @@ def test_failed_resume_with_another_model_replaces_nothing(run):
   class Wider(TinyTrainer):
     def build_model(self):
       import keras
-      return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation='relu'),
-                               keras.layers.Dense(4, dtype='float32')], name='tiny')
+
+      return keras.Sequential(
+        [
+          keras.Input((8,)),
+          keras.layers.Dense(32, activation='relu'),
+          keras.layers.Dense(4, dtype='float32'),
+        ],
+        name='tiny',
+      )
 
   with pytest.raises(UserError, match='no checkpoint .* can be restored'):
     Wider(tiny_config(**{'train.accept_config_change': True, 'seed': 3}), str(workdir)).train()
@@ -170,8 +182,9 @@ def test_a_workdir_without_checkpoints_takes_the_new_config(tmp_path):
 
 
 # ---- bad workdir contents ----------------------------------------------------------------------
-@pytest.mark.parametrize('case', ['checkpoints file', 'tensorboard file', 'garbage config',
-                                  'config list', 'workdir file'])
+@pytest.mark.parametrize(
+  'case', ['checkpoints file', 'tensorboard file', 'garbage config', 'config list', 'workdir file']
+)
 def test_bad_workdir_contents_are_one_line_and_write_nothing(tmp_path, case):
   workdir = tmp_path / 'run'
   workdir.mkdir()
@@ -215,12 +228,23 @@ def test_launch_garbage_config_json_exits_2(tmp_path):
   workdir.mkdir()
   (workdir / 'config.json').write_text('garbage')
   result = subprocess.run(
-      [sys.executable, 'launch.py', '--config=configs/mnist_mlp.py', f'--workdir={workdir}',
-       f'--config.data.dir={os.path.join(ROOT, "..", "shared", "data", "mnist")}',
-       '--config.train.steps=1', '--config.train.steps_per_loop=1', '--config.train.log_every=1',
-       '--config.train.checkpoint_every=1'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '3'})
+    [
+      sys.executable,
+      'launch.py',
+      '--config=configs/mnist_mlp.py',
+      f'--workdir={workdir}',
+      f'--config.data.dir={os.path.join(ROOT, "..", "shared", "data", "mnist")}',
+      '--config.train.steps=1',
+      '--config.train.steps_per_loop=1',
+      '--config.train.log_every=1',
+      '--config.train.checkpoint_every=1',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '3'},
+  )
   assert result.returncode == 2, result.stderr[-2000:]
   lines = [l for l in result.stderr.splitlines() if l.startswith('error:')]
   assert len(lines) == 1 and 'config.json' in lines[0] and 'Traceback' not in result.stderr
@@ -283,7 +307,7 @@ def test_a_second_training_process_is_refused_while_eval_reads(run):
   holder.runner.restore()  # this process holds the lock now
   record = json.loads((workdir / 'train.lock').read_text())
   assert record['pid'] == os.getpid() and record['host'] == socket.gethostname()
-  script = textwrap.dedent(f'''
+  script = textwrap.dedent(f"""
       import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
       from tiny import TinyTrainer, tiny_config
       from trainer.run import lifecycle
@@ -294,9 +318,15 @@ def test_a_second_training_process_is_refused_while_eval_reads(run):
         TinyTrainer(tiny_config(**{{'train.steps': 20}}), {str(workdir)!r}).train()
       except UserError as e:
         print('error:', e)
-      ''')
-  result = subprocess.run([sys.executable, '-c', script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, 'PYTHONPATH': ROOT})
+      """)
+  result = subprocess.run(
+    [sys.executable, '-c', script],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'PYTHONPATH': ROOT},
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   (line,) = [l for l in result.stdout.splitlines() if l.startswith('eval ')]
   assert float(line.split()[1]) == pytest.approx(metrics['loss'], rel=1e-6)
@@ -308,16 +338,21 @@ def test_a_second_training_process_is_refused_while_eval_reads(run):
 
 def test_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
   workdir = tmp_path / 'run'
-  script = textwrap.dedent(f'''
+  script = textwrap.dedent(f"""
       import sys, time; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
       from tiny import TinyTrainer, tiny_config
       trainer = TinyTrainer(tiny_config(**{{'train.steps': 10}}), {str(workdir)!r})
       trainer.runner.restore()
       print('locked', flush=True)
       time.sleep(600)
-      ''')
-  process = subprocess.Popen([sys.executable, '-c', script], cwd=ROOT, stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, 'PYTHONPATH': ROOT})
+      """)
+  process = subprocess.Popen(
+    [sys.executable, '-c', script],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    text=True,
+    env={**os.environ, 'PYTHONPATH': ROOT},
+  )
   try:
     assert process.stdout.readline().strip() == 'locked'
   finally:
@@ -347,6 +382,7 @@ def test_stale_lock_removal_waits_for_the_folder_flock_and_spares_a_newer_lock(t
   # earlier one replaced the file. The later one's compare-and-remove must not remove it.
   import fcntl
   import threading
+
   path = tmp_path / workdir_lock.NAME
   stale = {'pid': 999999, 'host': socket.gethostname(), 'start': None, 'since': '?'}
   path.write_text(json.dumps(stale))
@@ -367,6 +403,7 @@ def test_stale_lock_removal_waits_for_the_folder_flock_and_spares_a_newer_lock(t
 def test_lock_without_hard_links(tmp_path, monkeypatch):
   def no_link(*args):
     raise PermissionError(1, 'Operation not permitted')  # as some FUSE mounts answer
+
   monkeypatch.setattr(os, 'link', no_link)
   path = workdir_lock.acquire(str(tmp_path))
   assert json.loads(open(path).read())['pid'] == os.getpid()

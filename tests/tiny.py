@@ -1,4 +1,5 @@
 """A tiny Trainer on synthetic data for the reliability tests: builds in a second, no files."""
+
 from __future__ import annotations
 
 import keras
@@ -14,18 +15,31 @@ class TinyTrainer(Trainer):
   """Dense 16 -> Dense 4 on 512 random points whose class is the argmax of 4 fixed projections."""
 
   def build_model(self):
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation='relu'),
-                             keras.layers.Dense(4, dtype='float32')], name='tiny')
+    return keras.Sequential(
+      [
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation='relu'),
+        keras.layers.Dense(4, dtype='float32'),
+      ],
+      name='tiny',
+    )
 
   def build_datasets(self):
     rng = np.random.default_rng(1234)
     x = rng.normal(size=(512, 8)).astype(np.float32)
     y = np.argmax(x @ rng.normal(size=(8, 4)), axis=1).astype(np.int32)
     batch = self.config.train.batch_size
-    train = (tf.data.Dataset.from_tensor_slices((x, y))
-             .shuffle(512, seed=self.config.seed).repeat().batch(batch, drop_remainder=True))
-    return Datasets(train=train, eval=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch),
-                    train_examples=len(x))
+    train = (
+      tf.data.Dataset.from_tensor_slices((x, y))
+      .shuffle(512, seed=self.config.seed)
+      .repeat()
+      .batch(batch, drop_remainder=True)
+    )
+    return Datasets(
+      train=train,
+      eval=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch),
+      train_examples=len(x),
+    )
 
   def compute_loss(self, batch, *, training):
     x, y = batch

@@ -3,6 +3,7 @@
 The public names are imported on first use (PEP 562), so `import trainer.config` (the schema) or
 `from trainer import ConfigError` loads no TensorFlow; `from trainer import Trainer` does.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -11,17 +12,28 @@ from trainer.errors import ConfigError, DataError, UserError
 from trainer.registry import register_optimizer
 
 _LAZY = {
-    'Datasets': 'trainer.data.datasets',
-    'Event': 'trainer.run.actions',
-    'LossScaler': 'trainer.step.loss_scale',
-    'Runner': 'trainer.run.runner',
-    'Trainer': 'trainer.trainer',
-    'TrainStep': 'trainer.step.train_step',
-    'UpdateGroup': 'trainer.step.train_step',
+  'Datasets': 'trainer.data.datasets',
+  'Event': 'trainer.run.actions',
+  'LossScaler': 'trainer.step.loss_scale',
+  'Runner': 'trainer.run.runner',
+  'Trainer': 'trainer.trainer',
+  'TrainStep': 'trainer.step.train_step',
+  'UpdateGroup': 'trainer.step.train_step',
 }
 
-__all__ = ['ConfigError', 'DataError', 'Datasets', 'Event', 'LossScaler', 'Runner', 'Trainer',
-           'TrainStep', 'UpdateGroup', 'UserError', 'register_optimizer']
+__all__ = [
+  'ConfigError',
+  'DataError',
+  'Datasets',
+  'Event',
+  'LossScaler',
+  'Runner',
+  'Trainer',
+  'TrainStep',
+  'UpdateGroup',
+  'UserError',
+  'register_optimizer',
+]
 
 
 def __getattr__(name: str):

@@ -4,6 +4,7 @@
 `diff`, the dotted names whose values differ between two configs. trainer/config.py re-exports
 them (`config_lib.flatten`, ...).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ names map to builders in trainer/step/optimizers.py, imported only when an optim
 project adds its own with `register_optimizer(name, builder)` before the Trainer is built (e.g.
 at the top of its model's module).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,9 +16,9 @@ from typing import Any
 Builder = Callable[..., Any]
 # A built-in builder is named by its dotted path and imported on first use.
 _REGISTRY: dict[str, Builder | str] = {
-    'adam': 'trainer.step.optimizers._adam',
-    'adamw': 'trainer.step.optimizers._adamw',
-    'sgd': 'trainer.step.optimizers._sgd',
+  'adam': 'trainer.step.optimizers._adam',
+  'adamw': 'trainer.step.optimizers._adamw',
+  'sgd': 'trainer.step.optimizers._sgd',
 }
 
 
@@ -27,8 +28,10 @@ def register_optimizer(name: str, builder: Builder) -> None:
   if not isinstance(name, str) or not name:
     raise ValueError(f'register_optimizer: the name must be a non-empty string, got {name!r}')
   if not callable(builder):
-    raise TypeError(f'register_optimizer({name!r}, ...): the builder must be callable as '
-                    f'builder(opt_config, learning_rate), got {builder!r}')
+    raise TypeError(
+      f'register_optimizer({name!r}, ...): the builder must be callable as '
+      f'builder(opt_config, learning_rate), got {builder!r}'
+    )
   _REGISTRY[name] = builder
 
 
@@ -41,8 +44,10 @@ def check_name(name: str) -> str | None:
   """A complaint for config validation when `name` is not registered, else None."""
   if name in _REGISTRY:
     return None
-  return (f'must be a registered optimizer: {", ".join(names())} (a project adds its own with '
-          'trainer.register_optimizer(name, builder))')
+  return (
+    f'must be a registered optimizer: {", ".join(names())} (a project adds its own with '
+    'trainer.register_optimizer(name, builder))'
+  )
 
 
 def builder(name: str) -> Builder | None:

@@ -22,6 +22,7 @@ by trainer/run/build.py and kept here. A name the framework owns (build.FRAMEWOR
 redefined by a subclass: that is a one-line UserError when the class is defined (a helper named
 `save` once switched checkpointing off without a word).
 """
+
 from __future__ import annotations
 
 import time
@@ -37,6 +38,7 @@ from trainer.run import build
 from trainer.run.runner import Runner
 from trainer.step import optimizers
 from trainer.step.train_step import TrainStep
+
 
 class Trainer:
   """Subclass it, fill in the hooks, then `MyTrainer(config, workdir).train()`."""
@@ -64,8 +66,13 @@ class Trainer:
     super().__init_subclass__(**kwargs)
     build.check_names(cls.__name__, vars(cls))  # a framework name redefined: one line, now
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
-               strategy: tf.distribute.Strategy | None = None):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    strategy: tf.distribute.Strategy | None = None,
+  ):
     started = time.perf_counter()  # goodput: start-up counts from here
     build.check_names(type(self).__name__, vars(self))  # set before super().__init__()
     # The config validated, then strategy, policy, datasets, model, metrics, optimizer, loss
@@ -95,8 +102,13 @@ class Trainer:
   def build_optimizer(self, learning_rate) -> keras.optimizers.Optimizer:
     """`learning_rate` is a no-argument callable (the schedule at the global step)."""
     c = self.config
-    return optimizers.build(c.optimizer, learning_rate, master_weights=c.precision.master_weights,
-                            seed=c.seed, step=self.global_step)
+    return optimizers.build(
+      c.optimizer,
+      learning_rate,
+      master_weights=c.precision.master_weights,
+      seed=c.seed,
+      step=self.global_step,
+    )
 
   def build_metrics(self) -> dict[str, keras.metrics.Metric]:
     """Stateful Keras metrics by name (e.g. {'auc': keras.metrics.AUC(from_logits=True)}):
@@ -114,9 +126,14 @@ class Trainer:
     """{name: trackable} written in every checkpoint and restored on resume; extend it for what
     a custom step adds (`{**super().checkpoint_items(), 'g_optimizer': ...}`). The runner adds
     its own item, 'actions' (the actions' state: best eval so far, evals without improvement)."""
-    return {'model': self.model, 'optimizer': self.optimizer, 'loss_scaler': self.loss_scaler,
-            'global_step': self.global_step, 'skipped_steps': self.train_step.skipped_steps,
-            'consecutive_skips': self.train_step.guard.consecutive}
+    return {
+      'model': self.model,
+      'optimizer': self.optimizer,
+      'loss_scaler': self.loss_scaler,
+      'global_step': self.global_step,
+      'skipped_steps': self.train_step.skipped_steps,
+      'consecutive_skips': self.train_step.guard.consecutive,
+    }
 
   def build_actions(self) -> list:
     """Callables taking one `trainer.Event`, run at log, eval and save boundaries

@@ -2,6 +2,7 @@
 and the first eval batch, read once, that the hook checks (trainer/step/contract.py), the
 numerics probe and the audit run on. A violation raises UserError: one line naming the hook,
 what it returned and the fix, before the workdir is opened."""
+
 from __future__ import annotations
 
 import tensorflow as tf
@@ -16,8 +17,11 @@ def shape_text(shape) -> str:
 
 
 def _spec_summary(spec) -> str:
-  return ', '.join(f'{s.dtype.name} {shape_text(s.shape)}' for s in tf.nest.flatten(spec)
-                   if isinstance(s, tf.TensorSpec)) or str(spec)
+  return ', '.join(
+    f'{s.dtype.name} {shape_text(s.shape)}'
+    for s in tf.nest.flatten(spec)
+    if isinstance(s, tf.TensorSpec)
+  ) or str(spec)
 
 
 def check_datasets(datasets, batch_size: int | None = None) -> None:
@@ -25,22 +29,31 @@ def check_datasets(datasets, batch_size: int | None = None) -> None:
   With `batch_size` (config.train.batch_size), the train batches' size is checked against it."""
   fields = ('train', 'eval', 'train_examples')
   if not all(hasattr(datasets, f) for f in fields):
-    raise UserError(f'build_datasets returned {type(datasets).__name__}; return '
-                    'trainer.Datasets(train=..., eval=..., train_examples=...)')
+    raise UserError(
+      f'build_datasets returned {type(datasets).__name__}; return '
+      'trainer.Datasets(train=..., eval=..., train_examples=...)'
+    )
   for name in ('train', 'eval'):
     ds = getattr(datasets, name)
     if not isinstance(ds, tf.data.Dataset):
-      raise UserError(f'build_datasets returned Datasets.{name} of type {type(ds).__name__}; '
-                      'it must be a tf.data.Dataset (tf.data.Dataset.from_tensor_slices(...)'
-                      '.batch(...))')
+      raise UserError(
+        f'build_datasets returned Datasets.{name} of type {type(ds).__name__}; '
+        'it must be a tf.data.Dataset (tf.data.Dataset.from_tensor_slices(...)'
+        '.batch(...))'
+      )
     specs = [s for s in tf.nest.flatten(ds.element_spec) if isinstance(s, tf.TensorSpec)]
     # Every batched component has a leading batch axis; a rank-0 component (a single label)
     # means the dataset yields single examples.
     if any(s.shape.rank == 0 for s in specs):
-      batch = ('.batch(config.train.batch_size, drop_remainder=True)' if name == 'train'
-               else '.batch(config.train.batch_size)')
-      raise UserError(f'build_datasets returned an unbatched Datasets.{name}: its elements are '
-                      f'single examples ({_spec_summary(ds.element_spec)}); add {batch}')
+      batch = (
+        '.batch(config.train.batch_size, drop_remainder=True)'
+        if name == 'train'
+        else '.batch(config.train.batch_size)'
+      )
+      raise UserError(
+        f'build_datasets returned an unbatched Datasets.{name}: its elements are '
+        f'single examples ({_spec_summary(ds.element_spec)}); add {batch}'
+      )
   # A set whose elements are, in every component, the other's batches without their batch axis
   # is unbatched: sequences [T] against batches [B, T]. Not a multi-crop or two-view set, where
   # only the images have the extra axis ([B, 10, H, W, C] against [B, H, W, C], labels [B]
@@ -48,22 +61,40 @@ def check_datasets(datasets, batch_size: int | None = None) -> None:
   # before the batch size, which would take T for a batch size.
   train = tf.nest.flatten(datasets.train.element_spec)
   eval_ = tf.nest.flatten(datasets.eval.element_spec)
-  pairs = [(t.shape, e.shape) for t, e in zip(train, eval_)
-           if isinstance(t, tf.TensorSpec) and isinstance(e, tf.TensorSpec)
-           and t.shape.rank is not None and e.shape.rank is not None]
+  pairs = [
+    (t.shape, e.shape)
+    for t, e in zip(train, eval_)
+    if isinstance(t, tf.TensorSpec)
+    and isinstance(e, tf.TensorSpec)
+    and t.shape.rank is not None
+    and e.shape.rank is not None
+  ]
   if pairs and len(train) == len(eval_):
     for short, other, batch, unbatched in (
-        ('eval', 'train', '.batch(config.train.batch_size)',
-         all(e.rank + 1 == t.rank and e.is_compatible_with(t[1:]) for t, e in pairs)),
-        ('train', 'eval', '.batch(config.train.batch_size, drop_remainder=True)',
-         all(t.rank + 1 == e.rank and t.is_compatible_with(e[1:]) and t[0] is not None
-             for t, e in pairs))):
+      (
+        'eval',
+        'train',
+        '.batch(config.train.batch_size)',
+        all(e.rank + 1 == t.rank and e.is_compatible_with(t[1:]) for t, e in pairs),
+      ),
+      (
+        'train',
+        'eval',
+        '.batch(config.train.batch_size, drop_remainder=True)',
+        all(
+          t.rank + 1 == e.rank and t.is_compatible_with(e[1:]) and t[0] is not None
+          for t, e in pairs
+        ),
+      ),
+    ):
       if unbatched:
-        raise UserError(f'build_datasets returned an unbatched Datasets.{short}: its elements '
-                        f'({_spec_summary(getattr(datasets, short).element_spec)}) have one '
-                        f'axis fewer than the {other} batches '
-                        f'({_spec_summary(getattr(datasets, other).element_spec)}); add {batch} '
-                        f'to the {short} dataset')
+        raise UserError(
+          f'build_datasets returned an unbatched Datasets.{short}: its elements '
+          f'({_spec_summary(getattr(datasets, short).element_spec)}) have one '
+          f'axis fewer than the {other} batches '
+          f'({_spec_summary(getattr(datasets, other).element_spec)}); add {batch} '
+          f'to the {short} dataset'
+        )
   if batch_size:
     _check_train_batch(datasets.train, batch_size)
 
@@ -72,26 +103,33 @@ def _check_train_batch(train, batch_size: int) -> None:
   """The trainer divides the summed loss by config.train.batch_size: train batches of another
   size silently rescale the loss (and so the learning rate); an error. Batches of unknown size
   (no drop_remainder=True) end each pass with a smaller one: a warning."""
-  specs = [s for s in tf.nest.flatten(train.element_spec)
-           if isinstance(s, tf.TensorSpec) and s.shape.rank]
+  specs = [
+    s for s in tf.nest.flatten(train.element_spec) if isinstance(s, tf.TensorSpec) and s.shape.rank
+  ]
   sizes = {s.shape[0] for s in specs}
   if not sizes:
     return
   got = _spec_summary(train.element_spec)
   if None in sizes:
-    logging.warning('build_datasets returned Datasets.train with batches of unknown size (%s): '
-                    'unless the data is repeated before .batch(), the last batch of each pass '
-                    'is smaller, its examples weigh less (the loss is divided by '
-                    'config.train.batch_size=%d) and it may not split over the replicas; use '
-                    '.batch(config.train.batch_size, drop_remainder=True), which also makes the '
-                    'size known', got, batch_size)
+    logging.warning(
+      'build_datasets returned Datasets.train with batches of unknown size (%s): '
+      'unless the data is repeated before .batch(), the last batch of each pass '
+      'is smaller, its examples weigh less (the loss is divided by '
+      'config.train.batch_size=%d) and it may not split over the replicas; use '
+      '.batch(config.train.batch_size, drop_remainder=True), which also makes the '
+      'size known',
+      got,
+      batch_size,
+    )
   elif batch_size not in sizes:
     size = ' or '.join(str(n) for n in sorted(sizes))
-    raise UserError(f'build_datasets returned Datasets.train with leading dimension {size} '
-                    f'({got}), not config.train.batch_size={batch_size} (unbatched, or batched '
-                    'by another size): the trainer divides the loss by '
-                    'config.train.batch_size, so the loss and the learning rate would be off; '
-                    'batch with .batch(config.train.batch_size, drop_remainder=True)')
+    raise UserError(
+      f'build_datasets returned Datasets.train with leading dimension {size} '
+      f'({got}), not config.train.batch_size={batch_size} (unbatched, or batched '
+      'by another size): the trainer divides the loss by '
+      'config.train.batch_size, so the loss and the learning rate would be off; '
+      'batch with .batch(config.train.batch_size, drop_remainder=True)'
+    )
 
 
 _FIRST_BATCH = '_trainer_first_batch'  # an attribute of the eval dataset
@@ -115,10 +153,12 @@ def first_eval_batch(datasets):
   iterator = iter(datasets.eval)
   batch = next(iterator, None)
   if batch is None:
-    raise UserError('build_datasets returned an empty Datasets.eval (it yields no batch: an empty '
-                    'source, a filter, or drop_remainder=True on fewer examples than a batch; '
-                    f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
-                    'one example')
+    raise UserError(
+      'build_datasets returned an empty Datasets.eval (it yields no batch: an empty '
+      'source, a filter, or drop_remainder=True on fewer examples than a batch; '
+      f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
+      'one example'
+    )
   try:
     setattr(datasets.eval, _FIRST_BATCH, (batch, iterator))
   except (AttributeError, TypeError):  # a dataset that takes no attributes: nothing kept

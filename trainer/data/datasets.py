@@ -1,4 +1,5 @@
 """What `Trainer.build_datasets()` returns."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -13,6 +14,7 @@ class Datasets(NamedTuple):
   (trainer/run/epochs.py). `eval`: one pass over the eval set, batched, remainder kept.
   `train_examples`: one epoch is `train_examples // batch_size` steps (0: the cardinality of
   `train` when known)."""
+
   train: tf.data.Dataset
   eval: tf.data.Dataset
   train_examples: int = 0

@@ -5,6 +5,7 @@
 sorted set of characters of the whole text) and splits the ids: the last `val_fraction` of the
 characters is the validation split.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,7 @@ from absl import logging
 
 from trainer.errors import DataError
 
-URL = ('https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/'
-       'input.txt')
+URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 SHA256 = '86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed'
 FILE = 'input.txt'
 
@@ -25,12 +25,16 @@ FILE = 'input.txt'
 def _path(data_dir: str) -> str:
   if data_dir:
     if not os.path.isdir(data_dir):
-      raise DataError(f'config.data.dir={data_dir!r} is not a folder; point it at the folder '
-                      f"holding Tiny Shakespeare's {FILE}, or set it to '' to download it")
+      raise DataError(
+        f'config.data.dir={data_dir!r} is not a folder; point it at the folder '
+        f"holding Tiny Shakespeare's {FILE}, or set it to '' to download it"
+      )
     return os.path.join(data_dir, FILE)
   import keras  # only needed to download
-  return keras.utils.get_file('tinyshakespeare.txt', origin=URL, file_hash=SHA256,
-                              cache_subdir='datasets')
+
+  return keras.utils.get_file(
+    'tinyshakespeare.txt', origin=URL, file_hash=SHA256, cache_subdir='datasets'
+  )
 
 
 def load(data_dir: str = '') -> str:
@@ -48,8 +52,9 @@ def load(data_dir: str = '') -> str:
   if len(text) < 1000:
     raise DataError(f'{path}: only {len(text)} characters; a language model needs more text')
   if hashlib.sha256(raw).hexdigest() != SHA256:
-    logging.warning('%s is not the original Tiny Shakespeare (SHA-256 differs); training on it '
-                    'anyway', path)
+    logging.warning(
+      '%s is not the original Tiny Shakespeare (SHA-256 differs); training on it anyway', path
+    )
   return text
 
 

@@ -33,6 +33,7 @@ layer but something was non-finite, the advice says so instead of suggesting not
 `--advise_validate_steps=N` it then trains N steps as configured and N with the suggestion
 (`validate`) and prints each run's skipped steps and flushed gradient fraction.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -106,63 +107,81 @@ class Advice:
     return ','.join(self.suggested)
 
   def markdown(self) -> str:
-    lines = [f'# precision advice: {self.policy}, {self.steps} calibration steps, loss scale '
-             f'{self.loss_scale:g}', '',
-             '| layer | class | compute | max abs out (f32) | headroom out | max abs in (f32) | '
-             'headroom in | non-finite out | rel. error vs f32 | grad flushed | grad subnormal | '
-             'grad zero (f32) |',
-             '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |']
+    lines = [
+      f'# precision advice: {self.policy}, {self.steps} calibration steps, loss scale '
+      f'{self.loss_scale:g}',
+      '',
+      '| layer | class | compute | max abs out (f32) | headroom out | max abs in (f32) | '
+      'headroom in | non-finite out | rel. error vs f32 | grad flushed | grad subnormal | '
+      'grad zero (f32) |',
+      '| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |',
+    ]
+
     def pct(a, b):
       if not b:
         return '-'
       return '< 0.1 %' if 0 < 100.0 * a / b < 0.05 else f'{100.0 * a / b:.1f} %'
 
     for s in self.layers:
-      underflow = (f'non-finite ({pct(s.grad_nonfinite, s.grad_total)}) | -' if s.grad_nonfinite
-                   else f'{pct(s.grad_flushed, s.grad_total)} | '
-                        f'{pct(s.grad_subnormal, s.grad_total)}')
+      underflow = (
+        f'non-finite ({pct(s.grad_nonfinite, s.grad_total)}) | -'
+        if s.grad_nonfinite
+        else f'{pct(s.grad_flushed, s.grad_total)} | {pct(s.grad_subnormal, s.grad_total)}'
+      )
       lines.append(
-          f'| {s.name}{" **float32**" if s.name in self.suggested else ""} | {s.cls} | '
-          f'{s.compute_dtype} | {s.max_out:.3g} | {_bits(s.headroom(s.max_out))} | '
-          f'{s.max_in:.3g} | {_bits(s.headroom(s.max_in))} | {pct(s.nonfinite, s.outputs)} | '
-          f'{s.rel_error:.2g} | {underflow} | '
-          f'{pct(s.grad_zero32, s.grad_total)} |')
+        f'| {s.name}{" **float32**" if s.name in self.suggested else ""} | {s.cls} | '
+        f'{s.compute_dtype} | {s.max_out:.3g} | {_bits(s.headroom(s.max_out))} | '
+        f'{s.max_in:.3g} | {_bits(s.headroom(s.max_in))} | {pct(s.nonfinite, s.outputs)} | '
+        f'{s.rel_error:.2g} | {underflow} | '
+        f'{pct(s.grad_zero32, s.grad_total)} |'
+      )
     lines.append('')
-    lines.append(f'Headroom: powers of two between the largest |value| of the float32 run and '
-                 f'the compute dtype\'s largest finite value (negative: out of range); a layer '
-                 f'within {HEADROOM_BITS} is suggested for float32. Gradients are the weight '
-                 'gradients at the loss scale above: flushed = zero in the compute dtype, '
-                 'non-zero but below its smallest normal in float32 (lost to range); zero (f32) '
-                 '= zero in float32 too.')
+    lines.append(
+      f'Headroom: powers of two between the largest |value| of the float32 run and '
+      f"the compute dtype's largest finite value (negative: out of range); a layer "
+      f'within {HEADROOM_BITS} is suggested for float32. Gradients are the weight '
+      'gradients at the loss scale above: flushed = zero in the compute dtype, '
+      'non-zero but below its smallest normal in float32 (lost to range); zero (f32) '
+      '= zero in float32 too.'
+    )
     lines.append('')
     # Non-finite from finite inputs while the float32 output fits the dtype: inside the layer.
     inside = [s.name for s in self.layers if s.overflowed and s.headroom(s.max_out) >= 0]
     if inside:
-      lines.append(f'Overflowed inside: {", ".join(inside)} (a non-finite output from finite '
-                   'inputs, where float32 stayed finite: a value inside the layer went past the '
-                   'range although its output fits; --mode=diagnose names the op).')
+      lines.append(
+        f'Overflowed inside: {", ".join(inside)} (a non-finite output from finite '
+        'inputs, where float32 stayed finite: a value inside the layer went past the '
+        'range although its output fits; --mode=diagnose names the op).'
+      )
       lines.append('')
     if self.suggested:
-      lines.append(f'Suggested: `precision.float32_layers = \'{self.suggested_value}\'` '
-                   f'(`--config.precision.float32_layers={self.suggested_value}`)')
+      lines.append(
+        f"Suggested: `precision.float32_layers = '{self.suggested_value}'` "
+        f'(`--config.precision.float32_layers={self.suggested_value}`)'
+      )
     elif not self.policy.startswith('mixed_'):
       lines.append(f'Nothing to advise: the policy {self.policy} computes in float32.')
     elif self.nonfinite_layers:
       names, n = ', '.join(self.nonfinite_layers[:3]), len(self.nonfinite_layers)
       forward = any(s.nonfinite for s in self.layers)
-      lines.append(f'Suggested: nothing by headroom, but not every layer fits {self.policy}: '
-                   f'{n} layer{"s" if n != 1 else ""} had non-finite outputs or gradients '
-                   f'(first: {names}) at loss scale {self.loss_scale:g}. ' +
-                   ('Some outputs were non-finite, a forward problem: replay a skipped step '
-                    '(--mode=diagnose) to name the layer and op.' if forward else
-                    'Only gradients were non-finite, a backward overflow: ' + {
-                        'static': 'lower precision.loss_scale (static), or ',
-                        'none': 'the loss is not scaled, so they overflow by themselves: ',
-                    }.get(self.scale_mode, 'lower precision.initial_scale, or ') +
-                    'replay a skipped step (--mode=diagnose) to name the layer.'))
+      lines.append(
+        f'Suggested: nothing by headroom, but not every layer fits {self.policy}: '
+        f'{n} layer{"s" if n != 1 else ""} had non-finite outputs or gradients '
+        f'(first: {names}) at loss scale {self.loss_scale:g}. '
+        + (
+          'Some outputs were non-finite, a forward problem: replay a skipped step '
+          '(--mode=diagnose) to name the layer and op.'
+          if forward
+          else 'Only gradients were non-finite, a backward overflow: '
+          + {
+            'static': 'lower precision.loss_scale (static), or ',
+            'none': 'the loss is not scaled, so they overflow by themselves: ',
+          }.get(self.scale_mode, 'lower precision.initial_scale, or ')
+          + 'replay a skipped step (--mode=diagnose) to name the layer.'
+        )
+      )
     else:
-      lines.append('Suggested: `precision.float32_layers = \'\'` (every layer fits '
-                   f'{self.policy}).')
+      lines.append(f"Suggested: `precision.float32_layers = ''` (every layer fits {self.policy}).")
     return '\n'.join(lines) + '\n'
 
 
@@ -192,8 +211,9 @@ def _float_outputs(call):
   return [t for t in tf.nest.flatten(call.outputs) if forensics.is_float(t)]
 
 
-def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
-           steps: int = 10) -> Advice:
+def advise(
+  trainer_class, config: ml_collections.ConfigDict, workdir: str, *, steps: int = 10
+) -> Advice:
   """Builds the config's model in its policy and in float32 and runs `steps` calibration steps
   (see the module docstring). The target is built first, so its layer names are the ones a
   training run of this config gets."""
@@ -219,13 +239,17 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
     overflowed: set[int] = set()  # layers non-finite from finite inputs in this pass
     for ct, cr in zip(calls_t, calls_r):
       layer = ct.layer
-      s = stats.setdefault(id(layer), LayerStats(layer.name, type(layer).__name__,
-                                                 layer.compute_dtype))
+      s = stats.setdefault(
+        id(layer), LayerStats(layer.name, type(layer).__name__, layer.compute_dtype)
+      )
       assert to_target.get(id(cr.layer)) is layer, 'the two builds called different layers'
       s.max_out = max(s.max_out, forensics.max_abs(cr.outputs))
       s.max_in = max(s.max_in, forensics.max_abs((cr.args, cr.kwargs)))
-      if (forensics.nonfinite(ct.outputs) and not forensics.nonfinite((ct.args, ct.kwargs)) and
-          not forensics.nonfinite(cr.outputs)):
+      if (
+        forensics.nonfinite(ct.outputs)
+        and not forensics.nonfinite((ct.args, ct.kwargs))
+        and not forensics.nonfinite(cr.outputs)
+      ):
         # A layer containing one that overflowed in this pass is not at fault itself (its calls
         # complete after those of the layers inside it).
         if not any(id(inner) in overflowed for inner in forensics.sublayers(layer)):
@@ -257,25 +281,32 @@ def advise(trainer_class, config: ml_collections.ConfigDict, workdir: str, *,
         s.grad_zero32 += int(tf.math.count_nonzero(zero32))
         s.grad_total += int(tf.size(gt))
     reference.optimizer.apply_gradients(
-        [(g, v) for g, v in zip(unscaled_r, reference.model.trainable_variables) if g is not None])
+      [(g, v) for g, v in zip(unscaled_r, reference.model.trainable_variables) if g is not None]
+    )
     target.model.set_weights(reference.model.get_weights())
 
   layers = list(stats.values())
-  suggested = [s.name for s in layers if s.compute_dtype in LOW and
-               (min(s.headroom(s.max_out), s.headroom(s.max_in)) < HEADROOM_BITS or
-                s.overflowed)]
-  return Advice(policy, steps, scale, layers, list(dict.fromkeys(suggested)),
-                scale_mode=target.loss_scaler.mode)
+  suggested = [
+    s.name
+    for s in layers
+    if s.compute_dtype in LOW
+    and (min(s.headroom(s.max_out), s.headroom(s.max_in)) < HEADROOM_BITS or s.overflowed)
+  ]
+  return Advice(
+    policy, steps, scale, layers, list(dict.fromkeys(suggested)), scale_mode=target.loss_scaler.mode
+  )
 
 
-def validate(trainer_class, config: ml_collections.ConfigDict, workdir: str, suggested: str, *,
-             steps: int) -> list[dict]:
+def validate(
+  trainer_class, config: ml_collections.ConfigDict, workdir: str, suggested: str, *, steps: int
+) -> list[dict]:
   """Trains `steps` steps as configured and `steps` with precision.float32_layers=`suggested`
   (each from the same initial weights, in <workdir>/advise-validate/<run>/; no numerics,
   forensics, collapse guard or divergence stop), then measures each run's gradients with the
   numerics probe (trainer/insight/numerics.py) at its final weights and loss scale. Returns per
   run {'run', 'float32_layers', 'skipped', 'flushed', 'subnormal', 'error'}."""
   from trainer.insight import numerics  # pylint: disable=import-outside-toplevel
+
   runs = [('as configured', config.precision.float32_layers)]
   if suggested and suggested != config.precision.float32_layers:
     runs.append(('with the suggestion', suggested))
@@ -298,10 +329,17 @@ def validate(trainer_class, config: ml_collections.ConfigDict, workdir: str, sug
       first = (str(e).strip().splitlines() or [''])[0].split('; ')[0]
       error = f'{type(e).__name__}: {first[:200]}'
     _, overall = numerics.Probe(trainer).measure()
-    results.append({'run': name, 'float32_layers': layers,
-                    'skipped': int(trainer.train_step.skipped_steps.numpy()),
-                    'flushed': overall['grad_flushed'], 'subnormal': overall['grad_subnormal'],
-                    'nonfinite': overall['grad_nonfinite'], 'error': error})
+    results.append(
+      {
+        'run': name,
+        'float32_layers': layers,
+        'skipped': int(trainer.train_step.skipped_steps.numpy()),
+        'flushed': overall['grad_flushed'],
+        'subnormal': overall['grad_subnormal'],
+        'nonfinite': overall['grad_nonfinite'],
+        'error': error,
+      }
+    )
   return results
 
 
@@ -309,22 +347,22 @@ def validation_lines(results: list[dict], steps: int) -> list[str]:
   lines = [f'Validation: {steps} training steps each, gradients measured at the end:', '']
   for r in results:
     layers = f"float32_layers='{r['float32_layers']}'"
-    lines.append(f"- {r['run']} ({layers}): skipped {r['skipped']} of {steps} steps; gradients "
-                 f"flushed to zero {100 * r['flushed']:.3g} %, subnormal "
-                 f"{100 * r['subnormal']:.3g} %, non-finite {100 * r['nonfinite']:.3g} %"
-                 + (f"; ended with {r['error']}" if r['error'] else ''))
+    lines.append(
+      f'- {r["run"]} ({layers}): skipped {r["skipped"]} of {steps} steps; gradients '
+      f'flushed to zero {100 * r["flushed"]:.3g} %, subnormal '
+      f'{100 * r["subnormal"]:.3g} %, non-finite {100 * r["nonfinite"]:.3g} %'
+      + (f'; ended with {r["error"]}' if r['error'] else '')
+    )
   return lines
 
 
-def report(trainer_class, config, workdir: str, *, steps: int = 10,
-           validate_steps: int = 0) -> str:
+def report(trainer_class, config, workdir: str, *, steps: int = 10, validate_steps: int = 0) -> str:
   """`advise` as markdown, also written to <workdir>/advice.md; with `validate_steps`, the
   suggestion's validation (`validate`) appended."""
   advice = advise(trainer_class, config, workdir, steps=steps)
   text = advice.markdown()
   if validate_steps > 0:
-    results = validate(trainer_class, config, workdir, advice.suggested_value,
-                       steps=validate_steps)
+    results = validate(trainer_class, config, workdir, advice.suggested_value, steps=validate_steps)
     text += '\n' + '\n'.join(validation_lines(results, validate_steps)) + '\n'
   files.folder(os.path.dirname(os.path.abspath(workdir)), workdir, '--advise')
   files.write(os.path.join(workdir, 'advice.md'), text, '--advise')  # never through a link

@@ -14,6 +14,7 @@
 `markdown(...)` renders the table and the hazards; `python launch.py --config=... --audit` prints
 it and writes it to <workdir>/audit.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,11 @@ def _layers(model, prefix=''):
 
 def _dtypes(structure) -> list[str]:
   """The dtypes of a structure's tensors (None and other non-tensor leaves left out)."""
-  return [keras.backend.standardize_dtype(t.dtype) for t in keras.tree.flatten(structure)
-          if hasattr(t, 'dtype')]
+  return [
+    keras.backend.standardize_dtype(t.dtype)
+    for t in keras.tree.flatten(structure)
+    if hasattr(t, 'dtype')
+  ]
 
 
 def _output_dtype(layer, seen) -> str:
@@ -88,8 +92,9 @@ def _applies_softmax(layer) -> bool:
   return activation is keras.activations.softmax or getattr(activation, '__name__', '') == 'softmax'
 
 
-def audit(model: keras.Model, policy: str | None = None,
-          run=None) -> tuple[list[Row], list[Hazard]]:
+def audit(
+  model: keras.Model, policy: str | None = None, run=None
+) -> tuple[list[Row], list[Hazard]]:
   """Rows for every layer of a built model and the hazards found. `policy`: the global policy
   name the model was built under (default: the current global policy). A subclassed model
   records no layer outputs: `run`, a callable running its forward pass (compute_loss on a
@@ -107,10 +112,13 @@ def audit(model: keras.Model, policy: str | None = None,
       # Keras wraps a layer's error: 'Exception encountered when calling X.call().', the
       # message in bold (ANSI codes), then the arguments.
       lines = [re.sub(r'\x1b\[[0-9;]*m', '', l).strip() for l in str(e).splitlines()]
-      logging.warning('dtype audit: the forward pass of %s failed (%s: %s); its layers\' output '
-                      'dtypes are not checked', model.name, type(e).__name__, next(
-                          (l for l in lines if l and not l.startswith('Exception encountered')),
-                          '')[:200])
+      logging.warning(
+        "dtype audit: the forward pass of %s failed (%s: %s); its layers' output "
+        'dtypes are not checked',
+        model.name,
+        type(e).__name__,
+        next((l for l in lines if l and not l.startswith('Exception encountered')), '')[:200],
+      )
       calls = []
     for c in calls:
       seen.setdefault(id(c.layer), c.outputs)
@@ -121,68 +129,120 @@ def audit(model: keras.Model, policy: str | None = None,
     compute = layer.compute_dtype if layer.dtype_policy is not None else '?'
     output = _output_dtype(layer, seen)
     is_model = isinstance(layer, keras.Model)
-    rows.append(Row(name, type(layer).__name__, compute, ','.join(var_dtypes) or '-', output,
-                    int(sum(int(v.numpy().size) for v in variables)) if not is_model
-                    else layer.count_params()))
+    rows.append(
+      Row(
+        name,
+        type(layer).__name__,
+        compute,
+        ','.join(var_dtypes) or '-',
+        output,
+        int(sum(int(v.numpy().size) for v in variables)) if not is_model else layer.count_params(),
+      )
+    )
     if is_model:
       continue
     low_vars = [v.path for v in variables if keras.backend.standardize_dtype(v.dtype) in LOW]
     if low_vars:
-      hazards.append(Hazard(name, 'low-precision variables',
-                            f'{len(low_vars)} variable(s) stored in '
-                            f'{",".join(d for d in var_dtypes if d in LOW)} ({low_vars[0]}, ...): '
-                            'the optimizer updates are rounded away; give the layer a mixed_* '
-                            'policy (float32 variables) instead of dtype float16/bfloat16'))
+      hazards.append(
+        Hazard(
+          name,
+          'low-precision variables',
+          f'{len(low_vars)} variable(s) stored in '
+          f'{",".join(d for d in var_dtypes if d in LOW)} ({low_vars[0]}, ...): '
+          'the optimizer updates are rounded away; give the layer a mixed_* '
+          'policy (float32 variables) instead of dtype float16/bfloat16',
+        )
+      )
     # An Embedding does not autocast its ids, but a subclassed model casts its float inputs to
     # the compute dtype before its layers see them: float ids reach the lookup rounded.
     ids = _input_dtype(layer, inputs) or 'int32'
     exact = {'bfloat16': 256, 'float16': 2048}.get(ids, 2**24)  # the integers the dtype holds
     if isinstance(layer, keras.layers.Embedding) and ids in LOW and layer.input_dim > exact + 1:
-      hazards.append(Hazard(name, 'float token ids', f'it looks up {ids} ids (the model cast '
-                            f'its float inputs to {ids}): ids above {exact} of its '
-                            f'{layer.input_dim} turn into other ids (257 -> 256 in bfloat16); '
-                            'feed integer ids (tf.int32)'))
+      hazards.append(
+        Hazard(
+          name,
+          'float token ids',
+          f'it looks up {ids} ids (the model cast '
+          f'its float inputs to {ids}): ids above {exact} of its '
+          f'{layer.input_dim} turn into other ids (257 -> 256 in bfloat16); '
+          'feed integer ids (tf.int32)',
+        )
+      )
     if _applies_softmax(layer) and compute in LOW:
-      hazards.append(Hazard(name, 'low-precision softmax',
-                            f'softmax computed in {compute}; give this layer dtype="float32"'))
+      hazards.append(
+        Hazard(
+          name,
+          'low-precision softmax',
+          f'softmax computed in {compute}; give this layer dtype="float32"',
+        )
+      )
     # A functional model's InputLayer outputs what it is fed (float32): nothing it computes.
-    if (mixed and compute in LOW and output == 'float32'
-        and not isinstance(layer, keras.layers.InputLayer)):
-      hazards.append(Hazard(name, 'not autocast',
-                            f'compute dtype is {compute} but the output is float32: the layer '
-                            'computes in float32 (weights Keras cannot autocast, e.g. '
-                            'add_weight(autocast=False) or a raw tf.Variable, or an explicit '
-                            'cast); cast inputs and weights to self.compute_dtype in call (see '
-                            'trainer/nn/layers.py), or give the layer dtype="float32" if intended'))
+    if (
+      mixed
+      and compute in LOW
+      and output == 'float32'
+      and not isinstance(layer, keras.layers.InputLayer)
+    ):
+      hazards.append(
+        Hazard(
+          name,
+          'not autocast',
+          f'compute dtype is {compute} but the output is float32: the layer '
+          'computes in float32 (weights Keras cannot autocast, e.g. '
+          'add_weight(autocast=False) or a raw tf.Variable, or an explicit '
+          'cast); cast inputs and weights to self.compute_dtype in call (see '
+          'trainer/nn/layers.py), or give the layer dtype="float32" if intended',
+        )
+      )
   outputs = getattr(model, 'outputs', None) or [
-      t for t in keras.tree.flatten(seen.get(id(model), [])) if hasattr(t, 'dtype')]
+    t for t in keras.tree.flatten(seen.get(id(model), [])) if hasattr(t, 'dtype')
+  ]
   for i, out in enumerate(outputs):
     dtype = keras.backend.standardize_dtype(out.dtype)
     if dtype in LOW:  # named by the layer that makes the output, when Keras records it
-      maker = getattr(getattr(getattr(out, '_keras_history', None), 'operation', None), 'name',
-                      None) or next((name for name, layer in _layers(model) if any(
-                          t is out for t in keras.tree.flatten(seen.get(id(layer), [])))), None)
-      hazards.append(Hazard(maker or f'output {i}', 'low-precision logits',
-                            f'the model outputs {dtype}, so the loss (softmax, log) computes in '
-                            f'{dtype}; give the last layer dtype="float32"'))
+      maker = getattr(
+        getattr(getattr(out, '_keras_history', None), 'operation', None), 'name', None
+      ) or next(
+        (
+          name
+          for name, layer in _layers(model)
+          if any(t is out for t in keras.tree.flatten(seen.get(id(layer), [])))
+        ),
+        None,
+      )
+      hazards.append(
+        Hazard(
+          maker or f'output {i}',
+          'low-precision logits',
+          f'the model outputs {dtype}, so the loss (softmax, log) computes in '
+          f'{dtype}; give the last layer dtype="float32"',
+        )
+      )
   return rows, hazards
 
 
 def markdown(model: keras.Model, policy: str, rows: list[Row], hazards: list[Hazard]) -> str:
-  lines = [f'# dtype audit: {model.name} under {policy}', '',
-           '| layer | class | compute dtype | variable dtype | output dtype | parameters |',
-           '| --- | --- | --- | --- | --- | ---: |']
+  lines = [
+    f'# dtype audit: {model.name} under {policy}',
+    '',
+    '| layer | class | compute dtype | variable dtype | output dtype | parameters |',
+    '| --- | --- | --- | --- | --- | ---: |',
+  ]
   for r in rows:
-    lines.append(f'| {r.name} | {r.cls} | {r.compute_dtype} | {r.variable_dtype} | '
-                 f'{r.output_dtype} | {r.params:,} |')
+    lines.append(
+      f'| {r.name} | {r.cls} | {r.compute_dtype} | {r.variable_dtype} | '
+      f'{r.output_dtype} | {r.params:,} |'
+    )
   lines += ['', f'{len(rows)} layers, {model.count_params():,} parameters.', '']
   if hazards:
     lines.append(f'## {len(hazards)} hazard(s)')
     lines.append('')
     lines += [f'- **{h.layer}** ({h.kind}): {h.message}' for h in hazards]
   else:
-    lines.append('No hazards: variables are float32, logits and softmax are float32, every '
-                 'layer computes in its policy dtype.')
+    lines.append(
+      'No hazards: variables are float32, logits and softmax are float32, every '
+      'layer computes in its policy dtype.'
+    )
   return '\n'.join(lines) + '\n'
 
 
@@ -209,21 +269,30 @@ def forward(trainer):
         trainer.compute_loss(tf.nest.map_structure(lambda t: t[:1], batch), training=False)
       except Exception:  # pylint: disable=broad-except  (e.g. a reshape by the batch size)
         trainer.compute_loss(batch, training=False)
+
   return run
 
 
-def check_at_start(model: keras.Model, policy: str, allow_low_precision_variables: bool,
-                   bfloat16_masters: bool = False, run=None) -> None:
+def check_at_start(
+  model: keras.Model,
+  policy: str,
+  allow_low_precision_variables: bool,
+  bfloat16_masters: bool = False,
+  run=None,
+) -> None:
   """The hazards, when training starts: one warning line each; low-precision variables are a
   ConfigError unless config.precision.allow_low_precision_variables (then a warning), and
   expected (not reported) with config.precision.master_weights bfloat16_*."""
   from trainer.errors import ConfigError
+
   _, hazards = audit(model, policy, run)
   if bfloat16_masters:  # the optimizer rounds them stochastically or Kahan-compensates them
     hazards = [h for h in hazards if h.kind != 'low-precision variables']
   for h in hazards:
     if h.kind == 'low-precision variables' and not allow_low_precision_variables:
-      raise ConfigError(f'build_model: layer {h.layer} ({h.kind}): {h.message}; or set '
-                        'config.precision.allow_low_precision_variables=True to train it anyway')
+      raise ConfigError(
+        f'build_model: layer {h.layer} ({h.kind}): {h.message}; or set '
+        'config.precision.allow_low_precision_variables=True to train it anyway'
+      )
   for h in hazards:
     logging.warning('precision hazard in layer %s (%s): %s', h.layer, h.kind, h.message)

@@ -16,6 +16,7 @@ factor of 10 and a classifier starting near ln(10) = 2.3, the loss must pass 2.3
 log). A loss that can be zero or negative (a log-density) is never called divergent by this
 ratio; `factor` 0 turns it off. Pure Python: no TensorFlow, reusable by any loop.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,10 @@ class DivergenceMonitor:
     if self.factor <= 0:
       return None
     rate = f', learning rate {learning_rate:.4g}' if learning_rate is not None else ''
-    advice = ('; lower config.optimizer.learning_rate, add warm-up (config.optimizer.'
-              'warmup_steps) or clipping (config.optimizer.clip_norm)')
+    advice = (
+      '; lower config.optimizer.learning_rate, add warm-up (config.optimizer.'
+      'warmup_steps) or clipping (config.optimizer.clip_norm)'
+    )
     if not math.isfinite(loss):
       return f'divergence at step {step}: loss {loss}{rate}' + advice
     if not math.isfinite(self.minimum):  # the first loss seen: nothing to compare with yet
@@ -54,9 +57,14 @@ class DivergenceMonitor:
     self.minimum = min(self.minimum, loss)
     if minimum <= 0 or loss <= self.factor * reference:  # a ratio means nothing at or below 0
       return None
-    what = (f'its running minimum {reference:.4g}' if reference == minimum else
-            f'{reference:.4g} (1/{self.factor:g} of its first loss; running minimum '
-            f'{minimum:.4g})')
-    return (f'divergence at step {step}: loss {loss:.4g} is {loss / reference:.3g}x {what}{rate}'
-            + advice + f'; config.numerics.divergence_factor sets the threshold (now '
-            f'{self.factor:g}; 0 = off)')
+    what = (
+      f'its running minimum {reference:.4g}'
+      if reference == minimum
+      else f'{reference:.4g} (1/{self.factor:g} of its first loss; running minimum {minimum:.4g})'
+    )
+    return (
+      f'divergence at step {step}: loss {loss:.4g} is {loss / reference:.3g}x {what}{rate}'
+      + advice
+      + f'; config.numerics.divergence_factor sets the threshold (now '
+      f'{self.factor:g}; 0 = off)'
+    )

@@ -9,6 +9,7 @@ replaces a planted link instead of writing through it). A write that fails (a re
 full disk, a file where a folder should be) is one UserError line naming the path, with nothing
 half-written left behind.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,24 +29,32 @@ def folder(run: str, path: str, what: str) -> str:
   try:
     os.makedirs(run, exist_ok=True)  # where the run is may be a link: the user's choice
   except OSError as e:
-    raise UserError(f'{what}: cannot write {path} ({e.strerror} at {run}); pass --workdir=<a '
-                    'folder you can write>') from None
+    raise UserError(
+      f'{what}: cannot write {path} ({e.strerror} at {run}); pass --workdir=<a '
+      'folder you can write>'
+    ) from None
   current = run
   for part in [p for p in relative.split(os.sep) if p not in ('', os.curdir)]:
     current = os.path.join(current, part)
     if os.path.islink(current):
-      raise UserError(f'{what}: {current} is a symlink; diagnostics never write through a '
-                      'link out of the run folder: remove it (or use another --workdir); '
-                      'nothing written')
+      raise UserError(
+        f'{what}: {current} is a symlink; diagnostics never write through a '
+        'link out of the run folder: remove it (or use another --workdir); '
+        'nothing written'
+      )
     try:
       os.mkdir(current)
     except FileExistsError:
       if not os.path.isdir(current) or os.path.islink(current):
-        raise UserError(f'{what}: {current} is not a folder; move it out of the run folder '
-                        '(or use another --workdir); nothing written') from None
+        raise UserError(
+          f'{what}: {current} is not a folder; move it out of the run folder '
+          '(or use another --workdir); nothing written'
+        ) from None
     except OSError as e:
-      raise UserError(f'{what}: cannot write {current} ({e.strerror}); the run folder is '
-                      'read-only or full: pass --workdir=<a folder you can write>') from None
+      raise UserError(
+        f'{what}: cannot write {current} ({e.strerror}); the run folder is '
+        'read-only or full: pass --workdir=<a folder you can write>'
+      ) from None
   return path
 
 
@@ -55,8 +64,9 @@ def write(path: str, data: bytes | str, what: str) -> None:
     data = data.encode()
   tmp = None
   try:
-    fd, tmp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}-', suffix='.tmp',
-                               dir=os.path.dirname(path))
+    fd, tmp = tempfile.mkstemp(
+      prefix=f'.{os.path.basename(path)}-', suffix='.tmp', dir=os.path.dirname(path)
+    )
     with os.fdopen(fd, 'wb') as f:
       f.write(data)
     if os.path.isdir(path) and not os.path.islink(path):
@@ -65,8 +75,10 @@ def write(path: str, data: bytes | str, what: str) -> None:
   except OSError as e:
     if tmp and os.path.lexists(tmp):
       os.remove(tmp)
-    raise UserError(f'{what}: cannot write {path} ({e.strerror}); pass --workdir=<a folder '
-                    'you can write>; nothing half-written is left') from None
+    raise UserError(
+      f'{what}: cannot write {path} ({e.strerror}); pass --workdir=<a folder '
+      'you can write>; nothing half-written is left'
+    ) from None
   except BaseException:
     if tmp and os.path.lexists(tmp):
       os.remove(tmp)

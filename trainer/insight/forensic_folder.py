@@ -3,6 +3,7 @@ weights/ (a tf.train.Checkpoint of the model: the pre-step weights), meta.json (
 scale, policy, whether the compiled step skipped it, the config) and the report (report.txt,
 report.json). trainer/insight/forensics.py writes and replays it. Every write refuses to follow
 a symlink out of the run folder (trainer/insight/files.py); a damaged folder is one line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,9 @@ def _encode(structure, arrays):
   if isinstance(structure, dict):
     return {'dict': {k: _encode(v, arrays) for k, v in structure.items()}}
   if isinstance(structure, (list, tuple)):
-    return {'tuple' if isinstance(structure, tuple) else 'list':
-            [_encode(v, arrays) for v in structure]}
+    return {
+      'tuple' if isinstance(structure, tuple) else 'list': [_encode(v, arrays) for v in structure]
+    }
   arrays[f'leaf_{len(arrays)}'] = np.asarray(structure)
   return {'leaf': f'leaf_{len(arrays) - 1}'}
 
@@ -49,8 +51,18 @@ def run_of(folder: str) -> str:
   return os.path.dirname(os.path.dirname(os.path.abspath(folder)))
 
 
-def save(folder: str, *, model: keras.Model, batch, loss_scale: float, step: int,
-         config=None, policy: str = '', report=None, run: str | None = None) -> str:
+def save(
+  folder: str,
+  *,
+  model: keras.Model,
+  batch,
+  loss_scale: float,
+  step: int,
+  config=None,
+  policy: str = '',
+  report=None,
+  run: str | None = None,
+) -> str:
   """Writes a forensic folder: batch.npz, weights/ (tf.train.Checkpoint of `model`, the
   pre-step weights), meta.json and, given a report, report.txt and report.json. Never through
   a symlink out of `run` (default: `run_of(folder)`): a refusal or a failed write is one
@@ -63,11 +75,19 @@ def save(folder: str, *, model: keras.Model, batch, loss_scale: float, step: int
   np.savez(buffer, **arrays)
   files.write(os.path.join(folder, 'batch.npz'), buffer.getvalue(), 'forensics')
   _write_weights(run, folder, model)
-  meta = {'step': int(step), 'loss_scale': float(loss_scale), 'policy': policy,
-          'batch_structure': spec, 'skipped': bool(getattr(report, 'skipped', False)),
-          'config': config.to_dict() if hasattr(config, 'to_dict') else config}
-  files.write(os.path.join(folder, 'meta.json'),
-              json.dumps(meta, indent=2, sort_keys=True, default=str), 'forensics')
+  meta = {
+    'step': int(step),
+    'loss_scale': float(loss_scale),
+    'policy': policy,
+    'batch_structure': spec,
+    'skipped': bool(getattr(report, 'skipped', False)),
+    'config': config.to_dict() if hasattr(config, 'to_dict') else config,
+  }
+  files.write(
+    os.path.join(folder, 'meta.json'),
+    json.dumps(meta, indent=2, sort_keys=True, default=str),
+    'forensics',
+  )
   if report is not None:
     write_report(folder, report, run=run)
   return folder
@@ -93,16 +113,19 @@ def _write_weights(run: str, folder: str, model: keras.Model) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
   except (OSError, tf.errors.OpError) as e:
     reason = getattr(e, 'strerror', None) or type(e).__name__
-    raise UserError(f'forensics: cannot write {target} ({reason}); pass --workdir=<a folder '
-                    'you can write>') from None
+    raise UserError(
+      f'forensics: cannot write {target} ({reason}); pass --workdir=<a folder you can write>'
+    ) from None
 
 
 def write_report(folder: str, report, run: str | None = None) -> None:
   files.folder(run or run_of(folder), folder, 'forensics')
   files.write(os.path.join(folder, 'report.txt'), report.line() + '\n', 'forensics')
-  files.write(os.path.join(folder, 'report.json'),
-              json.dumps(report.to_json(), indent=2, sort_keys=True, allow_nan=False),
-              'forensics')
+  files.write(
+    os.path.join(folder, 'report.json'),
+    json.dumps(report.to_json(), indent=2, sort_keys=True, allow_nan=False),
+    'forensics',
+  )
 
 
 @dataclasses.dataclass
@@ -119,12 +142,15 @@ class Forensics:
     """Loads the saved pre-step weights into `model` (built the same way)."""
     try:
       tf.train.Checkpoint(model=model).read(
-          os.path.join(self.folder, 'weights', 'ckpt')).assert_existing_objects_matched()
+        os.path.join(self.folder, 'weights', 'ckpt')
+      ).assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
       first = (str(e).strip().splitlines() or [''])[0]
-      raise UserError(f'--forensics={self.folder}: its weights do not fit the model built from '
-                      f'the config ({type(e).__name__}: {first[:200]}); pass the --config of '
-                      'the run that wrote the folder') from None
+      raise UserError(
+        f'--forensics={self.folder}: its weights do not fit the model built from '
+        f'the config ({type(e).__name__}: {first[:200]}); pass the --config of '
+        'the run that wrote the folder'
+      ) from None
 
 
 def load(folder: str) -> Forensics:
@@ -132,8 +158,10 @@ def load(folder: str) -> Forensics:
   wrote, a folder where a file should be ...) is one UserError line naming it."""
   meta_path = os.path.join(folder, 'meta.json')
   if not os.path.isfile(meta_path):
-    raise UserError(f'--forensics={folder}: no meta.json there; pass a folder written by a '
-                    'skipped step, such as <workdir>/forensics/step-N')
+    raise UserError(
+      f'--forensics={folder}: no meta.json there; pass a folder written by a '
+      'skipped step, such as <workdir>/forensics/step-N'
+    )
   try:
     with open(meta_path) as f:
       meta = json.load(f)
@@ -144,10 +172,19 @@ def load(folder: str) -> Forensics:
     config = meta.get('config')
     if config is not None and not isinstance(config, dict):
       raise ValueError(f'its config is a JSON {type(config).__name__}, not an object')
-    return Forensics(folder, int(meta['step']), float(meta['loss_scale']),
-                     str(meta.get('policy', '')), config, batch, bool(meta.get('skipped', False)))
+    return Forensics(
+      folder,
+      int(meta['step']),
+      float(meta['loss_scale']),
+      str(meta.get('policy', '')),
+      config,
+      batch,
+      bool(meta.get('skipped', False)),
+    )
   except Exception as e:  # pylint: disable=broad-except  (any damage: one line)
     first = (str(e).strip().splitlines() or [''])[0][:200]
-    raise UserError(f'--forensics={folder} is damaged ({type(e).__name__}: {first}); it is not '
-                    'a folder a skipped step wrote: record it again with --mode=diagnose '
-                    '--workdir=<the run>') from None
+    raise UserError(
+      f'--forensics={folder} is damaged ({type(e).__name__}: {first}); it is not '
+      'a folder a skipped step wrote: record it again with --mode=diagnose '
+      '--workdir=<the run>'
+    ) from None

@@ -25,6 +25,7 @@ the config) and the report (report.txt, report.json); `replay_folder(trainer, fo
 it later (`launch.py --mode=diagnose --forensics=DIR`). `RateLimiter` decides which skipped
 steps get a folder (the first few, then every M-th), so a storm of skips costs little.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +38,19 @@ from absl import logging
 
 from trainer.errors import UserError
 from trainer.insight import op_watch
-from trainer.insight.forensic_folder import (Forensics, folder_for, load,  # noqa: F401
-                                            run_of, save, write_report)
-from trainer.insight.hooks import (Call, float32, float_leaves, is_float, quantized_calls_compiled,
-                                   recording, sublayers, to_float32, trainable)
+from trainer.insight.forensic_folder import folder_for, load, save, write_report
+from trainer.insight.forensic_folder import Forensics, run_of  # noqa: F401  (re-exported)
+from trainer.insight.hooks import (
+  Call,
+  float32,
+  float_leaves,
+  is_float,
+  quantized_calls_compiled,
+  recording,
+  sublayers,
+  to_float32,
+  trainable,
+)
 
 FORWARD, BACKWARD = 'forward', 'backward'
 
@@ -50,6 +60,7 @@ class Report:
   """Where a replayed step first became non-finite. `phase` is 'forward', 'backward' or ''
   (the replay was finite). `tensor`: 'output', 'input gradient', 'weight gradient', 'output
   gradient', 'input' (the batch itself) or 'loss'."""
+
   phase: str
   layer: str = ''
   layer_class: str = ''
@@ -66,25 +77,28 @@ class Report:
 
   def line(self) -> str:
     if not self.phase:
-      text = ('replay finite: no non-finite value in the forward or backward pass at loss scale '
-              f'{self.loss_scale:g}')
+      text = (
+        'replay finite: no non-finite value in the forward or backward pass at loss scale '
+        f'{self.loss_scale:g}'
+      )
       if self.skipped:  # the same batch and weights: what differs is how the step computed
-        text += (' (the compiled step differed: its replicas\' or micro-batches\' gradient sums, '
-                 'a different random draw, XLA, or a debug.inject_nonfinite_* injection)')
+        text += (
+          " (the compiled step differed: its replicas' or micro-batches' gradient sums, "
+          'a different random draw, XLA, or a debug.inject_nonfinite_* injection)'
+        )
       return text
     where = f"'{self.layer}' ({self.layer_class})" if self.layer else 'compute_loss'
     text = f'first non-finite: {self.phase} {self.tensor} of {where}'
     if self.detail:
       text += f' [{self.detail}]'
-    symbol = ('x' if self.phase == FORWARD else
-              'dw' if self.tensor == 'weight gradient' else 'dx')
+    symbol = 'x' if self.phase == FORWARD else 'dw' if self.tensor == 'weight gradient' else 'dx'
     of = f' ({self.largest_of})' if self.largest_of else ''
     tensor = self.max_abs_float32
     op = self.op_max_abs_float32 if self.dtype else None
     if op is not None and tensor is not None and f'{op:.2g}' == f'{tensor:.2g}':
       op = None  # the same value to the digits shown: one figure for both
     if self.op:
-      text += f", op {self.op}"
+      text += f', op {self.op}'
       if op is not None:
         text += f': {self._range("max", op)}'
     if tensor is not None and self.dtype:
@@ -110,28 +124,39 @@ class Report:
   def to_json(self) -> dict:
     """The fields and the line, JSON-safe: a non-finite float is written as 'nan' or 'inf'
     (JSON has no NaN; Python's float() reads them back)."""
-    fields = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
-              for k, v in dataclasses.asdict(self).items()}
+    fields = {
+      k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+      for k, v in dataclasses.asdict(self).items()
+    }
     return {**fields, 'line': self.line()}
 
 
 def _dtype_max(dtype: str) -> float | None:
   try:
-    return float(np.finfo(tf.as_dtype(dtype).as_numpy_dtype).max) if dtype != 'bfloat16' \
-        else float(tf.bfloat16.max)
+    return (
+      float(np.finfo(tf.as_dtype(dtype).as_numpy_dtype).max)
+      if dtype != 'bfloat16'
+      else float(tf.bfloat16.max)
+    )
   except (TypeError, ValueError):
     return None
 
 
 def nonfinite(tensors) -> bool:
   """Whether some float tensor in the (nested) `tensors` has a non-finite element."""
-  return any(is_float(t) and not bool(tf.reduce_all(tf.math.is_finite(t)))
-             for t in tf.nest.flatten(tensors) if t is not None)
+  return any(
+    is_float(t) and not bool(tf.reduce_all(tf.math.is_finite(t)))
+    for t in tf.nest.flatten(tensors)
+    if t is not None
+  )
 
 
 def max_abs(tensors) -> float:
-  values = [float(tf.reduce_max(tf.abs(tf.cast(t, tf.float32))))
-            for t in tf.nest.flatten(tensors) if is_float(t) and tf.size(t) > 0]
+  values = [
+    float(tf.reduce_max(tf.abs(tf.cast(t, tf.float32))))
+    for t in tf.nest.flatten(tensors)
+    if is_float(t) and tf.size(t) > 0
+  ]
   return max(values, default=0.0)
 
 
@@ -145,10 +170,21 @@ def _forward_report(call: Call, scale, loss=None) -> Report:
   _, ops = op_watch.watched(run)
   with float32(layer):
     outputs32, ops32 = op_watch.watched(
-        lambda: _call_layer(call, to_float32(call.args), to_float32(call.kwargs)))
+      lambda: _call_layer(call, to_float32(call.args), to_float32(call.kwargs))
+    )
   op, value = op_watch.culprit(ops, ops32) or (op_watch.failing_op(run), None)
-  return Report(FORWARD, layer.name, type(layer).__name__, 'output', op, layer.compute_dtype,
-                max_abs(outputs32), loss, scale, op_max_abs_float32=value)
+  return Report(
+    FORWARD,
+    layer.name,
+    type(layer).__name__,
+    'output',
+    op,
+    layer.compute_dtype,
+    max_abs(outputs32),
+    loss,
+    scale,
+    op_max_abs_float32=value,
+  )
 
 
 def _layer_vjp(call: Call, upstream, float32: bool):
@@ -163,10 +199,12 @@ def _layer_vjp(call: Call, upstream, float32: bool):
       tape.watch(t)
     outputs = _call_layer(call, args, kwargs)
   outs = float_leaves(outputs)
-  ups = [tf.cast(u, o.dtype) if u is not None else tf.zeros_like(o)
-         for o, u in zip(outs, tf.nest.flatten(upstream))]
+  ups = [
+    tf.cast(u, o.dtype) if u is not None else tf.zeros_like(o)
+    for o, u in zip(outs, tf.nest.flatten(upstream))
+  ]
   grads = tape.gradient(outs, inputs + list(weights), output_gradients=ups)
-  return grads[:len(inputs)], grads[len(inputs):]
+  return grads[: len(inputs)], grads[len(inputs) :]
 
 
 def _backward_report(call: Call, upstream, tensor: str, bad: list[str], scale, loss) -> Report:
@@ -181,17 +219,31 @@ def _backward_report(call: Call, upstream, tensor: str, bad: list[str], scale, l
     if tensor == 'input gradient':
       largest = max_abs(dx32)
     else:  # the non-finite weights' gradients only; which one, when several
-      sizes = {v.path: max_abs(g) for v, g in zip(trainable(layer), dw32)
-               if v.path in bad and g is not None}
+      sizes = {
+        v.path: max_abs(g)
+        for v, g in zip(trainable(layer), dw32)
+        if v.path in bad and g is not None
+      }
       if sizes:
         largest_of = max(sizes, key=lambda path: sizes[path])
         largest = sizes[largest_of]
         largest_of = largest_of if len(sizes) > 1 else ''
   # Without a float32 run (a non-finite upstream) no op but a Cast has a value.
   op, op_value = op_watch.culprit(ops, ops32) or (op_watch.failing_op(run), None)
-  return Report(BACKWARD, layer.name, type(layer).__name__, tensor, op, layer.compute_dtype,
-                largest, loss, scale, ', '.join(bad), op_max_abs_float32=op_value,
-                largest_of=largest_of)
+  return Report(
+    BACKWARD,
+    layer.name,
+    type(layer).__name__,
+    tensor,
+    op,
+    layer.compute_dtype,
+    largest,
+    loss,
+    scale,
+    ', '.join(bad),
+    op_max_abs_float32=op_value,
+    largest_of=largest_of,
+  )
 
 
 def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) -> Report:
@@ -205,6 +257,7 @@ def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) 
   gradients are the step's (1/global batch x scale in both); only the weight gradients sum more
   examples (all replicas' and micro-batches') than any one replica's in the step."""
   from trainer.step.forward_state import forward_state_kept
+
   with forward_state_kept(model), quantized_calls_compiled(model):
     return _replay(model, compute_loss, batch, float(loss_scale))
 
@@ -212,8 +265,9 @@ def replay(model: keras.Model, compute_loss, batch, *, loss_scale: float = 1.0) 
 def _replay(model, compute_loss, batch, scale: float) -> Report:
   batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
   if nonfinite(batch):
-    return Report(FORWARD, tensor='input', detail='the batch itself has non-finite values',
-                  loss_scale=scale)
+    return Report(
+      FORWARD, tensor='input', detail='the batch itself has non-finite values', loss_scale=scale
+    )
   # Not persistent: one gradient call below; and a persistent tape cannot differentiate the
   # compiled float8 calls (quantized_calls_compiled).
   with tf.GradientTape() as tape:
@@ -228,13 +282,24 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
   for call in calls:  # forward, in the order the outputs were computed
     if nonfinite(call.outputs):
       if nonfinite((call.args, call.kwargs)):  # not from a layer: an op between layers
-        return Report(FORWARD, call.layer.name, type(call.layer).__name__, 'input',
-                      detail='non-finite before this layer: made by an op outside the layers '
-                      '(compute_loss or a containing layer\'s own code)', loss_scale=scale)
+        return Report(
+          FORWARD,
+          call.layer.name,
+          type(call.layer).__name__,
+          'input',
+          detail='non-finite before this layer: made by an op outside the layers '
+          "(compute_loss or a containing layer's own code)",
+          loss_scale=scale,
+        )
       return _forward_report(call, scale, loss_value)
   if not math.isfinite(loss_value):
-    return Report(FORWARD, tensor='loss', detail='every layer output finite; the loss is not',
-                  loss=loss_value, loss_scale=scale)
+    return Report(
+      FORWARD,
+      tensor='loss',
+      detail='every layer output finite; the loss is not',
+      loss=loss_value,
+      loss_scale=scale,
+    )
 
   # Backward: one gradient call for every recorded output, input and weight.
   outputs = [float_leaves(c.outputs) for c in calls]
@@ -249,15 +314,22 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
   leaf = [not sublayers(c.layer) for c in calls]
   # From the loss back to the input: the innermost layers first, containers (whose own ops may
   # be at fault) only when no layer inside them is.
-  order = ([i for i in reversed(range(len(calls))) if leaf[i]] +
-           [i for i in reversed(range(len(calls))) if not leaf[i]])
+  order = [i for i in reversed(range(len(calls))) if leaf[i]] + [
+    i for i in reversed(range(len(calls))) if not leaf[i]
+  ]
   for i in order:
     call = calls[i]
     if nonfinite(d_out[i]):
-      return Report(BACKWARD, call.layer.name, type(call.layer).__name__, 'output gradient',
-                    detail='non-finite where it enters this layer (from compute_loss or a cast '
-                    'between layers)', dtype=call.layer.compute_dtype, loss=loss_value,
-                    loss_scale=scale)
+      return Report(
+        BACKWARD,
+        call.layer.name,
+        type(call.layer).__name__,
+        'output gradient',
+        detail='non-finite where it enters this layer (from compute_loss or a cast between layers)',
+        dtype=call.layer.compute_dtype,
+        loss=loss_value,
+        loss_scale=scale,
+      )
     upstream = tf.nest.pack_sequence_as(call.outputs, _expand(call.outputs, d_out[i]))
     if nonfinite(d_in[i]):
       return _backward_report(call, upstream, 'input gradient', [], scale, loss_value)
@@ -280,20 +352,24 @@ def replay_folder(trainer, folder: str) -> Report:
   forensics = load(folder)
   forensics.restore_weights(trainer.model)
   try:
-    report = replay(trainer.model, trainer.compute_loss, forensics.batch,
-                    loss_scale=forensics.loss_scale)
+    report = replay(
+      trainer.model, trainer.compute_loss, forensics.batch, loss_scale=forensics.loss_scale
+    )
   except (ValueError, TypeError, KeyError, IndexError, tf.errors.InvalidArgumentError) as e:
     first = (str(e).strip().splitlines() or [''])[0][:200]
-    raise UserError(f'--forensics={folder}: its batch does not fit the model built from the '
-                    f'config ({type(e).__name__}: {first}); pass the --config of the run that '
-                    'wrote the folder') from None
+    raise UserError(
+      f'--forensics={folder}: its batch does not fit the model built from the '
+      f'config ({type(e).__name__}: {first}); pass the --config of the run that '
+      'wrote the folder'
+    ) from None
   report.skipped = forensics.skipped
   write_report(folder, report)
   return report
 
 
-def record(trainer, batch, step: int, *, loss_scale: float | None = None,
-           skipped: bool = True) -> Report:
+def record(
+  trainer, batch, step: int, *, loss_scale: float | None = None, skipped: bool = True
+) -> Report:
   """For the outer loop, after a skipped step: replays `batch` from the trainer's current
   (pre-step: the skipped step changed nothing) weights, logs the report's line and writes
   <workdir>/forensics/step-N/. Call it before any later step changes the weights. `skipped`
@@ -301,9 +377,17 @@ def record(trainer, batch, step: int, *, loss_scale: float | None = None,
   scale = float(trainer.loss_scaler.scale.numpy()) if loss_scale is None else loss_scale
   report = replay(trainer.model, trainer.compute_loss, batch, loss_scale=scale)
   report.skipped = skipped
-  folder = save(folder_for(trainer.workdir, step), model=trainer.model, batch=batch,
-                loss_scale=scale, step=step, config=trainer.config, policy=trainer.policy,
-                report=report, run=trainer.workdir)
+  folder = save(
+    folder_for(trainer.workdir, step),
+    model=trainer.model,
+    batch=batch,
+    loss_scale=scale,
+    step=step,
+    config=trainer.config,
+    policy=trainer.policy,
+    report=report,
+    run=trainer.workdir,
+  )
   logging.warning('step %d: %s (forensics: %s)', step, report.line(), folder)
   return report
 

@@ -2,6 +2,7 @@
 probe: every layer's computation (`call`, or `quantized_call` for a float8/int8 layer) recorded,
 Keras float8 layers run compiled (their gradient fails eagerly), layers switched to float32.
 Each hook is an instance attribute while its context is active; the previous one is put back."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +10,7 @@ import dataclasses
 
 import keras
 import tensorflow as tf
+
 
 def is_float(t) -> bool:
   return isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.is_floating
@@ -29,8 +31,11 @@ class Call:
 def sublayers(layer, include_self=False) -> list:
   """Every layer inside `layer` (nested ones too, depth first), without InputLayers."""
   # pylint: disable-next=protected-access
-  return [l for l in layer._flatten_layers(include_self=include_self)
-          if not isinstance(l, keras.layers.InputLayer)]
+  return [
+    l
+    for l in layer._flatten_layers(include_self=include_self)
+    if not isinstance(l, keras.layers.InputLayer)
+  ]
 
 
 def call_methods(layer) -> tuple[str, ...]:
@@ -43,8 +48,7 @@ def call_methods(layer) -> tuple[str, ...]:
 def trainable(layer) -> list:
   """A layer's trainable variables without Keras float8 scale and amax-history variables (their
   "gradients" are new values, not gradients)."""
-  return [v for v in layer.trainable_variables
-          if not getattr(v, 'overwrite_with_gradient', False)]
+  return [v for v in layer.trainable_variables if not getattr(v, 'overwrite_with_gradient', False)]
 
 
 @contextlib.contextmanager
@@ -92,7 +96,9 @@ def recording(model, tape, include_self=False):
         outputs = original(*args, **kwargs)
         calls.append(Call(layer, args, kwargs, outputs))
         return outputs
+
       return recorded
+
     return wrap
 
   with contextlib.ExitStack() as stack:
@@ -119,5 +125,4 @@ def float32(layer):
 
 
 def to_float32(structure):
-  return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if is_float(t) else t,
-                               structure)
+  return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if is_float(t) else t, structure)

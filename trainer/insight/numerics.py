@@ -37,6 +37,7 @@ zero}`, and one console line gives the flushed fraction and the worst layer by i
 (float32's exponent range) and float32 nothing is flushed by range, and the line says so. The
 train step itself is unchanged: off costs nothing, on costs one probe (two passes) per interval.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,11 @@ def has_float32_range(dtype) -> bool:
 
 def leaf_layers(model) -> list:
   """The model's layers that hold no other layers, in order."""
-  return [layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
-          if not list(layer._flatten_layers(include_self=False))]  # pylint: disable=protected-access
+  return [
+    layer
+    for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+    if not list(layer._flatten_layers(include_self=False))
+  ]  # pylint: disable=protected-access
 
 
 def layer_name(layer) -> str:
@@ -90,7 +94,9 @@ def recording_outputs(layers, record):
         output = original(*args, **kwargs)
         record(layer, output)
         return output
+
       return call
+
     return wrap
 
   with contextlib.ExitStack() as stack:
@@ -102,8 +108,12 @@ def recording_outputs(layers, record):
 
 # Per variable, the statistics the compiled probe returns (one row each).
 GRAD_MAX, FLUSHED, SUBNORMAL, ZERO, NONFINITE, COUNT = range(6)
-FRACTIONS = {'grad_flushed': FLUSHED, 'grad_subnormal': SUBNORMAL, 'grad_zero': ZERO,
-             'grad_nonfinite': NONFINITE}
+FRACTIONS = {
+  'grad_flushed': FLUSHED,
+  'grad_subnormal': SUBNORMAL,
+  'grad_zero': ZERO,
+  'grad_nonfinite': NONFINITE,
+}
 
 
 def gradient_counts(target, reference, tiny: float, scale) -> tf.Tensor:
@@ -121,13 +131,16 @@ def gradient_counts(target, reference, tiny: float, scale) -> tf.Tensor:
   def count(mask):
     return tf.reduce_sum(tf.cast(mask, tf.float32))
 
-  return tf.stack([
+  return tf.stack(
+    [
       tf.reduce_max(tf.where(finite, magnitude, 0.0)) / scale,
       count(tf.logical_and(zero, tf.logical_not(tf.logical_or(zero32, in_range)))),
       count(tf.logical_and(tf.logical_and(finite, magnitude < tiny), tf.logical_not(zero))),
       count(zero32),
       count(tf.logical_not(finite)),
-      tf.cast(tf.size(magnitude), tf.float32)])
+      tf.cast(tf.size(magnitude), tf.float32),
+    ]
+  )
 
 
 def output_counts(layer, values, reference) -> tf.Tensor:
@@ -149,8 +162,10 @@ def output_counts(layer, values, reference) -> tf.Tensor:
     r = tf.abs(tf.cast(r, tf.float32))
     lost = tf.logical_and(tf.equal(o, 0.0), tf.logical_and(r > 0, r < tiny))
     flushed.append(tf.reduce_sum(tf.cast(lost, tf.float32)))
-  return tf.stack([tf.reduce_max(tf.stack(largest_out)), tf.add_n(flushed), tf.add_n(subnormal),
-                   tf.add_n(count)])
+  return tf.stack(
+    [tf.reduce_max(tf.stack(largest_out)), tf.add_n(flushed), tf.add_n(subnormal), tf.add_n(count)]
+  )
+
 
 # Eager until compiling would have been cheaper at the shapes measured (the slowest break-even
 # and a large model's slow eager pass: docs/references.md, "Start-up", and
@@ -168,8 +183,7 @@ class Probe:
     self.layers = leaf_layers(model)
     variables = list(trainer.train_step.variables)
     # Float8 layers' scale and amax-history variables: their "gradients" are new values.
-    self.variables = [v for v, new_value in zip(variables, overwritten(variables))
-                      if not new_value]
+    self.variables = [v for v, new_value in zip(variables, overwritten(variables)) if not new_value]
     owner = {}
     for layer in self.layers:
       for v in layer.trainable_weights:
@@ -177,14 +191,17 @@ class Probe:
     self.owners = [owner.get(id(getattr(v, 'value', v))) for v in self.variables]
     # The compute dtypes other than float32; a reference pass is needed only with one of them
     # or a quantized (float8) layer.
-    self.low_precision = sorted({layer.compute_dtype for layer in self.layers
-                                 if layer.compute_dtype != 'float32'})
+    self.low_precision = sorted(
+      {layer.compute_dtype for layer in self.layers if layer.compute_dtype != 'float32'}
+    )
     self.needs_reference = bool(self.low_precision) or any(
-        getattr(layer, 'quantization_mode', None) for layer in self.layers)
+      getattr(layer, 'quantization_mode', None) for layer in self.layers
+    )
     # Eager for the first measurements, compiled once eager has cost about one compilation
     # (trainer/step/eager_then_compiled.py); autograph=False: trainer/step/user_code.py.
-    self._fn = EagerThenCompiled(self._stats, eager_calls=EAGER_CALLS,
-                                 eager_seconds=EAGER_SECONDS, autograph=False)
+    self._fn = EagerThenCompiled(
+      self._stats, eager_calls=EAGER_CALLS, eager_seconds=EAGER_SECONDS, autograph=False
+    )
     self._batch = batch  # measured by default; None: the first eval batch, read on first use
 
   def _gradients(self, share, scaled: bool, record=None):
@@ -205,10 +222,10 @@ class Probe:
 
     def recorder(into):
       def record(layer, output):
-        values = [o for o in tf.nest.flatten(output)
-                  if hasattr(o, 'dtype') and o.dtype.is_floating]
+        values = [o for o in tf.nest.flatten(output) if hasattr(o, 'dtype') and o.dtype.is_floating]
         if values:
           into[layer_name(layer)] = (layer, values)  # a layer called twice: its last call
+
       return record
 
     # One replica's (micro-)batch with the step's own loss: the gradients the step computes.
@@ -230,8 +247,10 @@ class Probe:
       r = tf.zeros_like(g) if r is None else tf.convert_to_tensor(r)
       tiny = smallest_normal(layer.compute_dtype if layer is not None else tf.float32)
       rows.append(gradient_counts(g, r, tiny, scale))
-    return tf.stack(rows), {name: output_counts(layer, values, outputs32.get(name, (None, None))[1])
-                            for name, (layer, values) in outputs.items()}
+    return tf.stack(rows), {
+      name: output_counts(layer, values, outputs32.get(name, (None, None))[1])
+      for name, (layer, values) in outputs.items()
+    }
 
   def next_batch(self):
     """The first eval batch, every time: measurements at different steps compare the same
@@ -254,15 +273,19 @@ class Probe:
       name = layer_name(layer) if layer is not None else '?'
       if name not in sums:
         sums[name] = np.zeros(6)
-      sums[name] = np.concatenate([[max(sums[name][GRAD_MAX], row[GRAD_MAX])],
-                                   sums[name][1:] + row[1:]])
+      sums[name] = np.concatenate(
+        [[max(sums[name][GRAD_MAX], row[GRAD_MAX])], sums[name][1:] + row[1:]]
+      )
     for name, row in sums.items():
       if row[COUNT]:
-        stats[name] = {'grad_max': float(row[GRAD_MAX]),
-                       **{k: float(row[i] / row[COUNT]) for k, i in FRACTIONS.items()}}
+        stats[name] = {
+          'grad_max': float(row[GRAD_MAX]),
+          **{k: float(row[i] / row[COUNT]) for k, i in FRACTIONS.items()},
+        }
     total = sum(sums.values(), np.zeros(6))
-    overall = {k: float(total[i] / total[COUNT]) if total[COUNT] else 0.0
-               for k, i in FRACTIONS.items()}
+    overall = {
+      k: float(total[i] / total[COUNT]) if total[COUNT] else 0.0 for k, i in FRACTIONS.items()
+    }
     dtypes = {layer_name(layer): layer.compute_dtype for layer in self.layers}
     for name, row in output_max.items():
       value, flushed, subnormal, count = (float(x) for x in row.numpy())
@@ -273,13 +296,15 @@ class Probe:
       entry['output_nonfinite'] = float(not math.isfinite(value))
       if count:
         entry['output_flushed'], entry['output_subnormal'] = flushed / count, subnormal / count
-      entry['headroom_bits'] = (math.log2(largest(dtypes[name]) / value) if 0 < value < math.inf
-                                else (math.inf if value == 0 else -math.inf))
+      entry['headroom_bits'] = (
+        math.log2(largest(dtypes[name]) / value)
+        if 0 < value < math.inf
+        else (math.inf if value == 0 else -math.inf)
+      )
     return stats, overall
 
 
-def summary_line(step: int, stats: dict, overall: dict, *, scale: float | None,
-                 dtypes) -> str:
+def summary_line(step: int, stats: dict, overall: dict, *, scale: float | None, dtypes) -> str:
   """One console line: what the compute dtypes lose of the gradients (flushed to zero, overall
   and the worst layer; subnormal; exact zeros for context) at `scale` (None: the loss is not
   scaled), non-finite gradients, and the least headroom. `dtypes`: the low-precision compute
@@ -289,11 +314,15 @@ def summary_line(step: int, stats: dict, overall: dict, *, scale: float | None,
   ranged = [d for d in dtypes if not has_float32_range(d)]
   if not ranged and not overall['grad_flushed']:
     what = ', '.join(dtypes) or 'float32'
-    parts = [f'numerics at step {step}: gradient range is not the issue under {what} '
-             f'(float32\'s exponent range: nothing flushed to zero); {zero}']
+    parts = [
+      f'numerics at step {step}: gradient range is not the issue under {what} '
+      f"(float32's exponent range: nothing flushed to zero); {zero}"
+    ]
   else:
-    parts = [f'numerics at step {step}: gradients flushed to zero {_pct(overall["grad_flushed"])}'
-             f'{at}, subnormal {_pct(overall["grad_subnormal"])}; {zero}']
+    parts = [
+      f'numerics at step {step}: gradients flushed to zero {_pct(overall["grad_flushed"])}'
+      f'{at}, subnormal {_pct(overall["grad_subnormal"])}; {zero}'
+    ]
     flushed = [(v['grad_flushed'], k) for k, v in stats.items() if 'grad_flushed' in v]
     if flushed and max(flushed)[0] > 0:
       worst, name = max(flushed)
@@ -301,8 +330,10 @@ def summary_line(step: int, stats: dict, overall: dict, *, scale: float | None,
   # Layers named in the order of `stats` (the model's variables, then layers without any), so
   # among equals an earlier layer, where a non-finite value usually starts, comes first (it was
   # the alphabet's last).
-  bad = sorted((k for k, v in stats.items() if v.get('grad_nonfinite', 0) > 0),
-               key=lambda k: -stats[k]['grad_nonfinite'])  # stable: ties keep the order
+  bad = sorted(
+    (k for k, v in stats.items() if v.get('grad_nonfinite', 0) > 0),
+    key=lambda k: -stats[k]['grad_nonfinite'],
+  )  # stable: ties keep the order
   if bad:
     parts.append('non-finite gradients in ' + _first(bad))
   room = [(v['headroom_bits'], k) for k, v in stats.items() if 'headroom_bits' in v]
@@ -315,8 +346,9 @@ def summary_line(step: int, stats: dict, overall: dict, *, scale: float | None,
 
 
 def _first(names: list[str], shown: int = 3) -> str:
-  return ', '.join(names[:shown]) + (f' and {len(names) - shown} more' if len(names) > shown
-                                     else '')
+  return ', '.join(names[:shown]) + (
+    f' and {len(names) - shown} more' if len(names) > shown else ''
+  )
 
 
 def _pct(fraction: float) -> str:
@@ -358,16 +390,22 @@ class Recorder:
       stats, overall = self.probe.measure()
     except Exception as e:  # pylint: disable=broad-except  (diagnostics never end a run)
       self.every = 0
-      line = (f'numerics at step {step}: the statistics probe failed ({type(e).__name__}: '
-              f'{str(e).strip().splitlines()[-1][:200]}); numerics.every is off for this run')
+      line = (
+        f'numerics at step {step}: the statistics probe failed ({type(e).__name__}: '
+        f'{str(e).strip().splitlines()[-1][:200]}); numerics.every is off for this run'
+      )
       logging.warning(line)
       return {'stats': {}, 'line': line}
     scaler = self.trainer.loss_scaler
     scale = float(scaler.scale.numpy()) if scaler.mode != 'none' else None
     line = summary_line(step, stats, overall, scale=scale, dtypes=self.probe.low_precision)
-    scalars = {f'{layer}/{k}': v for layer, values in stats.items() for k, v in values.items()
-               if math.isfinite(v)}
-    scalars.update({'gradient_' + k[len('grad_'):]: v for k, v in overall.items()})
+    scalars = {
+      f'{layer}/{k}': v
+      for layer, values in stats.items()
+      for k, v in values.items()
+      if math.isfinite(v)
+    }
+    scalars.update({'gradient_' + k[len('grad_') :]: v for k, v in overall.items()})
     if self.write_scalars is not None:
       self.write_scalars('numerics', scalars, step)
     return {'stats': stats, 'overall': overall, 'line': line}

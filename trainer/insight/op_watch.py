@@ -12,6 +12,7 @@ value is its own input (a cast down that overflowed). A `tf.function` called ins
 callback as one op of its own name, not op by op: it is never the culprit, and when nothing else
 is, `failing_op(run)` names the first non-finite op from check_numerics' error message.
 """
+
 from __future__ import annotations
 
 import collections
@@ -30,6 +31,7 @@ class Op:
   """One op run eagerly: its type, whether its float outputs were finite, the largest |value|
   of its float outputs and, for a Cast, of its input (nan: none), and whether it is a traced
   function rather than an op."""
+
   type: str
   finite: bool
   max_out: float
@@ -56,6 +58,7 @@ def _largest(tensors) -> tuple[bool, float]:
 def watched(run):
   """`run()`'s result and the ops it ran eagerly, in order (TF's op callbacks)."""
   from tensorflow.python.framework import op_callbacks  # pylint: disable=import-outside-toplevel
+
   ops: list[Op] = []
 
   def seen(op_type, inputs, attrs, outputs, op_name=None, graph=None):  # pylint: disable=W0613
@@ -122,7 +125,10 @@ def failing_op(run) -> str:
       run()
   except (tf.errors.InvalidArgumentError, tf.errors.OpError) as e:
     message = str(e)
-    names = (re.findall(r'eagerly-executing op "([^"]+)"', message) +
-             re.findall(r'op "([^"]+)"', message) + _OP.findall(message))
+    names = (
+      re.findall(r'eagerly-executing op "([^"]+)"', message)
+      + re.findall(r'op "([^"]+)"', message)
+      + _OP.findall(message)
+    )
     return next((n for n in names if op_def_registry.get(n) is not None), '')
   return ''

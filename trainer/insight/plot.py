@@ -12,6 +12,7 @@ config.json; 'auto' is shown with what it resolves to on this machine).
 Needs matplotlib, which the `plots` extra installs (`pip install -e '.[plots]'` in a checkout);
 without it, plotting is a one-line error saying so.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,12 @@ from trainer.insight import events
 from trainer.errors import UserError
 
 PANELS = (  # (title, [(tag, style)], log y); '{metric}' is the first metric the runs logged
-    ('loss', [('train/loss', '-'), ('eval/loss', '--o')], False),
-    ('{metric}', [('train/{metric}', '-'), ('eval/{metric}', '--o')], False),
-    ('learning rate', [('train/learning_rate', '-')], False),
-    ('loss scale', [('train/loss_scale', '-')], True),
-    ('skipped steps (cumulative)', [('train/skipped_steps', '-')], False),
-    ('steps/s', [('train/steps_per_sec', '-o')], False),
+  ('loss', [('train/loss', '-'), ('eval/loss', '--o')], False),
+  ('{metric}', [('train/{metric}', '-'), ('eval/{metric}', '--o')], False),
+  ('learning rate', [('train/learning_rate', '-')], False),
+  ('loss scale', [('train/loss_scale', '-')], True),
+  ('skipped steps (cumulative)', [('train/skipped_steps', '-')], False),
+  ('steps/s', [('train/steps_per_sec', '-o')], False),
 )
 NOT_METRICS = ('loss', 'learning_rate', 'loss_scale', 'skipped_steps', 'steps_per_sec')
 
@@ -41,10 +42,14 @@ def read_scalars(workdir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     raise UserError(f'{folder} not found: --workdir must be a folder a training run wrote')
   series = events.read_scalars(workdir)
   if not series:
-    raise UserError(f'{folder} holds no scalar summaries yet; train for at least '
-                    'config.train.log_every steps first')
-  return {tag: (np.array([s for s, _ in points]), np.array([v for _, v in points]))
-          for tag, points in series.items()}
+    raise UserError(
+      f'{folder} holds no scalar summaries yet; train for at least '
+      'config.train.log_every steps first'
+    )
+  return {
+    tag: (np.array([s for s, _ in points]), np.array([v for _, v in points]))
+    for tag, points in series.items()
+  }
 
 
 def policy_of(workdir: str) -> str:
@@ -56,6 +61,7 @@ def policy_of(workdir: str) -> str:
     return '?'
   if policy == 'auto':
     from trainer.step import precision
+
     return f'auto = {precision.resolve("auto")[0]} here'
   return policy
 
@@ -75,10 +81,13 @@ def pyplot():
   try:
     import matplotlib
   except ImportError:
-    raise UserError("plotting needs matplotlib, which the 'plots' extra installs: "
-                    "pip install -e '.[plots]' (in a checkout) or pip install matplotlib") from None
+    raise UserError(
+      "plotting needs matplotlib, which the 'plots' extra installs: "
+      "pip install -e '.[plots]' (in a checkout) or pip install matplotlib"
+    ) from None
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   return plt
 
 
@@ -96,8 +105,10 @@ def figure(workdirs: list[str]):
   """The matplotlib Figure of the panels for `workdirs`."""
   plt = pyplot()
 
-  runs = [(f'{os.path.basename(os.path.normpath(w))} ({policy_of(w)})', w, read_scalars(w))
-          for w in workdirs]
+  runs = [
+    (f'{os.path.basename(os.path.normpath(w))} ({policy_of(w)})', w, read_scalars(w))
+    for w in workdirs
+  ]
   metric = _first_metric(runs) or 'accuracy'
   fig, axes = plt.subplots(2, 4, figsize=(20, 8))
   colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
@@ -108,8 +119,14 @@ def figure(workdirs: list[str]):
       for tag, style in tags:
         if tag in scalars:
           steps, values = scalars[tag]
-          ax.plot(steps, values, style, color=colors[i % len(colors)], markersize=4,
-                  label=f'{name} {tag.split("/")[0]}' if len(tags) > 1 else name)
+          ax.plot(
+            steps,
+            values,
+            style,
+            color=colors[i % len(colors)],
+            markersize=4,
+            label=f'{name} {tag.split("/")[0]}' if len(tags) > 1 else name,
+          )
     ax.set_title(title)
     ax.set_xlabel('step')
     if log:
@@ -123,8 +140,13 @@ def figure(workdirs: list[str]):
     if times:
       losses = dict(zip(*read_scalars(workdir)['train/loss']))
       start = times[0][1]
-      wall.plot([(t - start) / 60 for _, t in times], [losses[s] for s, _ in times], '-',
-                color=colors[i % len(colors)], label=name)
+      wall.plot(
+        [(t - start) / 60 for _, t in times],
+        [losses[s] for s, _ in times],
+        '-',
+        color=colors[i % len(colors)],
+        label=name,
+      )
   wall.set_title('train loss against wall-clock time')
   wall.set_xlabel('minutes since the first logged point')
   if wall.lines:
@@ -139,18 +161,21 @@ def figure(workdirs: list[str]):
 def main(argv):
   del argv
   from absl import flags
+
   workdirs = flags.FLAGS.workdir
   out = flags.FLAGS.out or os.path.join(workdirs[0], 'curves.png')
   try:
     print(render(workdirs, out))
   except UserError as e:
     import sys
+
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
 
 
 if __name__ == '__main__':
   from absl import app, flags
+
   flags.DEFINE_multi_string('workdir', None, 'a run folder; repeat to overlay several runs')
   flags.DEFINE_string('out', None, 'PNG path (default: <first workdir>/curves.png)')
   flags.mark_flags_as_required(['workdir'])

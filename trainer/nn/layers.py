@@ -16,6 +16,7 @@ Keras 3 autocasts a layer's own weights inside `call` already; the explicit cast
 correct wherever it is called from (a tf.function, another layer's call, a test) and make the
 dtypes readable in the code.
 """
+
 from __future__ import annotations
 
 import keras
@@ -34,35 +35,43 @@ class CausalSelfAttention(keras.layers.Layer):
   It needs a static sequence length (else the full path runs) and no dropout.
   """
 
-  def __init__(self, num_heads: int, dropout: float = 0.0, attention: str = 'full',
-               chunk: int = 64, **kwargs):
+  def __init__(
+    self, num_heads: int, dropout: float = 0.0, attention: str = 'full', chunk: int = 64, **kwargs
+  ):
     super().__init__(**kwargs)
     self.num_heads = int(num_heads)
     self.dropout = float(dropout)
     if attention not in ('full', 'chunked'):
       raise ValueError(f"{self.name}: attention must be 'full' or 'chunked', got {attention!r}")
     if attention == 'chunked' and self.dropout:
-      raise ValueError(f'{self.name}: chunked attention recomputes the weights in the backward '
-                       'pass, so it takes no dropout (a fresh mask); set dropout=0')
+      raise ValueError(
+        f'{self.name}: chunked attention recomputes the weights in the backward '
+        'pass, so it takes no dropout (a fresh mask); set dropout=0'
+      )
     self.attention, self.chunk = attention, int(chunk)
     self._dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
 
   def build(self, input_shape):
     d_model = int(input_shape[-1])
     if d_model % self.num_heads:
-      raise ValueError(f'{self.name}: d_model {d_model} is not divisible by num_heads '
-                       f'{self.num_heads}')
+      raise ValueError(
+        f'{self.name}: d_model {d_model} is not divisible by num_heads {self.num_heads}'
+      )
     self.d_model = d_model
     init = keras.initializers.GlorotUniform()
     # float32 master weights under every mixed policy.
-    self.qkv_kernel = self.add_weight(name='qkv_kernel', shape=(d_model, 3 * d_model),
-                                      initializer=init, dtype=self.variable_dtype)
-    self.qkv_bias = self.add_weight(name='qkv_bias', shape=(3 * d_model,), initializer='zeros',
-                                    dtype=self.variable_dtype)
-    self.out_kernel = self.add_weight(name='out_kernel', shape=(d_model, d_model),
-                                      initializer=init, dtype=self.variable_dtype)
-    self.out_bias = self.add_weight(name='out_bias', shape=(d_model,), initializer='zeros',
-                                    dtype=self.variable_dtype)
+    self.qkv_kernel = self.add_weight(
+      name='qkv_kernel', shape=(d_model, 3 * d_model), initializer=init, dtype=self.variable_dtype
+    )
+    self.qkv_bias = self.add_weight(
+      name='qkv_bias', shape=(3 * d_model,), initializer='zeros', dtype=self.variable_dtype
+    )
+    self.out_kernel = self.add_weight(
+      name='out_kernel', shape=(d_model, d_model), initializer=init, dtype=self.variable_dtype
+    )
+    self.out_bias = self.add_weight(
+      name='out_bias', shape=(d_model,), initializer='zeros', dtype=self.variable_dtype
+    )
 
   def call(self, x, training=False):
     dtype = self.compute_dtype
@@ -75,7 +84,7 @@ class CausalSelfAttention(keras.layers.Layer):
     qkv = tf.reshape(qkv, [batch, time, 3, heads, depth])
     q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each [batch, heads, time, depth]
 
-    q = q * tf.cast(depth ** -0.5, dtype)
+    q = q * tf.cast(depth**-0.5, dtype)
     if self.attention == 'chunked' and x.shape[1] is not None:
       out = chunked_attention(q, k, v, self.chunk)
       return self._project(out, batch, time)
@@ -99,8 +108,13 @@ class CausalSelfAttention(keras.layers.Layer):
     return input_shape
 
   def get_config(self):
-    return {**super().get_config(), 'num_heads': self.num_heads, 'dropout': self.dropout,
-            'attention': self.attention, 'chunk': self.chunk}
+    return {
+      **super().get_config(),
+      'num_heads': self.num_heads,
+      'dropout': self.dropout,
+      'attention': self.attention,
+      'chunk': self.chunk,
+    }
 
 
 def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
@@ -147,8 +161,9 @@ def masked_softmax(scores: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
 
   @tf.custom_gradient
   def forward(x):
-    y = tf.cast(tf.nn.softmax(tf.where(mask, tf.cast(x, tf.float32), float('-inf')), axis=-1),
-                dtype)
+    y = tf.cast(
+      tf.nn.softmax(tf.where(mask, tf.cast(x, tf.float32), float('-inf')), axis=-1), dtype
+    )
 
     def backward(dy):
       y32, dy32 = tf.cast(y, tf.float32), tf.cast(dy, tf.float32)
@@ -209,17 +224,26 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
   def build(self, input_shape):
     init = keras.initializers.RandomNormal(stddev=0.02)
-    self.token_table = self.add_weight(name='token_table', shape=(self.vocab_size, self.d_model),
-                                       initializer=init, dtype=self.variable_dtype)
-    self.position_table = self.add_weight(name='position_table',
-                                          shape=(self.max_length, self.d_model),
-                                          initializer=init, dtype=self.variable_dtype)
+    self.token_table = self.add_weight(
+      name='token_table',
+      shape=(self.vocab_size, self.d_model),
+      initializer=init,
+      dtype=self.variable_dtype,
+    )
+    self.position_table = self.add_weight(
+      name='position_table',
+      shape=(self.max_length, self.d_model),
+      initializer=init,
+      dtype=self.variable_dtype,
+    )
 
   def call(self, ids):
     time = tf.shape(ids)[1]
     tf.debugging.assert_less_equal(
-        time, self.max_length,
-        message=f'{self.name}: sequence longer than max_length={self.max_length}')
+      time,
+      self.max_length,
+      message=f'{self.name}: sequence longer than max_length={self.max_length}',
+    )
     dtype = self.compute_dtype
     tokens = tf.gather(tf.cast(self.token_table, dtype), ids)
     positions = tf.cast(self.position_table[:time], dtype)
@@ -229,5 +253,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     return (*input_shape, self.d_model)
 
   def get_config(self):
-    return {**super().get_config(), 'vocab_size': self.vocab_size,
-            'max_length': self.max_length, 'd_model': self.d_model}
+    return {
+      **super().get_config(),
+      'vocab_size': self.vocab_size,
+      'max_length': self.max_length,
+      'd_model': self.d_model,
+    }

@@ -22,6 +22,7 @@ The recomputation must reproduce the forward pass: stateful randomness in a bloc
 rate > 0) would draw a fresh mask in it, so the gradient would not be the forward pass's. Models
 raise a ConfigError for that combination (`check_no_dropout`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -49,5 +50,7 @@ def check_no_dropout(config, rate: float, key: str) -> None:
   """ConfigError when config.train.remat is on and the checkpointed blocks use dropout `rate` > 0
   (`key` names the config key that sets it)."""
   if enabled(config) and rate > 0:
-    raise ConfigError(f'config.train.remat=True would recompute each block with a fresh dropout '
-                      f'mask; set {key}=0 or config.train.remat=False')
+    raise ConfigError(
+      f'config.train.remat=True would recompute each block with a fresh dropout '
+      f'mask; set {key}=0 or config.train.remat=False'
+    )

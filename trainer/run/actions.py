@@ -14,6 +14,7 @@ An action that is a `tf.Module` (both shipped ones are) is saved in every checkp
 `actions` (`state`): a resumed run goes on comparing with the best eval before the restart and
 counting the evals without improvement, instead of starting from scratch.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -31,6 +32,7 @@ from trainer.errors import ConfigError
 
 class Event(NamedTuple):
   """What an action is called with."""
+
   kind: str  # 'log', 'eval' or 'save'
   step: int  # the global step
   metrics: dict[str, float]  # train metrics ('log'), eval metrics ('eval'), {} ('save')
@@ -54,6 +56,7 @@ def _direction(metric: str, mode: str) -> str:
 
 class _Tracker(tf.Module):
   """The best value of one eval metric so far (checkpointed)."""
+
   KEY = ''  # its config section
 
   def __init__(self, metric: str, mode: str, min_delta: float = 0.0):
@@ -71,15 +74,20 @@ class _Tracker(tf.Module):
 
   def value(self, event: Event) -> float:
     if self.metric not in event.metrics:
-      raise ConfigError(f'{type(self).__name__}: no eval metric {self.metric!r}; the eval '
-                        f'reports {", ".join(event.metrics)}.')
+      raise ConfigError(
+        f'{type(self).__name__}: no eval metric {self.metric!r}; the eval '
+        f'reports {", ".join(event.metrics)}.'
+      )
     return event.metrics[self.metric]
 
   def improved(self, value: float) -> bool:
     if not math.isfinite(value):
       return False
-    better = (value < self.best - self.min_delta if self.mode == 'min' else
-              value > self.best + self.min_delta)
+    better = (
+      value < self.best - self.min_delta
+      if self.mode == 'min'
+      else value > self.best + self.min_delta
+    )
     if better:
       self._best.assign(value)
       self._has_best.assign(True)
@@ -89,6 +97,7 @@ class _Tracker(tf.Module):
 class EarlyStopping(_Tracker):
   """Stops training when `metric` has not improved by more than `min_delta` for `patience`
   evals in a row."""
+
   KEY = 'early_stopping'
 
   def __init__(self, metric: str, mode: str = 'auto', patience: int = 3, min_delta: float = 0.0):
@@ -110,14 +119,16 @@ class EarlyStopping(_Tracker):
     self._waited.assign_add(1)
     if self.waited >= self.patience:
       event.trainer.request_stop(
-          f'early stopping: eval {self.metric} has not improved on {self.best:.4g} for '
-          f'{self.waited} evals (config.early_stopping.patience={self.patience})')
+        f'early stopping: eval {self.metric} has not improved on {self.best:.4g} for '
+        f'{self.waited} evals (config.early_stopping.patience={self.patience})'
+      )
 
 
 class BestCheckpoint(_Tracker):
   """Keeps the model weights of the best eval by `metric` in <workdir>/best/ (a checkpoint of
   the model alone, loadable with train.init_from=<workdir>/best, and best.json with the step
   and the metric). Only the chief writes."""
+
   KEY = 'best_checkpoint'
 
   def __init__(self, metric: str, mode: str = 'auto'):
@@ -138,19 +149,30 @@ class BestCheckpoint(_Tracker):
     if bad:
       self._best.assign(before[0])
       self._has_best.assign(before[1])
-      logging.warning('best eval %s %.4f at step %d not saved: the model is not finite (%s)',
-                      self.metric, value, event.step, checkpoints.describe_nonfinite(bad))
+      logging.warning(
+        'best eval %s %.4f at step %d not saved: the model is not finite (%s)',
+        self.metric,
+        value,
+        event.step,
+        checkpoints.describe_nonfinite(bad),
+      )
       return
     folder = os.path.join(trainer.workdir, 'best')
     if self._manager is None:
       self._manager = tf.train.CheckpointManager(
-          tf.train.Checkpoint(model=trainer.model), os.path.join(folder, 'checkpoints'),
-          max_to_keep=1)
+        tf.train.Checkpoint(model=trainer.model), os.path.join(folder, 'checkpoints'), max_to_keep=1
+      )
     # One-line errors for a full disk; best.json written atomically, never through a symlink.
     path = checkpoints.save(self._manager, event.step, resumed_from=False)
-    workdir.write_json(os.path.join(folder, 'best.json'),
-                       {'step': event.step, 'metric': self.metric, 'value': value,
-                        'checkpoint': os.path.relpath(path, folder)})
+    workdir.write_json(
+      os.path.join(folder, 'best.json'),
+      {
+        'step': event.step,
+        'metric': self.metric,
+        'value': value,
+        'checkpoint': os.path.relpath(path, folder),
+      },
+    )
     logging.info('best eval %s %.4f at step %d: saved %s', self.metric, value, event.step, path)
 
 
@@ -179,7 +201,9 @@ def from_config(config, reported) -> list:
   for action in actions:
     if action.metric not in reported:
       close = difflib.get_close_matches(action.metric, reported, n=1, cutoff=0.6)
-      raise ConfigError(f'config.{action.KEY}.metric={action.metric!r} is not an eval metric; '
-                        f'the eval reports {", ".join(reported)}'
-                        + (f' (did you mean {close[0]!r}?)' if close else ''))
+      raise ConfigError(
+        f'config.{action.KEY}.metric={action.metric!r} is not an eval metric; '
+        f'the eval reports {", ".join(reported)}'
+        + (f' (did you mean {close[0]!r}?)' if close else '')
+      )
   return actions

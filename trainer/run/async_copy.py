@@ -1,4 +1,5 @@
 """Asynchronous checkpoints (config.train.async_checkpoint) with Keras 3 variables."""
+
 from __future__ import annotations
 
 
@@ -11,6 +12,7 @@ def keras_variables_copy_once() -> None:
   and assigns on later saves: the Keras variable is mapped to that copy instead (saved under the
   same VARIABLE_VALUE key)."""
   from keras.src.backend.tensorflow import core  # pylint: disable=import-outside-toplevel
+
   if getattr(core.Variable, '_copy_once', False):
     return
 

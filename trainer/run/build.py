@@ -8,6 +8,7 @@ the first eval batch that checks the hooks' contract: one-line errors before any
 written), `loss_scaler`, `learning_rate`, `optimizer` and `train_step`. Nothing here touches the
 run folder; the Runner (trainer/run/runner.py) does.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -29,13 +30,42 @@ from trainer.step.train_step import TrainStep
 HOOKS = tuple(contract.HOOK_CALLS)  # the hooks the contract checks, the one list of them
 # What the framework sets on a Trainer and the methods it owns. The last line holds names that
 # moved to the Runner: a subclass defining one would read as overriding the framework.
-FRAMEWORK_NAMES = frozenset((
-    'config', 'workdir', 'strategy', 'policy', 'datasets', 'total_steps', 'jit_compile', 'model',
-    'train_metrics', 'eval_metrics', 'metric_names', 'global_step', 'loss_scaler',
-    'learning_rate', 'optimizer', 'train_step', 'runner',
-    'train', 'evaluate', 'request_stop',
-    'save', 'restore', 'numerics', 'actions', 'checkpoint', 'run_dir', 'eval_loop', 'run_steps',
-    'log_progress', 'check_finite_state', 'checkpoint_variables', 'is_chief'))
+FRAMEWORK_NAMES = frozenset(
+  (
+    'config',
+    'workdir',
+    'strategy',
+    'policy',
+    'datasets',
+    'total_steps',
+    'jit_compile',
+    'model',
+    'train_metrics',
+    'eval_metrics',
+    'metric_names',
+    'global_step',
+    'loss_scaler',
+    'learning_rate',
+    'optimizer',
+    'train_step',
+    'runner',
+    'train',
+    'evaluate',
+    'request_stop',
+    'save',
+    'restore',
+    'numerics',
+    'actions',
+    'checkpoint',
+    'run_dir',
+    'eval_loop',
+    'run_steps',
+    'log_progress',
+    'check_finite_state',
+    'checkpoint_variables',
+    'is_chief',
+  )
+)
 
 
 def check_names(cls_name: str, names: Iterable[str]) -> None:
@@ -43,9 +73,11 @@ def check_names(cls_name: str, names: Iterable[str]) -> None:
   taken = sorted(n for n in names if n in FRAMEWORK_NAMES)
   if taken:
     name = taken[0]
-    raise UserError(f'{cls_name}.{name}: {name!r} is a name the framework owns on a Trainer; '
-                    f'rename yours (e.g. my_{name}). A subclass defines the hooks '
-                    f'{", ".join(HOOKS)}, and names of its own')
+    raise UserError(
+      f'{cls_name}.{name}: {name!r} is a name the framework owns on a Trainer; '
+      f'rename yours (e.g. my_{name}). A subclass defines the hooks '
+      f'{", ".join(HOOKS)}, and names of its own'
+    )
 
 
 def jit(setting: str, policy: str) -> bool:
@@ -85,8 +117,10 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   trainer.jit_compile = jit(c.train.jit_compile, trainer.policy)
   with trainer.strategy.scope():
     trainer.model = precision.build_model(
-        trainer.build_model, c.precision.float32_layers,
-        bfloat16_variables=c.precision.master_weights != 'float32')
+      trainer.build_model,
+      c.precision.float32_layers,
+      bfloat16_variables=c.precision.master_weights != 'float32',
+    )
     # Two sets of the stateful metrics: one the train loop updates, one the eval loop.
     trainer.train_metrics = trainer.build_metrics()
     contract.check_metrics(trainer.train_metrics)
@@ -95,8 +129,9 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     # One eager forward pass builds the model, checks the hooks' contract and tells the metric
     # names (the datasets were checked by epochs.prepare).
     batch = checks.first_eval_batch(trainer.datasets)
-    trainer.metric_names = tuple(contract.probe(batch, trainer.compute_loss,
-                                                stateful=trainer.train_metrics))
+    trainer.metric_names = tuple(
+      contract.probe(batch, trainer.compute_loss, stateful=trainer.train_metrics)
+    )
     base = _base(trainer)
     if type(trainer).build_train_step is base.build_train_step:  # a custom step may differ
       contract.check_gradient(batch, trainer.compute_loss, trainer.model)
@@ -106,7 +141,8 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     trainer.learning_rate = optimizers.schedule(c.optimizer, trainer.total_steps)
     step = trainer.global_step
     trainer.optimizer = trainer.build_optimizer(
-        optimizers.once_per_trace(lambda: trainer.learning_rate(step)))
+      optimizers.once_per_trace(lambda: trainer.learning_rate(step))
+    )
     trainer.train_step = trainer.build_train_step()
     _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
   return batch
@@ -116,24 +152,32 @@ def _check_grad_accum(step, k: int) -> None:
   """A warning when grad_accum_steps > 1 would not reach a custom compute_gradients: the
   default one splits the batch into micro-batches, an override gets the whole batch."""
   if k > 1 and type(step).compute_gradients is not TrainStep.compute_gradients:
-    logging.warning('config.train.grad_accum_steps=%d is applied by TrainStep.compute_gradients, '
-                    'which %s overrides: it gets the whole batch, not %d micro-batches, unless '
-                    'it splits the batch itself (or calls super().compute_gradients)', k,
-                    type(step).__name__, k)
+    logging.warning(
+      'config.train.grad_accum_steps=%d is applied by TrainStep.compute_gradients, '
+      'which %s overrides: it gets the whole batch, not %d micro-batches, unless '
+      'it splits the batch itself (or calls super().compute_gradients)',
+      k,
+      type(step).__name__,
+      k,
+    )
 
 
 def _check_against_the_run(c, total_steps: int, replicas: int) -> None:
   """Keys that are valid alone but not for this run's length or replicas: one ConfigError."""
   if c.optimizer.warmup_steps > total_steps:
-    raise ConfigError(f'config.optimizer.warmup_steps={c.optimizer.warmup_steps} is longer than '
-                      f'the run ({total_steps} steps): the learning rate would never reach '
-                      'config.optimizer.learning_rate; shorten the warm-up or train longer')
+    raise ConfigError(
+      f'config.optimizer.warmup_steps={c.optimizer.warmup_steps} is longer than '
+      f'the run ({total_steps} steps): the learning rate would never reach '
+      'config.optimizer.learning_rate; shorten the warm-up or train longer'
+    )
   replica = c.debug.inject_nonfinite_replica
   injecting = c.debug.inject_nonfinite_every or c.debug.inject_nonfinite_steps
   if injecting and replica >= replicas:
-    raise ConfigError(f'config.debug.inject_nonfinite_replica={replica}: the run has {replicas} '
-                      f'replica(s), numbered 0 to {replicas - 1}; the injection would do '
-                      'nothing. Use -1 for every replica')
+    raise ConfigError(
+      f'config.debug.inject_nonfinite_replica={replica}: the run has {replicas} '
+      f'replica(s), numbered 0 to {replicas - 1}; the injection would do '
+      'nothing. Use -1 for every replica'
+    )
 
 
 def _base(trainer) -> Any:

@@ -14,6 +14,7 @@ none. Before a CheckpointManager opens the folder for training, `own_state` rewr
 file with relative names, so that rotation (max_to_keep) can only delete this folder's files; the
 state file is always written with relative paths. Nothing else here writes.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ def on_disk(directory: str) -> list[str]:
   for name in tf.io.gfile.glob(os.path.join(directory, 'ckpt-*.index')):
     match = re.fullmatch(r'ckpt-(\d+)\.index', os.path.basename(name))
     if match:
-      found.append((int(match.group(1)), name[:-len('.index')]))
+      found.append((int(match.group(1)), name[: -len('.index')]))
   return [path for _, path in sorted(found, reverse=True)]
 
 
@@ -65,15 +66,20 @@ def find(directory: str, warn: bool = False) -> list[str]:
   problem = state_problem(directory)
   if problem is not None:
     if disk and warn:
-      logging.warning('%s is %s; using the checkpoints on disk, newest first: %s',
-                      os.path.join(directory, STATE_FILE), problem,
-                      ', '.join(os.path.basename(p) for p in disk))
+      logging.warning(
+        '%s is %s; using the checkpoints on disk, newest first: %s',
+        os.path.join(directory, STATE_FILE),
+        problem,
+        ', '.join(os.path.basename(p) for p in disk),
+      )
     return disk
   candidates, outside = _named(directory)
   if outside and warn:
-    logging.warning('%s names checkpoints outside this run (%s); only this folder\'s own '
-                    'checkpoints are used', os.path.join(directory, STATE_FILE),
-                    ', '.join(outside[:3]))
+    logging.warning(
+      "%s names checkpoints outside this run (%s); only this folder's own checkpoints are used",
+      os.path.join(directory, STATE_FILE),
+      ', '.join(outside[:3]),
+    )
   return candidates + [p for p in disk if p not in candidates]
 
 
@@ -102,8 +108,13 @@ def _write_state(directory: str, paths: list[str]) -> None:
   (max_to_keep)."""
   times = [os.path.getmtime(p + '.index') for p in paths]
   checkpoint_management.update_checkpoint_state_internal(
-      directory, paths[-1], all_model_checkpoint_paths=paths, save_relative_paths=True,
-      all_model_checkpoint_timestamps=times, last_preserved_timestamp=min(times) - 1)
+    directory,
+    paths[-1],
+    all_model_checkpoint_paths=paths,
+    save_relative_paths=True,
+    all_model_checkpoint_timestamps=times,
+    last_preserved_timestamp=min(times) - 1,
+  )
 
 
 def repair_state(directory: str, restored: str) -> None:
@@ -115,8 +126,11 @@ def repair_state(directory: str, restored: str) -> None:
     return
   older = [p for p in reversed(on_disk(directory)) if step_of(p) < step_of(restored)]
   _write_state(directory, older + [restored])
-  logging.warning('rewrote %s naming %s', os.path.join(directory, STATE_FILE),
-                  ', '.join(os.path.basename(p) for p in older + [restored]))
+  logging.warning(
+    'rewrote %s naming %s',
+    os.path.join(directory, STATE_FILE),
+    ', '.join(os.path.basename(p) for p in older + [restored]),
+  )
 
 
 def own_state(directory: str) -> None:
@@ -137,9 +151,12 @@ def own_state(directory: str) -> None:
   if not kept:
     return  # nothing of this folder's own to name; restore_for_training found none either
   _write_state(directory, kept)
-  logging.warning('rewrote %s with relative names of this folder\'s checkpoints (%s)%s',
-                  os.path.join(directory, STATE_FILE), ', '.join(os.path.basename(p) for p in kept),
-                  f'; dropped {", ".join(outside)} (outside this run)' if outside else '')
+  logging.warning(
+    "rewrote %s with relative names of this folder's checkpoints (%s)%s",
+    os.path.join(directory, STATE_FILE),
+    ', '.join(os.path.basename(p) for p in kept),
+    f'; dropped {", ".join(outside)} (outside this run)' if outside else '',
+  )
 
 
 def step_of(path: str) -> int:

@@ -19,6 +19,7 @@ Restoring writes nothing: it works on a read-only run folder. A save that cannot
 full, quota, file-size limit) is a UserError naming the checkpoint and the reason; its partial
 files are removed and the previous checkpoint stays the newest one in the state file (`save`).
 """
+
 from __future__ import annotations
 
 import glob
@@ -76,7 +77,7 @@ def restore(items: dict, path: str) -> None:
       if isinstance(e, ValueError) and 'incompatible tensor with shape' not in str(e):
         raise
       first = (str(e).strip().splitlines() or [''])[0]
-      raise Mismatch(f'its {name!r} does not match this run\'s ({first[:160]})', name) from e
+      raise Mismatch(f"its {name!r} does not match this run's ({first[:160]})", name) from e
 
 
 def _partial(e: BaseException) -> None:
@@ -110,14 +111,17 @@ def nonfinite(variables_: list) -> list[str]:
   floats = [v for v in variables_ if v.dtype.is_floating]
   if not floats or bool(_all_finite(floats)):
     return []
-  return [getattr(v, 'path', None) or v.name for v in floats
-          if not np.isfinite(v.numpy()).all()]
+  return [getattr(v, 'path', None) or v.name for v in floats if not np.isfinite(v.numpy()).all()]
 
 
 # Eager for the first saves: compiling the check over every variable costs as much as dozens
 # of eager checks (docs/references.md, "Start-up"), and many runs save fewer times.
-_all_finite = EagerThenCompiled(lambda variables_: all_finite([v.read_value() for v in variables_]),
-                                eager_calls=50, eager_seconds=0.3, autograph=False)
+_all_finite = EagerThenCompiled(
+  lambda variables_: all_finite([v.read_value() for v in variables_]),
+  eager_calls=50,
+  eager_seconds=0.3,
+  autograph=False,
+)
 
 
 def describe_nonfinite(bad: list[str]) -> str:
@@ -144,12 +148,18 @@ def restore_newest_readable(items: dict, directory: str, *, read_only: bool = Fa
       # A damaged file surfaces as OpError (DataLoss, NotFound), IndexError, ValueError, a
       # protobuf DecodeError ...; a structure mismatch as Mismatch.
       except Exception as e:  # pylint: disable=broad-except
-        if read_only and path not in retried and (
-            not tf.io.gfile.exists(path + '.index') or path not in find(directory)):
+        if (
+          read_only
+          and path not in retried
+          and (not tf.io.gfile.exists(path + '.index') or path not in find(directory))
+        ):
           retried.add(path)
           gone = True  # deleted by rotation while we read it: read the state file again
-          logging.warning('checkpoint %s was removed while it was read (the run is training); '
-                          'trying the newest one again', path)
+          logging.warning(
+            'checkpoint %s was removed while it was read (the run is training); '
+            'trying the newest one again',
+            path,
+          )
           break
         lines = str(e).strip().splitlines()
         reason = f'{type(e).__name__}: {lines[0][:200] if lines else ""}'.rstrip(': ')
@@ -160,17 +170,23 @@ def restore_newest_readable(items: dict, directory: str, *, read_only: bool = Fa
       bad = nonfinite(items_variables)
       if bad:
         if read_only:
-          raise UserError(f'checkpoint {path} holds a non-finite state ({describe_nonfinite(bad)})'
-                          '; it cannot be evaluated or exported. Training from this workdir '
-                          'falls back to the newest finite checkpoint; evaluate that one once '
-                          'a save has replaced this.')
-        logging.warning('checkpoint %s holds a non-finite state (%s); trying the previous one',
-                        path, describe_nonfinite(bad))
+          raise UserError(
+            f'checkpoint {path} holds a non-finite state ({describe_nonfinite(bad)})'
+            '; it cannot be evaluated or exported. Training from this workdir '
+            'falls back to the newest finite checkpoint; evaluate that one once '
+            'a save has replaced this.'
+          )
+        logging.warning(
+          'checkpoint %s holds a non-finite state (%s); trying the previous one',
+          path,
+          describe_nonfinite(bad),
+        )
         failures.append((path, f'non-finite ({describe_nonfinite(bad)})', NonFinite()))
         continue
       if failures:
-        logging.warning('restored %s instead of the newer %s', path,
-                        ', '.join(p for p, _, _ in failures))
+        logging.warning(
+          'restored %s instead of the newer %s', path, ', '.join(p for p, _, _ in failures)
+        )
       return path
     if not gone:
       break
@@ -178,24 +194,33 @@ def restore_newest_readable(items: dict, directory: str, *, read_only: bool = Fa
     names = ', '.join(os.path.basename(p) for p, _, _ in failures)
     if all(isinstance(e, Mismatch) for _, _, e in failures):
       item = getattr(failures[0][2], 'item', None)
-      held = {'model': "another model than the one build_model() makes now (its layers or "
-                       "their sizes changed since this run began): resume with the model as it "
-                       "was",
-              'optimizer': 'another optimizer state than config.optimizer builds now (its '
-                           'name or kind changed since this run began): resume with the '
-                           'optimizer as it was'}
+      held = {
+        'model': 'another model than the one build_model() makes now (its layers or '
+        'their sizes changed since this run began): resume with the model as it '
+        'was',
+        'optimizer': 'another optimizer state than config.optimizer builds now (its '
+        'name or kind changed since this run began): resume with the '
+        'optimizer as it was',
+      }
       hint = 'they hold ' + held.get(
-          str(item), f"other {item or 'state'} than this run builds now (a checkpoint_items() "
-          'entry changed since this run began): resume with it as it was')
+        str(item),
+        f'other {item or "state"} than this run builds now (a checkpoint_items() '
+        'entry changed since this run began): resume with it as it was',
+      )
     elif all(isinstance(e, NonFinite) for _, _, e in failures):
       hint = 'every one holds a non-finite state'
     else:
       hint = 'were they written by another model or config?'
     # Read-only, the run may be live or archived: never advise deleting its files.
-    todo = ('Check --workdir and --config.' if read_only else
-            'Use a new --workdir, or delete that folder to start over.')
-    raise UserError(f'no checkpoint in {directory} can be restored (tried {names}; '
-                    f'newest: {failures[0][1]}); {hint}. {todo}')
+    todo = (
+      'Check --workdir and --config.'
+      if read_only
+      else 'Use a new --workdir, or delete that folder to start over.'
+    )
+    raise UserError(
+      f'no checkpoint in {directory} can be restored (tried {names}; '
+      f'newest: {failures[0][1]}); {hint}. {todo}'
+    )
   return None
 
 
@@ -203,8 +228,13 @@ class NonFinite(Exception):
   """A checkpoint that reads but holds inf or NaN (a failure kind of restore_newest_readable)."""
 
 
-def save(manager: tf.train.CheckpointManager, step: int, *, resumed_from: bool = True,
-         options: tf.train.CheckpointOptions | None = None) -> str:
+def save(
+  manager: tf.train.CheckpointManager,
+  step: int,
+  *,
+  resumed_from: bool = True,
+  options: tf.train.CheckpointOptions | None = None,
+) -> str:
   """`manager.save(checkpoint_number=step)`; a failed write raises UserError (one line: the
   checkpoint, the reason, the previous checkpoint that is still the newest, and, when
   `resumed_from`, that the same command resumes from it)."""
@@ -240,10 +270,15 @@ def _failed(manager, step: int, e: Exception, resumed_from: bool) -> None:
         shutil.rmtree(path, ignore_errors=True)
       else:
         _remove(path)
-  kept = (f'; {newest} is intact' + (' and is where the same command resumes'
-                                     if resumed_from else '')) if newest else ''
-  raise UserError(f'could not write checkpoint {prefix} at step {step} ({_reason(e)}); free '
-                  f'disk space or raise the quota{kept}') from None
+  kept = (
+    (f'; {newest} is intact' + (' and is where the same command resumes' if resumed_from else ''))
+    if newest
+    else ''
+  )
+  raise UserError(
+    f'could not write checkpoint {prefix} at step {step} ({_reason(e)}); free '
+    f'disk space or raise the quota{kept}'
+  ) from None
 
 
 def remove(prefix: str) -> None:

@@ -2,6 +2,7 @@
 (the whole config of a resume at step N that changed keys); reading the newest, which keys
 changed, which a resume may change (RESUMABLE) and which change what a restored model computes
 (COMPUTES). The records are written by trainer/run/workdir.py."""
+
 from __future__ import annotations
 
 import glob
@@ -18,12 +19,29 @@ ACCEPT_KEY = 'train.accept_config_change'
 # Keys a resume may change without config.train.accept_config_change (with a warning): they set
 # how long the run goes, how often it logs or saves, where the data is, and how the same steps
 # are run, not what a step computes.
-RESUMABLE = frozenset({
-    'train.steps', 'train.epochs', 'train.steps_per_loop', 'train.log_every', 'train.eval_every',
-    'train.checkpoint_every', 'train.max_to_keep', 'train.recover_tries', 'train.profile_steps',
-    'train.async_checkpoint', 'train.jit_compile',
-    'numerics.every', 'numerics.forensics_first', 'numerics.forensics_every',  # diagnostics only
-    'data.dir', 'distribute.strategy', 'distribute.devices', 'distribute.tpu', ACCEPT_KEY})
+RESUMABLE = frozenset(
+  {
+    'train.steps',
+    'train.epochs',
+    'train.steps_per_loop',
+    'train.log_every',
+    'train.eval_every',
+    'train.checkpoint_every',
+    'train.max_to_keep',
+    'train.recover_tries',
+    'train.profile_steps',
+    'train.async_checkpoint',
+    'train.jit_compile',
+    'numerics.every',
+    'numerics.forensics_first',
+    'numerics.forensics_every',  # diagnostics only
+    'data.dir',
+    'distribute.strategy',
+    'distribute.devices',
+    'distribute.tpu',
+    ACCEPT_KEY,
+  }
+)
 
 
 # Keys that change what eval, export and diagnose compute from the same weights, with every
@@ -59,13 +77,16 @@ def read_config(path: str) -> dict | None:
     with open(name) as f:
       saved = json.load(f)
   except (OSError, ValueError) as e:
-    raise ConfigError(f'{name} is not a config this framework wrote ({type(e).__name__}: '
-                      f'{str(e)[:100]}); move it out of the workdir or use a new --workdir.') \
-        from None
+    raise ConfigError(
+      f'{name} is not a config this framework wrote ({type(e).__name__}: '
+      f'{str(e)[:100]}); move it out of the workdir or use a new --workdir.'
+    ) from None
   if not isinstance(saved, dict):
-    raise ConfigError(f'{name} is not a config this framework wrote (a JSON '
-                      f'{type(saved).__name__}, not an object); move it out of the workdir or '
-                      'use a new --workdir.')
+    raise ConfigError(
+      f'{name} is not a config this framework wrote (a JSON '
+      f'{type(saved).__name__}, not an object); move it out of the workdir or '
+      'use a new --workdir.'
+    )
   return saved
 
 
@@ -84,6 +105,8 @@ def changed_keys(saved: dict, current: dict) -> list[str]:
 def describe_change(saved: dict, config, keys: list[str], head: str) -> str:
   """'<head> (config.k: old -> new; ... and N more)' for the first four changed keys."""
   flat_saved, flat_now = config_lib.flatten(saved), config_lib.flatten(config.to_dict())
-  shown = '; '.join(f'config.{k}: {flat_saved.get(k, "(none)")!r} -> '
-                    f'{flat_now.get(k, "(none)")!r}' for k in keys[:4])
+  shown = '; '.join(
+    f'config.{k}: {flat_saved.get(k, "(none)")!r} -> {flat_now.get(k, "(none)")!r}'
+    for k in keys[:4]
+  )
   return f'{head} ({shown}{f" and {len(keys) - 4} more" if len(keys) > 4 else ""})'

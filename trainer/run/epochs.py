@@ -16,6 +16,7 @@ that does not restart). `end_of_data(trainer)` is the guard around the train loo
 tf.errors.OutOfRangeError into a saved checkpoint and a DataError naming the step, so no work
 is lost and the same command resumes once the data is fixed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,16 +36,25 @@ def prepare(datasets, batch_size: int):
   if cardinality == tf.data.experimental.INFINITE_CARDINALITY:
     return datasets, from_examples
   if cardinality == 0:
-    raise DataError('build_datasets returned an empty Datasets.train (cardinality 0): check '
-                    'its source, and that batch_size is not larger than the data with '
-                    'drop_remainder=True')
+    raise DataError(
+      'build_datasets returned an empty Datasets.train (cardinality 0): check '
+      'its source, and that batch_size is not larger than the data with '
+      'drop_remainder=True'
+    )
   train = datasets.train.repeat()
   if cardinality > 0:
-    logging.info('Datasets.train holds %d batches and has no .repeat(): the trainer repeats '
-                 'it (one epoch = %d steps)', cardinality, cardinality)
+    logging.info(
+      'Datasets.train holds %d batches and has no .repeat(): the trainer repeats '
+      'it (one epoch = %d steps)',
+      cardinality,
+      cardinality,
+    )
     return datasets._replace(train=train), cardinality
-  logging.info('Datasets.train has an unknown length and no .repeat(): the trainer repeats it '
-               '(one epoch = Datasets.train_examples // batch_size = %d steps)', from_examples)
+  logging.info(
+    'Datasets.train has an unknown length and no .repeat(): the trainer repeats it '
+    '(one epoch = Datasets.train_examples // batch_size = %d steps)',
+    from_examples,
+  )
   return datasets._replace(train=train), from_examples
 
 
@@ -53,11 +63,15 @@ def check_length(datasets, steps_per_epoch: int, config) -> None:
   if config.train.steps or steps_per_epoch:
     return
   if datasets.train_examples:
-    raise ConfigError(f'config.train.batch_size={config.train.batch_size} is larger than the '
-                      f'{datasets.train_examples} training examples.')
-  raise ConfigError('config.train.epochs needs the epoch length of a train dataset of unknown '
-                    'length: set Datasets.train_examples in build_datasets, or '
-                    'config.train.steps')
+    raise ConfigError(
+      f'config.train.batch_size={config.train.batch_size} is larger than the '
+      f'{datasets.train_examples} training examples.'
+    )
+  raise ConfigError(
+    'config.train.epochs needs the epoch length of a train dataset of unknown '
+    'length: set Datasets.train_examples in build_datasets, or '
+    'config.train.steps'
+  )
 
 
 @contextlib.contextmanager
@@ -71,7 +85,9 @@ def end_of_data(runner):
     path = runner.save()
     trainer = runner.trainer
     step = int(trainer.global_step.numpy())
-    raise DataError(f'build_datasets: Datasets.train ran out of data at step {step} of '
-                    f'{trainer.total_steps} (a pass over it yielded no batch); saved {path}. '
-                    'Make every pass yield data (a generator must restart when called again), '
-                    'or set config.train.steps; the same command resumes') from None
+    raise DataError(
+      f'build_datasets: Datasets.train ran out of data at step {step} of '
+      f'{trainer.total_steps} (a pass over it yielded no batch); saved {path}. '
+      'Make every pass yield data (a generator must restart when called again), '
+      'or set config.train.steps; the same command resumes'
+    ) from None

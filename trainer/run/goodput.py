@@ -11,6 +11,7 @@ lines, TensorBoard, forensics outside the compiled call). The end of a run logs 
 restarted process redoes (those after its newest checkpoint) happened in the previous process
 and are not seen here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,7 @@ class Clock:
   def count_skipped(self, total: int) -> None:
     """The run's skip counter now (`skipped_from` holds it at this process's start; a recovery
     to an older checkpoint can set the counter back below it: then no skips are counted)."""
-    self.skipped_steps = max(0, total - (total if self.skipped_from is None else
-                                         self.skipped_from))
+    self.skipped_steps = max(0, total - (total if self.skipped_from is None else self.skipped_from))
 
   def redone(self, n: int) -> None:
     self.redone_steps += max(0, int(n))

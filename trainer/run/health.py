@@ -16,9 +16,11 @@ newest healthy checkpoint out of rotation (trainer/run/workdir.py) and records i
 checkpoints/healthy.json, so that a collapse message can name it and a recovery
 (`train.recover_tries`) can restore it.
 """
+
 from __future__ import annotations
 
 import math
+
 
 class Health:
   """The losses the progress lines logged: `observe` each, `healthy` at a save."""
@@ -46,5 +48,6 @@ def describe(record: dict | None) -> str:
   if not record:
     return 'no healthy checkpoint yet'
   loss = record.get('loss')
-  return (f'last healthy: {record["checkpoint"]}, step {record["step"]}'
-          + (f', loss {loss:.4g}' if loss is not None else ''))
+  return f'last healthy: {record["checkpoint"]}, step {record["step"]}' + (
+    f', loss {loss:.4g}' if loss is not None else ''
+  )

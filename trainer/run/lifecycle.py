@@ -10,6 +10,7 @@ lock is taken, so they work on a read-only (archived) run and on a run another p
 training. Export writes into its own folder, `--export_dir` (default: `<workdir>-export`, a
 sibling of the run folder), never into the run folder.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -29,8 +30,10 @@ def restore(trainer, what: str = 'restore') -> int:
   """Restores the newest readable checkpoint of `trainer.workdir` without writing anything;
   returns the global step. UserError naming `what` when the run has no checkpoint."""
   if not checkpoint_files.find(trainer.runner.workdir.checkpoint_dir):
-    raise UserError(f'{what}: no checkpoint in {trainer.runner.workdir.checkpoint_dir}; train '
-                    'first (or check --workdir)')
+    raise UserError(
+      f'{what}: no checkpoint in {trainer.runner.workdir.checkpoint_dir}; train '
+      'first (or check --workdir)'
+    )
   trainer.runner.workdir.restore_read_only()
   return int(trainer.global_step.numpy())
 
@@ -39,8 +42,12 @@ def evaluate_checkpoint(trainer) -> dict[str, float]:
   """Restores the workdir's latest checkpoint (read-only) and runs one pass over the eval set."""
   step = restore(trainer, '--mode=eval')
   metrics = trainer.evaluate()
-  logging.info('eval of %s at step %d: %s', trainer.workdir, step,
-               ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
+  logging.info(
+    'eval of %s at step %d: %s',
+    trainer.workdir,
+    step,
+    ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()),
+  )
   return metrics
 
 
@@ -55,11 +62,16 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
   with a warning, when Keras cannot serialize the model's config). Both compute in the
   training policy."""
   step = restore(trainer, '--mode=export')
-  folder = (workdir_lib.local_path(folder, '--export_dir') if folder
-            else default_export_dir(trainer.workdir))
+  folder = (
+    workdir_lib.local_path(folder, '--export_dir')
+    if folder
+    else default_export_dir(trainer.workdir)
+  )
   os.makedirs(folder, exist_ok=True)
-  paths = {'saved_model': os.path.join(folder, 'saved_model'),
-           'keras': os.path.join(folder, 'model.keras')}
+  paths = {
+    'saved_model': os.path.join(folder, 'saved_model'),
+    'keras': os.path.join(folder, 'model.keras'),
+  }
   inputs = serving_inputs(trainer)
   if inputs is None:  # Keras's own signature: the Input layers'
     trainer.model.export(paths['saved_model'], format='tf_saved_model', verbose=False)
@@ -70,8 +82,11 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
     # fails for a model of several inputs (call(self, *xs)).
     for layer in trainer.model._flatten_layers(include_self=False, recursive=False):
       archive.track(layer)
-    archive.add_endpoint('serve', _serving_call(trainer.model, [k for k, _ in inputs]),
-                         [tf.nest.map_structure(_spec, v) for _, v in inputs])
+    archive.add_endpoint(
+      'serve',
+      _serving_call(trainer.model, [k for k, _ in inputs]),
+      [tf.nest.map_structure(_spec, v) for _, v in inputs],
+    )
     archive.write_out(paths['saved_model'], verbose=False)
   try:
     trainer.model.save(paths['keras'])
@@ -79,9 +94,13 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
   except (NotImplementedError, TypeError, ValueError) as e:  # a config Keras cannot serialize
     # (an OSError, a full disk say, is not the config's fault: it is raised as it is)
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    logging.warning('model.keras was not written: %s: %s The SavedModel is complete. For '
-                    'model.keras, give %s a get_config() returning its __init__ arguments',
-                    type(e).__name__, ' '.join(lines[:3])[:300], type(trainer.model).__name__)
+    logging.warning(
+      'model.keras was not written: %s: %s The SavedModel is complete. For '
+      'model.keras, give %s a get_config() returning its __init__ arguments',
+      type(e).__name__,
+      ' '.join(lines[:3])[:300],
+      type(trainer.model).__name__,
+    )
     if os.path.exists(paths.pop('keras')):  # a partial file, or an older export's
       os.remove(os.path.join(folder, 'model.keras'))
   logging.info('exported step %d to %s', step, folder)
@@ -116,8 +135,9 @@ def serving_inputs(trainer) -> list | None:
     elif parameter.kind is parameter.VAR_KEYWORD:
       inputs += [(k, v) for k, v in (value or {}).items() if _is_tensors(v)]
     elif name != 'training' and value is not None and _is_tensors(value):
-      inputs.append((None if i == 0 or parameter.kind is parameter.POSITIONAL_ONLY else name,
-                     value))
+      inputs.append(
+        (None if i == 0 or parameter.kind is parameter.POSITIONAL_ONLY else name, value)
+      )
   return inputs or None
 
 
@@ -128,9 +148,13 @@ def _serving_call(model, keywords: list):
   training = {'training': False} if 'training' in inspect.signature(model.call).parameters else {}
 
   def serve(*args):
-    outputs = model(*[a for a, k in zip(args, keywords) if k is None],
-                    **{k: a for a, k in zip(args, keywords) if k is not None}, **training)
+    outputs = model(
+      *[a for a, k in zip(args, keywords) if k is None],
+      **{k: a for a, k in zip(args, keywords) if k is not None},
+      **training,
+    )
     return _without_none(outputs)
+
   return serve
 
 
@@ -139,8 +163,9 @@ def _without_none(structure):
     return {k: _without_none(v) for k, v in structure.items() if v is not None}
   if isinstance(structure, (list, tuple)):
     kept = [_without_none(v) for v in structure if v is not None]
-    return kept[0] if len(kept) == 1 else (list(kept) if isinstance(structure, list)
-                                           else tuple(kept))
+    return (
+      kept[0] if len(kept) == 1 else (list(kept) if isinstance(structure, list) else tuple(kept))
+    )
   return structure
 
 
@@ -161,15 +186,28 @@ def _check_reload(model) -> None:
   else:
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
     unknown = [] if takes_any else [k for k in config if k not in {p.name for p in parameters}]
-    missing = [p.name for p in parameters if p.default is p.empty and p.name not in config
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [
+      p.name
+      for p in parameters
+      if p.default is p.empty
+      and p.name not in config
+      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     if not unknown and not missing:
       return
-    reason = (f'__init__ takes no {", ".join(unknown)} (no **kwargs)' if unknown else
-              f'get_config() returns no {", ".join(missing)}, which __init__ needs')
-  logging.warning('model.keras will not load back: %s.%s. The SavedModel is complete. For '
-                  'model.keras, give %s.__init__ **kwargs passed to super().__init__, and a '
-                  'get_config() returning its own arguments', cls.__name__, reason, cls.__name__)
+    reason = (
+      f'__init__ takes no {", ".join(unknown)} (no **kwargs)'
+      if unknown
+      else f'get_config() returns no {", ".join(missing)}, which __init__ needs'
+    )
+  logging.warning(
+    'model.keras will not load back: %s.%s. The SavedModel is complete. For '
+    'model.keras, give %s.__init__ **kwargs passed to super().__init__, and a '
+    'get_config() returning its own arguments',
+    cls.__name__,
+    reason,
+    cls.__name__,
+  )
 
 
 def _is_tensors(x) -> bool:
@@ -180,8 +218,9 @@ def _is_tensors(x) -> bool:
 def _spec(t) -> tf.TensorSpec:
   dtype = tf.as_dtype(keras.backend.standardize_dtype(t.dtype))
   shape = list(t.shape)
-  return tf.TensorSpec([None] + shape[1:] if shape else [],
-                       tf.float32 if dtype.is_floating else dtype)
+  return tf.TensorSpec(
+    [None] + shape[1:] if shape else [], tf.float32 if dtype.is_floating else dtype
+  )
 
 
 def init_from(trainer, source: str) -> str:
@@ -191,29 +230,38 @@ def init_from(trainer, source: str) -> str:
   if os.path.isdir(source):
     found = checkpoint_files.find(os.path.join(source, 'checkpoints'))  # read-only
     if not found:
-      raise ConfigError(f'config.train.init_from={source!r}: no checkpoint in '
-                        f'{os.path.join(source, "checkpoints")}')
+      raise ConfigError(
+        f'config.train.init_from={source!r}: no checkpoint in {os.path.join(source, "checkpoints")}'
+      )
     path = found[0]
   elif not tf.io.gfile.glob(path + '.index'):
-    raise ConfigError(f'config.train.init_from={source!r} is neither a workdir nor a '
-                      'checkpoint path (prefix of a .index file)')
+    raise ConfigError(
+      f'config.train.init_from={source!r} is neither a workdir nor a '
+      'checkpoint path (prefix of a .index file)'
+    )
   try:
     status = tf.train.Checkpoint(model=trainer.model).restore(path)
     status.expect_partial().assert_existing_objects_matched()
   except AssertionError as e:
-    raise ConfigError(f'config.train.init_from={source!r}: its model does not match this one '
-                      f'({str(e).splitlines()[0][:200]})') from None
+    raise ConfigError(
+      f'config.train.init_from={source!r}: its model does not match this one '
+      f'({str(e).splitlines()[0][:200]})'
+    ) from None
   # A damaged file surfaces as OpError (DataLoss, NotFound), ValueError, a protobuf
   # DecodeError ... (as in checkpoints.restore_newest_readable).
   except Exception as e:  # pylint: disable=broad-except
     lines = str(e).strip().splitlines()
-    raise ConfigError(f'config.train.init_from={source!r}: {path} is unreadable '
-                      f'({type(e).__name__}: {lines[0][:200] if lines else ""}); point it at '
-                      'an intact checkpoint') from None
+    raise ConfigError(
+      f'config.train.init_from={source!r}: {path} is unreadable '
+      f'({type(e).__name__}: {lines[0][:200] if lines else ""}); point it at '
+      'an intact checkpoint'
+    ) from None
   bad = checkpoints.nonfinite(checkpoints.variables({'model': trainer.model}))
   if bad:
-    raise ConfigError(f'config.train.init_from={source!r}: {path} holds non-finite weights '
-                      f'({checkpoints.describe_nonfinite(bad)}); point it at a finite '
-                      'checkpoint (an earlier ckpt-N of that run)')
+    raise ConfigError(
+      f'config.train.init_from={source!r}: {path} holds non-finite weights '
+      f'({checkpoints.describe_nonfinite(bad)}); point it at a finite '
+      'checkpoint (an earlier ckpt-N of that run)'
+    )
   logging.info('initialized the model from %s', path)
   return path

@@ -23,6 +23,7 @@ known to be gone.
 The same process may take the lock again (a second Trainer on the same workdir in one script or
 test): the lock is per process, not per object.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -72,8 +73,12 @@ def _alive(pid: int, start: str | None) -> bool:
 
 def _record() -> dict:
   pid = os.getpid()
-  return {'pid': pid, 'host': socket.gethostname(), 'start': _start_time(pid),
-          'since': datetime.datetime.now().isoformat(timespec='seconds')}
+  return {
+    'pid': pid,
+    'host': socket.gethostname(),
+    'start': _start_time(pid),
+    'since': datetime.datetime.now().isoformat(timespec='seconds'),
+  }
 
 
 def _read(path: str) -> dict | None:
@@ -85,9 +90,10 @@ def _read(path: str) -> dict | None:
   except FileNotFoundError:
     return None
   except OSError as e:
-    raise UserError(f'{path} cannot be read ({e.strerror}); it should be a lock file written '
-                    'by a training process: delete it if no training runs on this workdir.') \
-        from None
+    raise UserError(
+      f'{path} cannot be read ({e.strerror}); it should be a lock file written '
+      'by a training process: delete it if no training runs on this workdir.'
+    ) from None
   with os.fdopen(fd, 'rb') as f:
     data = f.read(4096)
     age = time.time() - os.fstat(f.fileno()).st_mtime
@@ -178,9 +184,13 @@ def acquire(workdir: str) -> str:
         time.sleep(0.1)  # its record may be being written (_create_new)
         continue
       text = holder['unreadable']
-      logging.warning('%s is %s and %.0f s old: a stale lock (its holder died before writing '
-                      'it, or the disk was full); taking it over', path,
-                      'empty' if not text else f'not a lock record ({text!r})', holder['age'])
+      logging.warning(
+        '%s is %s and %.0f s old: a stale lock (its holder died before writing '
+        'it, or the disk was full); taking it over',
+        path,
+        'empty' if not text else f'not a lock record ({text!r})',
+        holder['age'],
+      )
       _remove_if(path, holder)
       continue
     same_host = holder['host'] == ours['host']
@@ -188,17 +198,26 @@ def acquire(workdir: str) -> str:
       _held[path] = [holder, 1]  # our own, left by an earlier holder in this process
       return path
     if same_host and not _alive(int(holder['pid']), holder.get('start')):
-      logging.warning('%s was left by process %s on %s (since %s), which is gone; taking it over',
-                      path, holder['pid'], holder['host'], holder.get('since', '?'))
+      logging.warning(
+        '%s was left by process %s on %s (since %s), which is gone; taking it over',
+        path,
+        holder['pid'],
+        holder['host'],
+        holder.get('since', '?'),
+      )
       _remove_if(path, holder)
       continue
     where = 'this host' if same_host else f'host {holder["host"]}'
-    hint = ('' if same_host else f'; if that process is gone, delete {path}')
-    raise UserError(f'workdir {workdir} is in use by another training process (pid '
-                    f'{holder["pid"]} on {where}, since {holder.get("since", "?")}): wait for it '
-                    f'to finish or stop it, or use another --workdir{hint}.')
-  raise UserError(f'could not take the lock {path}: other processes keep replacing it; if no '
-                  f'training runs on this workdir, delete {path}.')
+    hint = '' if same_host else f'; if that process is gone, delete {path}'
+    raise UserError(
+      f'workdir {workdir} is in use by another training process (pid '
+      f'{holder["pid"]} on {where}, since {holder.get("since", "?")}): wait for it '
+      f'to finish or stop it, or use another --workdir{hint}.'
+    )
+  raise UserError(
+    f'could not take the lock {path}: other processes keep replacing it; if no '
+    f'training runs on this workdir, delete {path}.'
+  )
 
 
 def _remove_if(path: str, record: dict) -> None:

@@ -21,6 +21,7 @@ only in the main thread between bytecodes, so a handler would wait for the whole
 short, interruptible waits; on the second SIGINT the handler exits the process (code 130) with one
 line, without a checkpoint (the newest one on disk is intact: writes are atomic).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -42,8 +43,10 @@ class Preempted(Exception):
   """Training stopped on a signal after saving a checkpoint; run the same command to resume."""
 
   def __init__(self, signal_name: str | None, step: int, total: int, checkpoint: str | None):
-    super().__init__(f'stopped by {signal_name} at step {step}/{total}; checkpoint saved to '
-                     f'{checkpoint}; run the same command again to resume')
+    super().__init__(
+      f'stopped by {signal_name} at step {step}/{total}; checkpoint saved to '
+      f'{checkpoint}; run the same command again to resume'
+    )
     self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
 
@@ -78,12 +81,15 @@ class Watcher:
 
   def _all_reduce(self, strategy, flag: bool) -> bool:
     import tensorflow as tf  # only needed with several workers
+
     key = id(strategy)
     if key not in self._any_worker:
+
       @tf.function
       def any_worker(flag):  # as train_step reduces its finite flags: SUM over every replica
         per_replica = strategy.run(lambda: tf.identity(flag))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
       self._any_worker[key] = any_worker
     return float(self._any_worker[key](tf.constant(1.0 if flag else 0.0)).numpy()) > 0
 
@@ -104,12 +110,17 @@ class Watcher:
     if signum == signal.SIGINT and self.requested:  # a second Ctrl-C: stop now
       self._exit_now()
     self.received = signal.Signals(signum)
-    logging.warning('received %s: saving a checkpoint at the end of the current loop, then '
-                    'stopping (Ctrl-C again stops at once, without saving)', self.received.name)
+    logging.warning(
+      'received %s: saving a checkpoint at the end of the current loop, then '
+      'stopping (Ctrl-C again stops at once, without saving)',
+      self.received.name,
+    )
 
   def _exit_now(self):
-    message = ('interrupted by a second SIGINT: exiting at once without saving; the newest '
-               'checkpoint on disk is intact and the same command resumes from it')
+    message = (
+      'interrupted by a second SIGINT: exiting at once without saving; the newest '
+      'checkpoint on disk is intact and the same command resumes from it'
+    )
     logging.warning(message)
     logging.flush()
     print(message, file=sys.stderr, flush=True)
@@ -124,11 +135,14 @@ class Watcher:
     if threading.current_thread() is threading.main_thread():
       for s in self.signals:
         self._previous[s] = signal.signal(s, self._handle)
-      logging.info('SIGTERM or Ctrl-C saves a checkpoint at the end of the current loop; a '
-                   'second Ctrl-C stops at once')
+      logging.info(
+        'SIGTERM or Ctrl-C saves a checkpoint at the end of the current loop; a '
+        'second Ctrl-C stops at once'
+      )
       # One long-lived thread: every compiled call runs on the same thread.
       self._executor = concurrent.futures.ThreadPoolExecutor(
-          max_workers=1, thread_name_prefix='compiled-call')
+        max_workers=1, thread_name_prefix='compiled-call'
+      )
     return self
 
   def __exit__(self, *exc):

@@ -4,6 +4,7 @@ The trace covers whole compiled calls (`train.steps_per_loop` steps each), from 
 that reaches `start` to the first that reaches `end`; it lands in <workdir>/tensorboard/plugins/
 profile, the Profile tab of `tensorboard --logdir=<workdir>/tensorboard`.
 """
+
 from __future__ import annotations
 
 import tensorflow as tf

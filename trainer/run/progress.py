@@ -9,6 +9,7 @@ bar between calls (steps, the last line's loss and scale: reading fresh ones wou
 read per call; steps/s, ETA); elsewhere it does
 nothing, and logs stay plain lines. The clock is injectable for tests.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,30 +26,48 @@ def _eta(remaining_steps: int, steps_per_sec: float) -> str:
   return str(datetime.timedelta(seconds=round(remaining_steps / steps_per_sec)))
 
 
-def line(*, step: int, total: int, metrics: dict[str, float], learning_rate: float,
-         scale: float, skipped: int, steps_per_sec: float, nonfinite_loss: int = 0) -> str:
+def line(
+  *,
+  step: int,
+  total: int,
+  metrics: dict[str, float],
+  learning_rate: float,
+  scale: float,
+  skipped: int,
+  steps_per_sec: float,
+  nonfinite_loss: int = 0,
+) -> str:
   _last_values.clear()
   _last_values.update({'loss': metrics.get('loss', float('nan')), 'scale': scale, 'step': step})
   shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items())
-  return (f'step {step}/{total} ({100.0 * step / max(total, 1):.0f}%) | {shown} | '
-          f'lr {learning_rate:.2e} | scale {scale:g} | skipped {skipped} | '
-          + (f'non-finite loss in {nonfinite_loss} steps | ' if nonfinite_loss else '')
-          + f'{steps_per_sec:.1f} steps/s | ETA {_eta(total - step, steps_per_sec)}')
+  return (
+    f'step {step}/{total} ({100.0 * step / max(total, 1):.0f}%) | {shown} | '
+    f'lr {learning_rate:.2e} | scale {scale:g} | skipped {skipped} | '
+    + (f'non-finite loss in {nonfinite_loss} steps | ' if nonfinite_loss else '')
+    + f'{steps_per_sec:.1f} steps/s | ETA {_eta(total - step, steps_per_sec)}'
+  )
 
 
 class Progress:
   """Cadence of the progress lines and the live bar of one `train()` call."""
 
-  def __init__(self, *, total: int, log_every: int, first_step: int = 0,
-               max_interval: float = MAX_INTERVAL, clock=time.monotonic, stream=None,
-               live: bool | None = None):
+  def __init__(
+    self,
+    *,
+    total: int,
+    log_every: int,
+    first_step: int = 0,
+    max_interval: float = MAX_INTERVAL,
+    clock=time.monotonic,
+    stream=None,
+    live: bool | None = None,
+  ):
     self.total = int(total)
     self.log_every = int(log_every)
     self.max_interval = float(max_interval)
     self.clock = clock
     self.stream = stream or sys.stderr
-    self.live = (live if live is not None
-                 else bool(getattr(self.stream, 'isatty', lambda: False)()))
+    self.live = live if live is not None else bool(getattr(self.stream, 'isatty', lambda: False)())
     self._first = True
     self._last_line = clock()
     self._start = (first_step, self._last_line)  # for the bar's steps/s over the whole run
@@ -58,8 +77,12 @@ class Progress:
     """Whether the call that reached `step` gets a progress line; records it when it does."""
     now = self.clock() if now is None else now
     self.clear()  # the bar is shown during a call; what the host logs after it starts clean
-    due = (self._first or step % self.log_every == 0 or step >= self.total
-           or now - self._last_line >= self.max_interval)
+    due = (
+      self._first
+      or step % self.log_every == 0
+      or step >= self.total
+      or now - self._last_line >= self.max_interval
+    )
     if due:
       self._first = False
       self._last_line = now

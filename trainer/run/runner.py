@@ -14,6 +14,7 @@ preemption notice saves and raises `Preempted`. Every event goes to the built-in
 (the numerics line, the config's early stopping and best checkpoint), then to the trainer's
 `build_actions()`, all through the same API (trainer/run/actions.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,17 @@ from absl import flags, logging
 from trainer.errors import CollapseError, DivergenceError, NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
 from trainer.insight.divergence import DivergenceMonitor
-from trainer.run import (actions, checkpoints, epochs, goodput, health, lifecycle, preemption,
-                         profiling, progress)
+from trainer.run import (
+  actions,
+  checkpoints,
+  epochs,
+  goodput,
+  health,
+  lifecycle,
+  preemption,
+  profiling,
+  progress,
+)
 from trainer.run.workdir import Workdir
 from trainer.data import checks
 from trainer.step import contract
@@ -44,13 +54,19 @@ class Runner:
     self.trainer = t = trainer
     self.config = c = t.config
     with t.strategy.scope():
-      self.eval_loop = EvalLoop(strategy=t.strategy, compute_loss=t.compute_loss,
-                                metric_names=t.metric_names, metrics=t.eval_metrics)
+      self.eval_loop = EvalLoop(
+        strategy=t.strategy,
+        compute_loss=t.compute_loss,
+        metric_names=t.metric_names,
+        metrics=t.eval_metrics,
+      )
     # The first eval batch (read by build unless given): the start-of-run loss, the probe's.
-    self.first_eval_batch = (checks.first_eval_batch(t.datasets) if first_eval_batch is None
-                             else first_eval_batch)
-    self.numerics = numerics.Recorder(t, c.numerics.every, self.write_scalars,
-                                      batch=self.first_eval_batch)
+    self.first_eval_batch = (
+      checks.first_eval_batch(t.datasets) if first_eval_batch is None else first_eval_batch
+    )
+    self.numerics = numerics.Recorder(
+      t, c.numerics.every, self.write_scalars, batch=self.first_eval_batch
+    )
     user_actions = list(t.build_actions())
     contract.check_actions(user_actions)
     config_actions = actions.from_config(c, self.eval_loop.reports)
@@ -65,8 +81,9 @@ class Runner:
         self.lr_factor = state_variable(1.0, tf.float64, 'lr_factor')
       schedule, factor = t.learning_rate, self.lr_factor
       # In float64: factors such as 1e-40 (taming a learning rate of 1e38) are no float32.
-      t.learning_rate = lambda step: tf.cast(tf.cast(schedule(step), tf.float64) * factor,
-                                             tf.float32)
+      t.learning_rate = lambda step: tf.cast(
+        tf.cast(schedule(step), tf.float64) * factor, tf.float32
+      )
       self.items['lr_factor'] = self.lr_factor
     self.recoveries = 0
     self.health = health.Health()
@@ -88,7 +105,8 @@ class Runner:
     t = self.trainer
     source = self.config.train.init_from
     restored = self.workdir.restore_for_training(
-        init=(lambda: lifecycle.init_from(t, source)) if source else None)
+      init=(lambda: lifecycle.init_from(t, source)) if source else None
+    )
     if restored:
       logging.info('resumed from %s at step %d', restored, int(t.global_step.numpy()))
     return int(t.global_step.numpy())
@@ -112,10 +130,11 @@ class Runner:
       return
     newest = self.workdir.latest_checkpoint
     raise NonFiniteError(
-        f'step {int(self.trainer.global_step.numpy())}: the training state is not finite '
-        f'({checkpoints.describe_nonfinite(bad)}); not saved. '
-        + (f'The newest checkpoint, {newest}, is finite; ' if newest else '')
-        + 'lower config.optimizer.learning_rate, use a loss scale, or check the input data.')
+      f'step {int(self.trainer.global_step.numpy())}: the training state is not finite '
+      f'({checkpoints.describe_nonfinite(bad)}); not saved. '
+      + (f'The newest checkpoint, {newest}, is finite; ' if newest else '')
+      + 'lower config.optimizer.learning_rate, use a loss scale, or check the input data.'
+    )
 
   def checkpoint_variables(self) -> list:
     """Every variable a checkpoint saves (what check_finite_state checks)."""
@@ -146,17 +165,32 @@ class Runner:
     metrics. Ends early, with a checkpoint, when an action calls `request_stop`."""
     tr, t = self.trainer, self.config.train
     p = self.config.precision  # precision hazards: one warning line each
-    audit.check_at_start(tr.model, tr.policy, p.allow_low_precision_variables,
-                         p.master_weights != 'float32', audit.forward(tr))
+    audit.check_at_start(
+      tr.model,
+      tr.policy,
+      p.allow_low_precision_variables,
+      p.master_weights != 'float32',
+      audit.forward(tr),
+    )
     step = self.restore()
     self.clock.skipped_from = int(tr.train_step.skipped_steps.numpy())  # this process's skips
     total = tr.total_steps
-    logging.info('training %s: %d steps, global batch %d, policy %s, loss scale %s, %d '
-                 'replica(s)', type(tr).__name__, total, t.batch_size, tr.policy,
-                 tr.loss_scaler.mode, tr.strategy.num_replicas_in_sync)
+    logging.info(
+      'training %s: %d steps, global batch %d, policy %s, loss scale %s, %d replica(s)',
+      type(tr).__name__,
+      total,
+      t.batch_size,
+      tr.policy,
+      tr.loss_scaler.mode,
+      tr.strategy.num_replicas_in_sync,
+    )
     if step >= total:
-      logging.info('the run is already at step %d of %d: nothing to train, evaluating only (to '
-                   'train further, raise config.train.steps or config.train.epochs)', step, total)
+      logging.info(
+        'the run is already at step %d of %d: nothing to train, evaluating only (to '
+        'train further, raise config.train.steps or config.train.epochs)',
+        step,
+        total,
+      )
     train_ds = tr.datasets.train.skip(step) if step else tr.datasets.train
     iterator = iter(tr.strategy.experimental_distribute_dataset(train_ds))
     self._train_iterator = iterator  # kept past train(): tearing it down waits for tf.data
@@ -205,16 +239,16 @@ class Runner:
           if step == total or (t.eval_every and step % t.eval_every == 0):
             with self.clock.timing('eval'):
               last_eval = watcher.call(self.log_eval, step)
-          saved = (step % t.checkpoint_every == 0 or step == total or
-                   self.stop_reason is not None)
+          saved = step % t.checkpoint_every == 0 or step == total or self.stop_reason is not None
           if saved:
             self.act('save', step, checkpoint=self.save())
           if watcher.should_stop(tr.strategy):  # a collective under multi_worker
             path = self.save() if not saved else None
             with self.clock.timing('checkpoint'):
               self.workdir.sync()  # a background write completes before the process ends
-            raise preemption.Preempted(watcher.reason, step, total,
-                                       path or self.workdir.latest_checkpoint)
+            raise preemption.Preempted(
+              watcher.reason, step, total, path or self.workdir.latest_checkpoint
+            )
           ticker.draw(step)  # the live bar, on a terminal
         with self.clock.timing('checkpoint'):
           self.workdir.sync()  # the last background write, complete and recorded
@@ -232,9 +266,11 @@ class Runner:
       metrics = self.log_eval(step)
     metrics.pop('_step')
     if not math.isfinite(metrics['loss']):
-      raise NonFiniteError(f'the final eval at step {step} has loss {metrics["loss"]}: the '
-                           'model does not compute finite outputs; see the skipped steps in '
-                           'the log, lower config.optimizer.learning_rate or check the data.')
+      raise NonFiniteError(
+        f'the final eval at step {step} has loss {metrics["loss"]}: the '
+        'model does not compute finite outputs; see the skipped steps in '
+        'the log, lower config.optimizer.learning_rate or check the data.'
+      )
     return metrics
 
   def run_steps(self, iterator, num_steps: int) -> int:
@@ -255,9 +291,12 @@ class Runner:
       skipped = counters.skipped_steps
       step = counters.global_step
       if counters.consecutive >= ts.guard.max_consecutive_skips > 0:
-        ts.guard.check(step=step, scaler=tr.loss_scaler,
-                       checkpoint=self.workdir.latest_checkpoint,
-                       healthy=health.describe(self.workdir.healthy_record()))
+        ts.guard.check(
+          step=step,
+          scaler=tr.loss_scaler,
+          checkpoint=self.workdir.latest_checkpoint,
+          healthy=health.describe(self.workdir.healthy_record()),
+        )
       if step >= target:
         break
       # Stopped early, right after a skipped step: replay it, then run the rest of the call.
@@ -278,36 +317,60 @@ class Runner:
     # batch when it reshuffles, augments at random or is non-deterministic).
     batch = tr.train_step.kept_batch.read() if tr.train_step.kept_batch is not None else None
     if batch is None:
-      logging.warning('step %d: the skipped step\'s batch was not kept; replaying element %d of '
-                      'datasets.train, which differs when the pipeline reshuffles', step, step)
+      logging.warning(
+        "step %d: the skipped step's batch was not kept; replaying element %d of "
+        'datasets.train, which differs when the pipeline reshuffles',
+        step,
+        step,
+      )
       batch = next(iter(tr.datasets.train.skip(step)))
     self.workdir.open_for_writing(step)
     try:
-      forensics.record(tr, batch, step,
-                       loss_scale=float(tr.train_step.guard.last_scale.numpy()))
+      forensics.record(tr, batch, step, loss_scale=float(tr.train_step.guard.last_scale.numpy()))
     except UserError as e:  # a planted symlink, a full disk: refused, said in one line
       logging.warning('step %d: %s; training goes on', step, e)
     except Exception as e:  # pylint: disable=broad-except  (diagnostics never end a run)
-      logging.warning('step %d: the forensic replay failed (%s: %s); training goes on', step,
-                      type(e).__name__, (str(e).strip().splitlines() or [''])[-1][:200])
+      logging.warning(
+        'step %d: the forensic replay failed (%s: %s); training goes on',
+        step,
+        type(e).__name__,
+        (str(e).strip().splitlines() or [''])[-1][:200],
+      )
 
   def log_progress(self, step: int, steps_per_sec: float) -> dict[str, float]:
     """Reads and resets the step outputs' sums; writes the progress line and TensorBoard
     scalars; returns the metrics it logged."""
     tr = self.trainer
     outputs = tr.train_step.read_outputs()
-    counts = {k: outputs.pop(k) for k in ('steps', 'skipped', 'nonfinite_loss')
-              if k in outputs}
+    counts = {k: outputs.pop(k) for k in ('steps', 'skipped', 'nonfinite_loss') if k in outputs}
     lr = float(tr.learning_rate(step))
     scale = float(tr.loss_scaler.scale.numpy())
     skipped = int(tr.train_step.skipped_steps.numpy())
     nonfinite = counts.get('nonfinite_loss', 0)
-    logging.info(progress.line(step=step, total=tr.total_steps, metrics=outputs,
-                               learning_rate=lr, scale=scale, skipped=skipped,
-                               steps_per_sec=steps_per_sec, nonfinite_loss=nonfinite))
-    self.write_scalars('train', {**outputs, 'learning_rate': lr, 'loss_scale': scale,
-                                 'skipped_steps': skipped, 'nonfinite_loss_steps': nonfinite,
-                                 'steps_per_sec': steps_per_sec}, step)
+    logging.info(
+      progress.line(
+        step=step,
+        total=tr.total_steps,
+        metrics=outputs,
+        learning_rate=lr,
+        scale=scale,
+        skipped=skipped,
+        steps_per_sec=steps_per_sec,
+        nonfinite_loss=nonfinite,
+      )
+    )
+    self.write_scalars(
+      'train',
+      {
+        **outputs,
+        'learning_rate': lr,
+        'loss_scale': scale,
+        'skipped_steps': skipped,
+        'nonfinite_loss_steps': nonfinite,
+        'steps_per_sec': steps_per_sec,
+      },
+      step,
+    )
     return outputs
 
   def recover(self, reason: str, error: Exception | None = None) -> int:
@@ -320,12 +383,19 @@ class Runner:
     failed = int(tr.global_step.numpy())
     if self.recoveries >= t.recover_tries or record is None:
       if error is None:
-        logging.warning('%s; no recovery left (%d of config.train.recover_tries=%d done, %s)',
-                        reason, self.recoveries, t.recover_tries, health.describe(record))
+        logging.warning(
+          '%s; no recovery left (%d of config.train.recover_tries=%d done, %s)',
+          reason,
+          self.recoveries,
+          t.recover_tries,
+          health.describe(record),
+        )
         return failed
       if self.recoveries:
-        raise CollapseError(f'{error} ({self.recoveries} recoveries of '
-                            f'config.train.recover_tries={t.recover_tries} done)') from None
+        raise CollapseError(
+          f'{error} ({self.recoveries} recoveries of '
+          f'config.train.recover_tries={t.recover_tries} done)'
+        ) from None
       raise error
     factor = float(self.lr_factor.numpy()) if self.lr_factor is not None else 1.0
     path = self.workdir.healthy_path()
@@ -338,12 +408,22 @@ class Runner:
     step = int(tr.global_step.numpy())
     self.health.bad = False
     self.clock.redone(failed - step)
-    logging.warning('recovery %d of %d: %s; restored the checkpoint (%s) and go on from step %d '
-                    'with the data after step %d%s', self.recoveries, t.recover_tries,
-                    reason.split('. ')[0], health.describe(record), step, failed,
-                    f', learning rate x{factor:g}' if self.lr_factor is not None else '')
-    self.write_scalars('recovery', {'recoveries': self.recoveries, 'redone_steps': failed - step,
-                                    'lr_factor': factor}, failed)
+    logging.warning(
+      'recovery %d of %d: %s; restored the checkpoint (%s) and go on from step %d '
+      'with the data after step %d%s',
+      self.recoveries,
+      t.recover_tries,
+      reason.split('. ')[0],
+      health.describe(record),
+      step,
+      failed,
+      f', learning rate x{factor:g}' if self.lr_factor is not None else '',
+    )
+    self.write_scalars(
+      'recovery',
+      {'recoveries': self.recoveries, 'redone_steps': failed - step, 'lr_factor': factor},
+      failed,
+    )
     return step
 
   def _sync_quietly(self) -> None:
@@ -363,6 +443,7 @@ class Runner:
         self.write_scalars('goodput', shares, step)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning('goodput not reported (%s: %s)', type(e).__name__, e)
+
   def first_loss(self) -> float:
     """The mean loss of the first eval batch at the current weights (one forward pass): where
     the divergence monitor's running minimum starts."""
@@ -385,16 +466,20 @@ class Runner:
     written before the divergence was seen, stays the newest)."""
     if self.config.numerics.divergence_stop:
       newest = self.workdir.latest_checkpoint
-      raise DivergenceError(line + '. Stopped (config.numerics.divergence_stop=True); ' + (
-          f'the newest checkpoint, {newest}, was written before it' if newest else
-          'no checkpoint was written yet'))
+      raise DivergenceError(
+        line
+        + '. Stopped (config.numerics.divergence_stop=True); '
+        + (
+          f'the newest checkpoint, {newest}, was written before it'
+          if newest
+          else 'no checkpoint was written yet'
+        )
+      )
 
   def log_eval(self, step: int) -> dict[str, float]:
     """One eval, its line, its scalars and an 'eval' event; the metrics with '_step'."""
     metrics = self.evaluate()
-    logging.info('eval at step %d: %s', step,
-                 ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
+    logging.info('eval at step %d: %s', step, ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
     self.write_scalars('eval', metrics, step)
     self.act('eval', step, metrics)
     return {**metrics, '_step': step}
-

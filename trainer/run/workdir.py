@@ -35,6 +35,7 @@ Under multi_worker only the chief writes the workdir and takes the lock. Saving 
 collective ops, so every other worker saves too, into a temporary folder removed right after
 each save (`distribute.scratch_dir`); its summaries go nowhere.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,15 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.run import async_copy, checkpoint_files, checkpoints
-from trainer.run.config_record import (CONFIG, RESUMABLE, changed_keys, computes,
-                                       config_records, describe_change, read_config)
+from trainer.run.config_record import (
+  CONFIG,
+  RESUMABLE,
+  changed_keys,
+  computes,
+  config_records,
+  describe_change,
+  read_config,
+)
 from trainer.step import distribute
 from trainer.run import lock as workdir_lock
 from trainer.errors import ConfigError, UserError
@@ -58,15 +66,18 @@ HEALTHY = 'healthy.json'  # in checkpoints/: the last healthy checkpoint (traine
 CHECKPOINTS = 'checkpoints'
 TENSORBOARD = 'tensorboard'
 
+
 def local_path(path: str, flag: str = '--workdir') -> str:
   """`path` made absolute; ConfigError for a URL (gs://, s3://, hdfs://, ...). The workdir's
   guarantees (the lock, writes that never follow a symlink, atomic config records) are made with
   the local file system's calls, which an object store does not offer; a bucket mounted as a
   folder (gcsfuse, s3fs) or a shared file system (NFS) is a path like any other."""
   if '://' in str(path):
-    raise ConfigError(f'{flag}={path}: a URL is not a workdir this framework can lock and write '
-                      'safely; mount the bucket as a folder (e.g. gcsfuse) or use a shared file '
-                      f'system, and pass {flag}=<that folder>/...')
+    raise ConfigError(
+      f'{flag}={path}: a URL is not a workdir this framework can lock and write '
+      'safely; mount the bucket as a folder (e.g. gcsfuse) or use a shared file '
+      f'system, and pass {flag}=<that folder>/...'
+    )
   return os.path.abspath(path)
 
 
@@ -83,8 +94,10 @@ def write_json(path: str, value: dict) -> None:
   except OSError as e:  # disk full, quota: nothing half-written stays behind
     if os.path.lexists(tmp):
       os.remove(tmp)
-    raise ConfigError(f'could not write {path} ({e.strerror}); free disk space or pass '
-                      '--workdir=<a folder you can write>.') from None
+    raise ConfigError(
+      f'could not write {path} ({e.strerror}); free disk space or pass '
+      '--workdir=<a folder you can write>.'
+    ) from None
   except BaseException:
     if os.path.lexists(tmp):
       os.remove(tmp)
@@ -95,8 +108,15 @@ class Workdir:
   """A run folder: `checkpoint` (a tf.train.Checkpoint) is what it saves; `items` (default: the
   checkpoint) is what restores read, passed to `checkpoints.restore_newest_readable`."""
 
-  def __init__(self, path: str, checkpoint: tf.train.Checkpoint, config, *,
-               strategy: tf.distribute.Strategy, items=None):
+  def __init__(
+    self,
+    path: str,
+    checkpoint: tf.train.Checkpoint,
+    config,
+    *,
+    strategy: tf.distribute.Strategy,
+    items=None,
+  ):
     self.path = local_path(path)
     self.checkpoint = checkpoint
     self.items = checkpoint if items is None else items
@@ -123,8 +143,12 @@ class Workdir:
       saved = {}
     changed = changed_keys(saved, json.loads(json.dumps(self.config.to_dict()))) if saved else []
     if other := [k for k in changed if computes(k)]:
-      logging.warning('%s; this config is used', describe_change(
-          saved, self.config, other, f'the run in {self.path} was trained with another config'))
+      logging.warning(
+        '%s; this config is used',
+        describe_change(
+          saved, self.config, other, f'the run in {self.path} was trained with another config'
+        ),
+      )
     return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir, read_only=True)
 
   # ---- training --------------------------------------------------------------------------------
@@ -166,7 +190,7 @@ class Workdir:
     manager = self._manager
     # pylint: disable=protected-access  (CheckpointManager offers no way to keep one checkpoint)
     pending = list(manager._maybe_delete)  # oldest first; the save removes the oldest ones
-    if keep in pending[:max(0, len(pending) + 1 - manager._max_to_keep)]:
+    if keep in pending[: max(0, len(pending) + 1 - manager._max_to_keep)]:
       manager._maybe_delete.pop(keep)  # out of rotation (and of the state file; `find` lists it)
     asynchronous = bool(self.config.train.async_checkpoint) and not self.scratch
     if asynchronous:
@@ -195,8 +219,10 @@ class Workdir:
       checkpoints.sync(self.checkpoint, self._manager, step)
     logging.info('saved checkpoint %s', path)
     if healthy:
-      write_json(os.path.join(self.checkpoint_dir, HEALTHY),
-                 {'checkpoint': os.path.basename(path), 'step': step, 'loss': loss})
+      write_json(
+        os.path.join(self.checkpoint_dir, HEALTHY),
+        {'checkpoint': os.path.basename(path), 'step': step, 'loss': loss},
+      )
       if keep and keep != path and keep not in self._manager.checkpoints:
         checkpoints.remove(keep)  # the previous healthy one, kept out of rotation until now
 
@@ -210,7 +236,8 @@ class Workdir:
     except (OSError, ValueError, KeyError, TypeError):
       return None
     if not re.fullmatch(r'ckpt-\d+', name) or not os.path.isfile(
-        os.path.join(self.checkpoint_dir, name + '.index')):
+      os.path.join(self.checkpoint_dir, name + '.index')
+    ):
       return None
     return record
 
@@ -255,34 +282,42 @@ class Workdir:
   def _check(self) -> None:
     """Read-only checks before anything is written: UserError/ConfigError, one line each."""
     if os.path.exists(self.path) and not os.path.isdir(self.path):
-      raise ConfigError(f'workdir {self.path} is a file, not a folder; pass --workdir=<a '
-                        'folder>.')
+      raise ConfigError(f'workdir {self.path} is a file, not a folder; pass --workdir=<a folder>.')
     for name in (CHECKPOINTS, TENSORBOARD):
       sub = os.path.join(self.path, name)
       if os.path.lexists(sub) and not os.path.isdir(sub):
-        raise UserError(f'{sub} is a file, not a folder; move it out of the workdir or use a '
-                        'new --workdir.')
+        raise UserError(
+          f'{sub} is a file, not a folder; move it out of the workdir or use a new --workdir.'
+        )
     state = os.path.join(self.checkpoint_dir, checkpoint_files.STATE_FILE)
     if os.path.isdir(state):  # the manager rewrites it by a rename, which a folder refuses
-      raise UserError(f'{state} is a folder, not the checkpoint state file; move it out of the '
-                      'workdir (the ckpt-N files next to it are kept and resumed from).')
+      raise UserError(
+        f'{state} is a folder, not the checkpoint state file; move it out of the '
+        'workdir (the ckpt-N files next to it are kept and resumed from).'
+      )
     saved = read_config(self.path)
     if saved is None or not checkpoint_files.find(self.checkpoint_dir):
       return  # nothing to resume: the current config starts (or restarts) the run
     changed = changed_keys(saved, json.loads(json.dumps(self.config.to_dict())))
     other = [k for k in changed if k not in RESUMABLE]
     if other and not self.config.train.accept_config_change:
-      raise ConfigError(describe_change(
-          saved, self.config, other, f'workdir {self.path} holds a run trained with another '
-          'config') + '; resuming would ignore or mix the change. Use a new workdir for the new '
-          'config, or set config.train.accept_config_change=True to resume this run with it.')
+      raise ConfigError(
+        describe_change(
+          saved, self.config, other, f'workdir {self.path} holds a run trained with another config'
+        )
+        + '; resuming would ignore or mix the change. Use a new workdir for the new '
+        'config, or set config.train.accept_config_change=True to resume this run with it.'
+      )
     if changed:  # _record_config names the file once the step resumed from is known
       logging.warning('resuming %s with a changed config (%s)', self.path, ', '.join(changed))
-      if {'train.steps', 'train.epochs'} & set(changed) and self.config.optimizer.schedule \
-          == 'cosine':
-        logging.warning('the cosine learning-rate schedule now spans the new run length: the '
-                        'rate from the resumed step on follows the new curve (it rises again '
-                        'when the run grows)')
+      if {'train.steps', 'train.epochs'} & set(
+        changed
+      ) and self.config.optimizer.schedule == 'cosine':
+        logging.warning(
+          'the cosine learning-rate schedule now spans the new run length: the '
+          'rate from the resumed step on follows the new curve (it rises again '
+          'when the run grows)'
+        )
 
   def _acquire(self) -> None:
     if not self.is_chief or self._lock is not None:
@@ -293,8 +328,10 @@ class Workdir:
       self._lock = workdir_lock.acquire(self.path)
     except OSError as e:
       self._remove_if_created_empty()
-      raise ConfigError(f'workdir {self.path} is not writable ({e.strerror}); pass '
-                        '--workdir=<a folder you can write>.') from None
+      raise ConfigError(
+        f'workdir {self.path} is not writable ({e.strerror}); pass '
+        '--workdir=<a folder you can write>.'
+      ) from None
 
   def _remove_if_created_empty(self) -> None:
     if getattr(self, '_created', False) and os.path.isdir(self.path) and not os.listdir(self.path):
@@ -313,13 +350,16 @@ class Workdir:
     try:
       self._record_config(resumed, step)
     except OSError as e:
-      raise ConfigError(f'workdir {self.path}: cannot write the config record ({e.strerror}); '
-                        'free some space or pass another --workdir.') from None
+      raise ConfigError(
+        f'workdir {self.path}: cannot write the config record ({e.strerror}); '
+        'free some space or pass another --workdir.'
+      ) from None
     # A copied or moved run's state file may name checkpoints by absolute path: rotation must
     # delete this run's files only (checkpoint_files.own_state).
     checkpoint_files.own_state(self.checkpoint_dir)
-    self._manager = tf.train.CheckpointManager(self.checkpoint, self.checkpoint_dir,
-                                               max_to_keep=self.config.train.max_to_keep)
+    self._manager = tf.train.CheckpointManager(
+      self.checkpoint, self.checkpoint_dir, max_to_keep=self.config.train.max_to_keep
+    )
     self._writer = tf.summary.create_file_writer(os.path.join(self.path, TENSORBOARD))
 
   def _record_config(self, resumed: bool, step: int) -> None:
@@ -335,5 +375,8 @@ class Workdir:
       write_json(os.path.join(self.path, CONFIG), current)
     elif changed_keys(saved, current):
       write_json(os.path.join(self.path, f'config-step-{step}.json'), current)
-      logging.warning('the changed config is recorded as config-step-%d.json (config.json keeps '
-                      'the first run\'s record)', step)
+      logging.warning(
+        'the changed config is recorded as config-step-%d.json (config.json keeps '
+        "the first run's record)",
+        step,
+      )

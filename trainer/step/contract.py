@@ -12,6 +12,7 @@ line: the hook, what it returned, the fix) before the workdir is opened, so a fa
 writes nothing. Caught here: shapes that only broadcast by accident (labels [B, 1] against
 predictions [B] give a [B, B] metric), a batch mean in place of per-example values (shape []).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -28,8 +29,17 @@ from trainer.errors import UserError
 
 
 # Names of the step's own outputs and of the trainer's scalars: a metric cannot take them.
-RESERVED = ('loss', 'steps', 'skipped', 'nonfinite_loss', 'learning_rate', 'loss_scale',
-            'skipped_steps', 'nonfinite_loss_steps', 'steps_per_sec')
+RESERVED = (
+  'loss',
+  'steps',
+  'skipped',
+  'nonfinite_loss',
+  'learning_rate',
+  'loss_scale',
+  'skipped_steps',
+  'nonfinite_loss_steps',
+  'steps_per_sec',
+)
 
 
 def _describe(value) -> str:
@@ -42,10 +52,14 @@ def _describe(value) -> str:
 
 # How the trainer calls each hook: positional argument names, keyword arguments.
 HOOK_CALLS = {
-    'build_datasets': ((), {}), 'build_model': ((), {}),
-    'compute_loss': (('batch',), {'training': False}),
-    'build_optimizer': (('learning_rate',), {}), 'build_metrics': ((), {}),
-    'build_train_step': ((), {}), 'checkpoint_items': ((), {}), 'build_actions': ((), {}),
+  'build_datasets': ((), {}),
+  'build_model': ((), {}),
+  'compute_loss': (('batch',), {'training': False}),
+  'build_optimizer': (('learning_rate',), {}),
+  'build_metrics': ((), {}),
+  'build_train_step': ((), {}),
+  'checkpoint_items': ((), {}),
+  'build_actions': ((), {}),
 }
 REQUIRED_HOOKS = ('build_datasets', 'build_model', 'compute_loss')
 
@@ -62,12 +76,18 @@ def check_hooks(trainer, base: type) -> None:
   later, with a traceback, some of them only at the first log line)."""
   cls = type(trainer)
   # A hook may also be an instance attribute set before super().__init__().
-  missing = [n for n in REQUIRED_HOOKS
-             if getattr(cls, n, None) is getattr(base, n) and n not in vars(trainer)]
+  missing = [
+    n
+    for n in REQUIRED_HOOKS
+    if getattr(cls, n, None) is getattr(base, n) and n not in vars(trainer)
+  ]
   if missing:
-    raise UserError(f'{cls.__name__} does not define {", ".join(missing)}: a Trainer subclass '
-                    'defines ' + ', '.join(f'`{_expected(n)}`' for n in missing) +
-                    ' (README: "Write your own model")')
+    raise UserError(
+      f'{cls.__name__} does not define {", ".join(missing)}: a Trainer subclass '
+      'defines '
+      + ', '.join(f'`{_expected(n)}`' for n in missing)
+      + ' (README: "Write your own model")'
+    )
   for name, (args, kwargs) in HOOK_CALLS.items():
     if getattr(cls, name, None) is getattr(base, name) and name not in vars(trainer):
       continue
@@ -79,36 +99,47 @@ def check_hooks(trainer, base: type) -> None:
     try:
       signature.bind(*args, **kwargs)
     except TypeError as e:
-      raise UserError(f'{cls.__name__}.{name}{signature} cannot be called as the trainer calls '
-                      f'it ({e}); define it as `{_expected(name)}`') from None
+      raise UserError(
+        f'{cls.__name__}.{name}{signature} cannot be called as the trainer calls '
+        f'it ({e}); define it as `{_expected(name)}`'
+      ) from None
 
 
 def check_model(model) -> None:
   """build_model()'s result is a Keras model whose name TensorFlow takes as a scope name."""
   if not isinstance(model, keras.Model):
     hint = ' (did you forget the return?)' if model is None else ''
-    raise UserError(f'build_model returned {"None" if model is None else type(model).__name__}; '
-                    'return a keras.Model, e.g. keras.Sequential([keras.Input(shape), ...]) or '
-                    f'keras.Model(inputs, outputs){hint}')
+    raise UserError(
+      f'build_model returned {"None" if model is None else type(model).__name__}; '
+      'return a keras.Model, e.g. keras.Sequential([keras.Input(shape), ...]) or '
+      f'keras.Model(inputs, outputs){hint}'
+    )
   if not re.fullmatch(r'[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*', model.name):  # TF's root scope names
-    raise UserError(f'build_model returned a model named {model.name!r} (Keras names it after its '
-                    f'class, {type(model).__name__}), which TensorFlow refuses as a name scope: '
-                    'evaluation and export would fail; give it a name that starts with a letter '
-                    "(in a subclass: super().__init__(name='net', **kwargs))")
+    raise UserError(
+      f'build_model returned a model named {model.name!r} (Keras names it after its '
+      f'class, {type(model).__name__}), which TensorFlow refuses as a name scope: '
+      'evaluation and export would fail; give it a name that starts with a letter '
+      "(in a subclass: super().__init__(name='net', **kwargs))"
+    )
 
 
 def check_metrics(metrics) -> None:
   """build_metrics()'s result is {name: keras metric}."""
   if not isinstance(metrics, Mapping):
-    raise UserError(f'build_metrics returned {type(metrics).__name__}; return a dict '
-                    "{name: keras metric}, e.g. {'auc': keras.metrics.AUC(from_logits=True)}")
+    raise UserError(
+      f'build_metrics returned {type(metrics).__name__}; return a dict '
+      "{name: keras metric}, e.g. {'auc': keras.metrics.AUC(from_logits=True)}"
+    )
   for name, metric in metrics.items():
     # Keras metrics, or anything with their three methods (duck-typed, as the loops use it).
-    if not all(callable(getattr(metric, m, None))
-               for m in ('update_state', 'result', 'reset_state')) or isinstance(metric, type):
-      raise UserError(f'build_metrics returned {type(metric).__name__} for {name!r}; each value '
-                      'must be a keras.metrics.Metric instance (note the parentheses: '
-                      'keras.metrics.AUC())')
+    if not all(
+      callable(getattr(metric, m, None)) for m in ('update_state', 'result', 'reset_state')
+    ) or isinstance(metric, type):
+      raise UserError(
+        f'build_metrics returned {type(metric).__name__} for {name!r}; each value '
+        'must be a keras.metrics.Metric instance (note the parentheses: '
+        'keras.metrics.AUC())'
+      )
 
 
 def check_actions(actions) -> None:
@@ -116,20 +147,27 @@ def check_actions(actions) -> None:
   for action in actions:
     name = getattr(action, '__name__', type(action).__name__)
     if not callable(action):
-      raise UserError(f'build_actions returned {type(action).__name__}, not a callable; an '
-                      'action is a function taking one trainer.Event')
+      raise UserError(
+        f'build_actions returned {type(action).__name__}, not a callable; an '
+        'action is a function taking one trainer.Event'
+      )
     try:
       inspect.signature(action).bind(None)
     except (TypeError, ValueError) as e:
       if isinstance(e, ValueError):  # no signature to read (a builtin): not checked
         continue
-      raise UserError(f'build_actions: action {name} cannot be called with one event ({e}); '
-                      f'define it as `def {name}(event):` (a trainer.Event)') from None
+      raise UserError(
+        f'build_actions: action {name} cannot be called with one event ({e}); '
+        f'define it as `def {name}(event):` (a trainer.Event)'
+      ) from None
 
 
 def _batch_size(batch) -> int | None:
-  sizes = {int(t.shape[0]) for t in tf.nest.flatten(batch)
-           if hasattr(t, 'shape') and t.shape.rank and t.shape[0] is not None}
+  sizes = {
+    int(t.shape[0])
+    for t in tf.nest.flatten(batch)
+    if hasattr(t, 'shape') and t.shape.rank and t.shape[0] is not None
+  }
   return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -138,73 +176,110 @@ def check_outputs(batch, outputs, stateful=()) -> dict:
   `stateful` (the Trainer's build_metrics()) are update_state arguments, not [B] values."""
   pair = isinstance(outputs, (tuple, list)) and len(outputs) == 2
   if pair and not isinstance(outputs[1], Mapping):
-    raise UserError(f'compute_loss returned (loss, {_describe(outputs[1])}); the second item must '
-                    'be a dict {metric name: per-example value [B]}, e.g. '
-                    "`return loss, {'accuracy': correct}`, or `return loss, {}` for none")
+    raise UserError(
+      f'compute_loss returned (loss, {_describe(outputs[1])}); the second item must '
+      'be a dict {metric name: per-example value [B]}, e.g. '
+      "`return loss, {'accuracy': correct}`, or `return loss, {}` for none"
+    )
   if not pair:
-    what = (f'a {type(outputs).__name__} of {len(outputs)}' if isinstance(outputs, (tuple, list))
-            else _describe(outputs))
-    raise UserError(f'compute_loss returned {what}; return a pair (per-example loss [B], '
-                    '{metric name: per-example value [B]}), e.g. `return loss, {}` when there '
-                    'are no metrics')
+    what = (
+      f'a {type(outputs).__name__} of {len(outputs)}'
+      if isinstance(outputs, (tuple, list))
+      else _describe(outputs)
+    )
+    raise UserError(
+      f'compute_loss returned {what}; return a pair (per-example loss [B], '
+      '{metric name: per-example value [B]}), e.g. `return loss, {}` when there '
+      'are no metrics'
+    )
   loss, metrics = outputs
   b = _batch_size(batch)
   batch_shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
-  labelish = [t for t in tf.nest.flatten(batch)
-              if hasattr(t, 'shape') and t.shape.rank == 2 and t.shape[-1] == 1]
-  hint_11 = (f'; the batch holds a {_describe(labelish[0])} tensor: flatten labels to [B] '
-             '(y.reshape(-1) or tf.squeeze(y, -1)) so they compare with predictions [B]'
-             if labelish else '; a [B, 1] tensor compared with a [B] one broadcasts to '
-             '[B, B]: flatten it to [B]')
+  labelish = [
+    t
+    for t in tf.nest.flatten(batch)
+    if hasattr(t, 'shape') and t.shape.rank == 2 and t.shape[-1] == 1
+  ]
+  hint_11 = (
+    f'; the batch holds a {_describe(labelish[0])} tensor: flatten labels to [B] '
+    '(y.reshape(-1) or tf.squeeze(y, -1)) so they compare with predictions [B]'
+    if labelish
+    else '; a [B, 1] tensor compared with a [B] one broadcasts to [B, B]: flatten it to [B]'
+  )
 
   def per_example(kind: str, value, fix_scalar: str):
     if not hasattr(value, 'shape') or not hasattr(value, 'dtype'):
-      raise UserError(f'compute_loss returned {kind} of type {type(value).__name__}; return a '
-                      'tensor with one value per example, shape [B]')
+      raise UserError(
+        f'compute_loss returned {kind} of type {type(value).__name__}; return a '
+        'tensor with one value per example, shape [B]'
+      )
     shape = tf.TensorShape(value.shape)
     got = _describe(value)
     if shape.rank == 0:
-      raise UserError(f'compute_loss returned {kind} as a scalar ({got}) for a batch of {b} '
-                      f'({batch_shapes}); {fix_scalar}')
+      raise UserError(
+        f'compute_loss returned {kind} as a scalar ({got}) for a batch of {b} '
+        f'({batch_shapes}); {fix_scalar}'
+      )
     if b is not None and shape.rank == 2 and shape[0] == b and shape[1] == b and b > 1:
-      raise UserError(f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
-                      f'batch of {b}: two shapes broadcast against each other{hint_11}')
+      raise UserError(
+        f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
+        f'batch of {b}: two shapes broadcast against each other{hint_11}'
+      )
     if shape.rank != 1:
-      raise UserError(f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
-                      f'batch of {b} ({batch_shapes}); it must be [B]: reduce the other axes '
-                      'per example (e.g. tf.reduce_mean(x, axis=-1)) or use a per-example '
-                      'loss such as keras.losses.sparse_categorical_crossentropy')
+      raise UserError(
+        f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
+        f'batch of {b} ({batch_shapes}); it must be [B]: reduce the other axes '
+        'per example (e.g. tf.reduce_mean(x, axis=-1)) or use a per-example '
+        'loss such as keras.losses.sparse_categorical_crossentropy'
+      )
     if b is not None and shape[0] is not None and shape[0] != b:
-      raise UserError(f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
-                      f'batch of {b} ({batch_shapes}); it must have one value per example, '
-                      f'[{b}]')
+      raise UserError(
+        f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
+        f'batch of {b} ({batch_shapes}); it must have one value per example, '
+        f'[{b}]'
+      )
 
-  per_example('the loss', loss, 'return the per-example loss, shape [B] (drop the '
-              'tf.reduce_mean: the trainer averages over the global batch)')
+  per_example(
+    'the loss',
+    loss,
+    'return the per-example loss, shape [B] (drop the '
+    'tf.reduce_mean: the trainer averages over the global batch)',
+  )
   if not tf.as_dtype(loss.dtype).is_floating:
-    raise UserError(f'compute_loss returned the loss as {_describe(loss)}; it must be '
-                    'floating-point (tf.cast(loss, tf.float32))')
+    raise UserError(
+      f'compute_loss returned the loss as {_describe(loss)}; it must be '
+      'floating-point (tf.cast(loss, tf.float32))'
+    )
   for name in metrics:
     if name in RESERVED or (isinstance(name, str) and name.startswith('_')):
-      raise UserError(f'compute_loss returned a metric named {name!r}, a name the trainer uses '
-                      f'for its own values ({", ".join(RESERVED)}; and names starting with _): '
-                      'it would replace them in the log and TensorBoard; rename the metric')
+      raise UserError(
+        f'compute_loss returned a metric named {name!r}, a name the trainer uses '
+        f'for its own values ({", ".join(RESERVED)}; and names starting with _): '
+        'it would replace them in the log and TensorBoard; rename the metric'
+      )
   for name, value in metrics.items():
     if name in stateful:
       if not isinstance(value, (tuple, list)):
-        raise UserError(f'compute_loss returned the stateful metric {name!r} as '
-                        f'{_describe(value)}; return the tuple of its update_state arguments, '
-                        f'e.g. {{{name!r}: (labels, predictions)}}')
+        raise UserError(
+          f'compute_loss returned the stateful metric {name!r} as '
+          f'{_describe(value)}; return the tuple of its update_state arguments, '
+          f'e.g. {{{name!r}: (labels, predictions)}}'
+        )
       continue
     if not isinstance(name, str):
-      raise UserError(f'compute_loss returned a metric named {name!r}; metric names are '
-                      'strings')
-    per_example(f'the metric {name!r}', value, 'return one value per example, shape [B] (the '
-                'trainer averages it; a batch mean would be divided by the batch again)')
+      raise UserError(f'compute_loss returned a metric named {name!r}; metric names are strings')
+    per_example(
+      f'the metric {name!r}',
+      value,
+      'return one value per example, shape [B] (the '
+      'trainer averages it; a batch mean would be divided by the batch again)',
+    )
     dtype = tf.as_dtype(value.dtype)
     if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
-      raise UserError(f'compute_loss returned the metric {name!r} as {_describe(value)}; '
-                      'metrics must be numbers (tf.cast(value, tf.float32))')
+      raise UserError(
+        f'compute_loss returned the metric {name!r} as {_describe(value)}; '
+        'metrics must be numbers (tf.cast(value, tf.float32))'
+      )
   return dict(metrics)
 
 
@@ -215,8 +290,10 @@ def _called(compute_loss, batch, training: bool, what: str = 'the first eval bat
     return compute_loss(batch, training=training)
   except Exception as e:
     shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
-    e.add_note(f'(raised by compute_loss(batch, training={training}) on {what}, {shapes}, when '
-               'the trainer checked its hooks: trainer/step/contract.py)')
+    e.add_note(
+      f'(raised by compute_loss(batch, training={training}) on {what}, {shapes}, when '
+      'the trainer checked its hooks: trainer/step/contract.py)'
+    )
     raise
 
 
@@ -241,6 +318,7 @@ def check_gradient(batch, compute_loss, model) -> None:
   if not variables or tf.distribute.has_strategy():
     return
   from trainer.step.forward_state import forward_state_kept
+
   # One example: whether a gradient reaches the variables does not depend on the batch, and an
   # eager tape over the whole batch keeps every activation of the model (at context 512 it set
   # the process's peak RSS, above the compiled step's: docs/guides/memory.md).
@@ -254,10 +332,12 @@ def check_gradient(batch, compute_loss, model) -> None:
   if all(g is None for g in tape.gradient(tf.convert_to_tensor(loss), variables)):
     with forward_state_kept(model):  # the whole batch's loss, for the message
       loss = compute_loss(batch, training=True)[0]
-    raise UserError(f'compute_loss returned a loss ({_describe(loss)}) that does not depend on '
-                    'any trainable variable of the model: no gradient reaches them; compute it '
-                    'from self.model(inputs, training=training) with TensorFlow ops (not NumPy '
-                    'or .numpy(), not through tf.stop_gradient)')
+    raise UserError(
+      f'compute_loss returned a loss ({_describe(loss)}) that does not depend on '
+      'any trainable variable of the model: no gradient reaches them; compute it '
+      'from self.model(inputs, training=training) with TensorFlow ops (not NumPy '
+      'or .numpy(), not through tf.stop_gradient)'
+    )
 
 
 def _warn_nonfinite_loss(loss) -> None:
@@ -270,11 +350,15 @@ def _warn_nonfinite_loss(loss) -> None:
   bad = int((~np.isfinite(values)).sum())
   if bad:
     kinds = ', '.join(sorted({str(v) for v in values[~np.isfinite(values)]}))
-    logging.warning('compute_loss returned a non-finite loss (%s) for %d of %d examples of the '
-                    'first eval batch, at the initial weights: every step with such an example '
-                    'will be skipped; look for log(0), a division by zero or an overflow in the '
-                    'loss (a log of a probability: use from_logits=True losses, or clip it)',
-                    kinds, bad, values.size)
+    logging.warning(
+      'compute_loss returned a non-finite loss (%s) for %d of %d examples of the '
+      'first eval batch, at the initial weights: every step with such an example '
+      'will be skipped; look for log(0), a division by zero or an overflow in the '
+      'loss (a log of a probability: use from_logits=True losses, or clip it)',
+      kinds,
+      bad,
+      values.size,
+    )
 
 
 def step_gradients(step, result, variables) -> tuple:
@@ -283,23 +367,31 @@ def step_gradients(step, result, variables) -> tuple:
   the variable's shape. A violation is one UserError line naming the step class."""
   name = f'{type(step).__name__}.compute_gradients'
   if not isinstance(result, (tuple, list)) or len(result) != 2:
-    raise UserError(f'{name} returned {type(result).__name__}; return (outputs, grads): a dict '
-                    'with the scalar loss and a gradient per variable of self.variables')
+    raise UserError(
+      f'{name} returned {type(result).__name__}; return (outputs, grads): a dict '
+      'with the scalar loss and a gradient per variable of self.variables'
+    )
   outputs, grads = result
   if not isinstance(outputs, Mapping) and isinstance(grads, Mapping):
     raise UserError(f'{name} returned (grads, outputs); return (outputs, grads)')
   loss = outputs.get('loss') if isinstance(outputs, Mapping) else None
   if loss is not None and getattr(loss, 'shape', None) is not None and loss.shape.rank:
-    raise UserError(f"{name} returned 'loss' of shape {loss.shape}: return the loss averaged "
-                    'over the global batch, a scalar (self.share_loss(per_example_loss))')
+    raise UserError(
+      f"{name} returned 'loss' of shape {loss.shape}: return the loss averaged "
+      'over the global batch, a scalar (self.share_loss(per_example_loss))'
+    )
   grads = list(grads)
   if len(grads) != len(variables):
-    raise UserError(f'{name} returned {len(grads)} gradients for {len(variables)} variables: '
-                    'return one per variable of self.variables, in its order (None for none)')
+    raise UserError(
+      f'{name} returned {len(grads)} gradients for {len(variables)} variables: '
+      'return one per variable of self.variables, in its order (None for none)'
+    )
   for g, v in zip(grads, variables):
     shape = getattr(g, 'shape', None) if not isinstance(g, tf.IndexedSlices) else None
     if shape is not None and shape.is_fully_defined() and shape != v.shape:
-      raise UserError(f'{name} returned a gradient of shape {shape} for '
-                      f'{getattr(v, "path", v.name)} of shape '
-                      f'{tuple(v.shape)}: the gradients must follow self.variables, in its order')
+      raise UserError(
+        f'{name} returned a gradient of shape {shape} for '
+        f'{getattr(v, "path", v.name)} of shape '
+        f'{tuple(v.shape)}: the gradients must follow self.variables, in its order'
+      )
   return outputs, grads

@@ -22,6 +22,7 @@ writes checkpoints, summaries and config.json into the workdir. Every worker mus
 `save` (saving takes part in collective ops), so the others save into a temporary folder that is
 removed right after (`scratch_dir`, `remove_scratch`).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,13 +46,17 @@ def check_precision(config) -> None:
   if config.distribute.strategy != 'tpu':
     return
   if config.precision.policy == 'mixed_float16':
-    raise ConfigError("config.precision.policy='mixed_float16' is not supported on a TPU "
-                      "(config.distribute.strategy='tpu'); use 'mixed_bfloat16', 'float32' or "
-                      "'auto'.")
+    raise ConfigError(
+      "config.precision.policy='mixed_float16' is not supported on a TPU "
+      "(config.distribute.strategy='tpu'); use 'mixed_bfloat16', 'float32' or "
+      "'auto'."
+    )
   if config.precision.loss_scale not in ('auto', 'none'):
-    raise ConfigError(f'config.precision.loss_scale={config.precision.loss_scale!r}: loss '
-                      "scaling is off on a TPU (bfloat16 has float32's range); set it to "
-                      "'auto' or 'none'.")
+    raise ConfigError(
+      f'config.precision.loss_scale={config.precision.loss_scale!r}: loss '
+      "scaling is off on a TPU (bfloat16 has float32's range); set it to "
+      "'auto' or 'none'."
+    )
 
 
 def set_threads(config) -> None:
@@ -61,10 +66,17 @@ def set_threads(config) -> None:
   does; in a process that already ran TensorFlow a changed value is a ConfigError."""
   threading = tf.config.threading
   for key, get, set_ in (
-      ('intra_op_threads', threading.get_intra_op_parallelism_threads,
-       threading.set_intra_op_parallelism_threads),
-      ('inter_op_threads', threading.get_inter_op_parallelism_threads,
-       threading.set_inter_op_parallelism_threads)):
+    (
+      'intra_op_threads',
+      threading.get_intra_op_parallelism_threads,
+      threading.set_intra_op_parallelism_threads,
+    ),
+    (
+      'inter_op_threads',
+      threading.get_inter_op_parallelism_threads,
+      threading.set_inter_op_parallelism_threads,
+    ),
+  ):
     wanted = int(config.train.get(key, 0))
     if wanted == 0 or get() == wanted:
       continue
@@ -72,9 +84,10 @@ def set_threads(config) -> None:
       set_(wanted)
     except RuntimeError:
       raise ConfigError(
-          f'config.train.{key}={wanted}: TensorFlow already started in this process with '
-          f'{get() or "its default"} (the pools are fixed when the first op runs); build the '
-          'Trainer before running any TensorFlow op, or leave the key at 0') from None
+        f'config.train.{key}={wanted}: TensorFlow already started in this process with '
+        f'{get() or "its default"} (the pools are fixed when the first op runs); build the '
+        'Trainer before running any TensorFlow op, or leave the key at 0'
+      ) from None
     logging.info('TensorFlow %s: %d threads', key.replace('_threads', ''), wanted)
 
 
@@ -83,9 +96,13 @@ def build(config) -> tf.distribute.Strategy:
   check_precision(config)
   kind = config.distribute.strategy
   if config.distribute.devices and kind != 'mirrored':  # not an error: a resume may switch
-    logging.warning("config.distribute.devices=%r is ignored: only the mirrored strategy reads "
-                    "it, and config.distribute.strategy is %r (set it to 'mirrored', or clear "
-                    "devices)", config.distribute.devices, kind)
+    logging.warning(
+      'config.distribute.devices=%r is ignored: only the mirrored strategy reads '
+      "it, and config.distribute.strategy is %r (set it to 'mirrored', or clear "
+      'devices)',
+      config.distribute.devices,
+      kind,
+    )
   if kind == 'default':
     return tf.distribute.get_strategy()
   if kind == 'mirrored':
@@ -94,8 +111,7 @@ def build(config) -> tf.distribute.Strategy:
     return _multi_worker()
   if kind == 'tpu':
     return _tpu(config.distribute.tpu)
-  raise ConfigError(f'config.distribute.strategy={kind!r} must be one of '
-                    f'{", ".join(STRATEGIES)}.')
+  raise ConfigError(f'config.distribute.strategy={kind!r} must be one of {", ".join(STRATEGIES)}.')
 
 
 def _mirrored(devices: str) -> tf.distribute.MirroredStrategy:
@@ -103,17 +119,21 @@ def _mirrored(devices: str) -> tf.distribute.MirroredStrategy:
   if not names:
     gpus = tf.config.list_logical_devices('GPU')
     if not gpus:
-      logging.warning("config.distribute.strategy='mirrored' found no GPU: one replica on the "
-                      'CPU. Set config.distribute.devices to choose devices (CPU:0,CPU:1 splits '
-                      'the CPU into two replicas, to test multi-replica code).')
+      logging.warning(
+        "config.distribute.strategy='mirrored' found no GPU: one replica on the "
+        'CPU. Set config.distribute.devices to choose devices (CPU:0,CPU:1 splits '
+        'the CPU into two replicas, to test multi-replica code).'
+      )
     return tf.distribute.MirroredStrategy()
   _split_cpu(names, devices)
   known = {_short(d.name): d.name for d in tf.config.list_logical_devices()}
   chosen = []
   for name in names:
     if _short(name) not in known:
-      raise ConfigError(f'config.distribute.devices={devices!r}: no device {name!r} here; '
-                        f'available: {", ".join(sorted(known))}.')
+      raise ConfigError(
+        f'config.distribute.devices={devices!r}: no device {name!r} here; '
+        f'available: {", ".join(sorted(known))}.'
+      )
     chosen.append(known[_short(name)])
   if len(set(chosen)) != len(chosen):
     raise ConfigError(f'config.distribute.devices={devices!r} names a device twice.')
@@ -124,8 +144,11 @@ def _split_cpu(names: list[str], devices: str) -> None:
   """Devices CPU:1 and up name logical CPUs: the one physical CPU is split into that many
   (they share its cores: for testing several replicas, not for speed). TensorFlow allows this
   only before its runtime starts, which building the Trainer first ensures."""
-  indices = [int(short[4:]) for short in map(_short, names)
-             if short.startswith('CPU:') and short[4:].isdigit()]
+  indices = [
+    int(short[4:])
+    for short in map(_short, names)
+    if short.startswith('CPU:') and short[4:].isdigit()
+  ]
   count = max(indices, default=0) + 1
   if count == 1:
     return
@@ -134,13 +157,17 @@ def _split_cpu(names: list[str], devices: str) -> None:
     return  # split already (by this process, before)
   try:
     tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+      cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
+    )
   except RuntimeError:
-    raise ConfigError(f'config.distribute.devices={devices!r}: splitting the CPU into {count} '
-                      'logical devices needs TensorFlow not to have started yet in this '
-                      'process; build the Trainer before running any TensorFlow op.') from None
-  logging.info('config.distribute.devices=%r: the CPU is split into %d logical devices',
-               devices, count)
+    raise ConfigError(
+      f'config.distribute.devices={devices!r}: splitting the CPU into {count} '
+      'logical devices needs TensorFlow not to have started yet in this '
+      'process; build the Trainer before running any TensorFlow op.'
+    ) from None
+  logging.info(
+    'config.distribute.devices=%r: the CPU is split into %d logical devices', devices, count
+  )
 
 
 def _short(name: str) -> str:
@@ -152,33 +179,43 @@ def _short(name: str) -> str:
 def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
   text = os.environ.get('TF_CONFIG', '')
   if not text:
-    raise UserError("config.distribute.strategy='multi_worker' needs the TF_CONFIG environment "
-                    'variable (cluster and task of this process); see '
-                    'docs/guides/distribution.md.')
+    raise UserError(
+      "config.distribute.strategy='multi_worker' needs the TF_CONFIG environment "
+      'variable (cluster and task of this process); see '
+      'docs/guides/distribution.md.'
+    )
   try:
     tf_config = json.loads(text)
     workers = dict(tf_config['cluster'])
     task = tf_config['task']
     task['type'], int(task['index'])
   except (ValueError, KeyError, TypeError) as e:
-    raise UserError(f'TF_CONFIG is not valid ({type(e).__name__}: {e}); it must be JSON like '
-                    '{"cluster": {"worker": ["host1:port", "host2:port"]}, '
-                    '"task": {"type": "worker", "index": 0}}.') from None
+    raise UserError(
+      f'TF_CONFIG is not valid ({type(e).__name__}: {e}); it must be JSON like '
+      '{"cluster": {"worker": ["host1:port", "host2:port"]}, '
+      '"task": {"type": "worker", "index": 0}}.'
+    ) from None
   task_type, index = task['type'], int(task['index'])
   if task_type not in workers or not isinstance(workers[task_type], list):
-    raise UserError(f'TF_CONFIG: task type {task_type!r} is not in the cluster (it has '
-                    f'{", ".join(map(repr, workers)) or "no task types"}); set task.type to '
-                    'one of them.')
+    raise UserError(
+      f'TF_CONFIG: task type {task_type!r} is not in the cluster (it has '
+      f'{", ".join(map(repr, workers)) or "no task types"}); set task.type to '
+      'one of them.'
+    )
   if not 0 <= index < len(workers[task_type]):
-    raise UserError(f'TF_CONFIG: task index {index} is not in the cluster: {task_type!r} has '
-                    f'{len(workers[task_type])} address(es), so the index must be in '
-                    f'[0, {len(workers[task_type])}).')
+    raise UserError(
+      f'TF_CONFIG: task index {index} is not in the cluster: {task_type!r} has '
+      f'{len(workers[task_type])} address(es), so the index must be in '
+      f'[0, {len(workers[task_type])}).'
+    )
   for kind, addresses in workers.items():
     for address in addresses if isinstance(addresses, list) else [addresses]:
       if not _is_address(address):
-        raise UserError(f'TF_CONFIG: {address!r} in cluster.{kind} is not an address; each '
-                        'is a string "host:port" with a port in [1, 65535], such as '
-                        '"10.0.0.2:2222".')
+        raise UserError(
+          f'TF_CONFIG: {address!r} in cluster.{kind} is not an address; each '
+          'is a string "host:port" with a port in [1, 65535], such as '
+          '"10.0.0.2:2222".'
+        )
   logging.info('multi_worker: cluster %s, this task %s:%s', workers, task_type, index)
   return tf.distribute.MultiWorkerMirroredStrategy()
 
@@ -203,8 +240,10 @@ def _tpu(tpu: str) -> tf.distribute.TPUStrategy:
   except Exception as e:  # resolver, connection and init raise many types; all mean "no TPU"
     text = str(e).strip()
     first = text.splitlines()[0].split('. ')[0] if text else type(e).__name__  # one sentence
-    raise UserError(f'config.distribute.tpu={tpu!r}: no TPU reachable ({first}). Give the TPU '
-                    "name or 'grpc://host:port' address, or run on a TPU VM with ''.") from None
+    raise UserError(
+      f'config.distribute.tpu={tpu!r}: no TPU reachable ({first}). Give the TPU '
+      "name or 'grpc://host:port' address, or run on a TPU VM with ''."
+    ) from None
   return tf.distribute.TPUStrategy(resolver)
 
 
@@ -214,17 +253,21 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
     with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout):
       pass
   except (OSError, ValueError, TypeError) as e:
-    raise UserError(f'config.distribute.tpu={address!r}: no TPU reachable ({e}). Check the '
-                    'address and that the TPU is up.') from None
+    raise UserError(
+      f'config.distribute.tpu={address!r}: no TPU reachable ({e}). Check the '
+      'address and that the TPU is up.'
+    ) from None
 
 
 def check_batch(strategy: tf.distribute.Strategy, global_batch: int) -> int:
   """The per-replica batch; ConfigError if `global_batch` does not divide among the replicas."""
   replicas = strategy.num_replicas_in_sync
   if global_batch % replicas:
-    raise ConfigError(f'config.train.batch_size={global_batch} does not divide among '
-                      f'{replicas} replicas; use a multiple of {replicas} (e.g. '
-                      f'{(global_batch // replicas + 1) * replicas}).')
+    raise ConfigError(
+      f'config.train.batch_size={global_batch} does not divide among '
+      f'{replicas} replicas; use a multiple of {replicas} (e.g. '
+      f'{(global_batch // replicas + 1) * replicas}).'
+    )
   return global_batch // replicas
 
 

@@ -21,6 +21,7 @@ remapper, oneDNN's fused matmuls), which in low precision can round an intermedi
 so a float16 or bfloat16 statistic can differ in its last bits between an eager and a compiled
 call; the numerics guide says so where it shows.
 """
+
 from __future__ import annotations
 
 import time
@@ -59,8 +60,9 @@ class EagerThenCompiled:
         # Some layers run only in a graph (Keras's float8 layers: their custom gradient unpacks
         # differently under eager execution): compiled from here on, as before this module.
         self.eager_calls = 0
-        logging.debug('%s failed eagerly (%s: %s); compiled from now on', self.fn,
-                      type(e).__name__, e)
+        logging.debug(
+          '%s failed eagerly (%s: %s); compiled from now on', self.fn, type(e).__name__, e
+        )
       finally:
         self.seconds += time.perf_counter() - start
     return self.compiled(*args, **kwargs)

@@ -1,4 +1,5 @@
 """The eval loop: one pass over the eval set in a compiled function, every example counted once."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -56,7 +57,8 @@ class EvalLoop:
       return totals, count + self.strategy.reduce(SUM, n, axis=None)
 
     totals, count = dataset.reduce(
-        ({k: tf.constant(0.0) for k in self.metric_names}, tf.constant(0.0)), add)
+      ({k: tf.constant(0.0) for k in self.metric_names}, tf.constant(0.0)), add
+    )
     return {k: v / count for k, v in totals.items()}, count
 
   def evaluate(self, dataset) -> dict[str, float]:

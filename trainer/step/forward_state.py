@@ -1,5 +1,6 @@
 """The state a forward pass assigns (BatchNormalization's moving statistics, any variable a layer
 assigns in `call`): read before a step, put back when the step is skipped or only probed."""
+
 from __future__ import annotations
 
 import contextlib

@@ -35,6 +35,7 @@ Adam's; on unique rows the two agree.)
 
 `config.optimizer.fused=False` selects Keras's classes instead (trainer/step/optimizers.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,8 +50,10 @@ _KERNEL_DTYPES = (tf.float32, tf.float64, tf.float16, tf.bfloat16)
 TESTED_KERAS = '3.15'  # the Keras the fused updates were checked against (tests/)
 # Keras private attributes the fused updates read. A Keras that renames one fails at build, with
 # its version named, not with an AttributeError deep inside a traced step.
-KERAS_ATTRIBUTES = {'Adam': ('_momentums', '_velocities', '_get_variable_index', 'iterations'),
-                    'SGD': ('momentums', '_get_variable_index')}
+KERAS_ATTRIBUTES = {
+  'Adam': ('_momentums', '_velocities', '_get_variable_index', 'iterations'),
+  'SGD': ('momentums', '_get_variable_index'),
+}
 
 
 @functools.cache
@@ -62,9 +65,10 @@ def check_keras(kind: str) -> None:
   missing = [name for name in KERAS_ATTRIBUTES[kind] if not hasattr(optimizer, name)]
   if missing:
     raise ConfigError(
-        f'config.optimizer.fused=True reads Keras {kind} internals ({", ".join(missing)}) that '
-        f'Keras {keras.__version__} does not have (tested with Keras {TESTED_KERAS}); set '
-        'config.optimizer.fused=False to use Keras\'s own update.')
+      f'config.optimizer.fused=True reads Keras {kind} internals ({", ".join(missing)}) that '
+      f'Keras {keras.__version__} does not have (tested with Keras {TESTED_KERAS}); set '
+      "config.optimizer.fused=False to use Keras's own update."
+    )
 
 
 def adam_step_size(optimizer, learning_rate, dtype) -> tf.Tensor:
@@ -138,8 +142,14 @@ class _FusedAdamUpdate:
     v.assign_add((tf.square(grad) - v) * (1 - self.beta_2), read_value=False)
     # var -= m * alpha / (sqrt(v) + epsilon), in that order; the slots are only read.
     tf.raw_ops.ResourceApplyAdagradV2(
-        var=var.handle, accum=v.handle, lr=alpha, epsilon=tf.cast(self.epsilon, dtype),
-        grad=m.read_value(), use_locking=False, update_slots=False)
+      var=var.handle,
+      accum=v.handle,
+      lr=alpha,
+      epsilon=tf.cast(self.epsilon, dtype),
+      grad=m.read_value(),
+      use_locking=False,
+      update_slots=False,
+    )
 
 
 @keras.saving.register_keras_serializable(package='trainer')
@@ -167,11 +177,17 @@ class FusedSGD(keras.optimizers.SGD):
     dtype = var.dtype
     lr, grad = tf.cast(learning_rate, dtype), _dense(gradient, dtype)
     if self.momentum == 0:
-      tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=lr, delta=grad,
-                                              use_locking=False)
+      tf.raw_ops.ResourceApplyGradientDescent(
+        var=var.handle, alpha=lr, delta=grad, use_locking=False
+      )
       return
     m = _resource(self.momentums[self._get_variable_index(variable)])
     tf.raw_ops.ResourceApplyKerasMomentum(
-        var=var.handle, accum=m.handle, lr=lr, grad=grad,
-        momentum=tf.cast(self.momentum, dtype), use_locking=False,
-        use_nesterov=bool(self.nesterov))
+      var=var.handle,
+      accum=m.handle,
+      lr=lr,
+      grad=grad,
+      momentum=tf.cast(self.momentum, dtype),
+      use_locking=False,
+      use_nesterov=bool(self.nesterov),
+    )

@@ -1,5 +1,6 @@
 """Fault injection for tests and drills (config.debug.inject_nonfinite_*): a step's gradients
 made non-finite, on every replica or on one, inside the compiled step."""
+
 from __future__ import annotations
 
 import tensorflow as tf

@@ -13,6 +13,7 @@ iterator gives another batch under any of these. Two ways keep the right one:
     step's batch (every local replica's share, in replica order: the global batch on one host)
     into variables the host reads. A finite step pays nothing; a recorded skip, one copy.
 """
+
 from __future__ import annotations
 
 import tensorflow as tf
@@ -47,8 +48,12 @@ class KeptBatch:
   def __init__(self, element_spec):
     def variable(spec):
       rank = len(spec.shape)
-      return tf.Variable(tf.zeros([0] * rank, spec.dtype), shape=tf.TensorShape([None] * rank),
-                         trainable=False, name='kept_batch')
+      return tf.Variable(
+        tf.zeros([0] * rank, spec.dtype),
+        shape=tf.TensorShape([None] * rank),
+        trainable=False,
+        name='kept_batch',
+      )
 
     self.element_spec = element_spec
     self.variables = tf.nest.map_structure(variable, element_spec)

@@ -12,6 +12,7 @@ traces the loop, sizes `_sums` to the names, then runs it. (A variable created d
 would make `tf.function` trace the whole loop again; tracing `step` on its own first, for the
 names, was a second trace of the step too.)
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple, cast
@@ -27,6 +28,7 @@ from trainer.step import user_code
 class Counters(NamedTuple):
   """What a compiled call returns to the host, read once: the global step, the cumulative
   skipped steps and the collapse guard's bad steps in a row."""
+
   global_step: int
   skipped_steps: int
   consecutive: int
@@ -83,12 +85,20 @@ class CompiledLoop:
 
     # The sums start from `_sums`, sized to the names after the first trace (`run`).
     _, _, sums = tf.while_loop(
-        keep_going, one_step, (tf.constant(0, tf.int64), tf.constant(False), self._sums.value()),
-        shape_invariants=(tf.TensorShape([]), tf.TensorShape([]), tf.TensorShape([None])))
+      keep_going,
+      one_step,
+      (tf.constant(0, tf.int64), tf.constant(False), self._sums.value()),
+      shape_invariants=(tf.TensorShape([]), tf.TensorShape([]), tf.TensorShape([None])),
+    )
     self._sums.assign(sums)
     self._recording = None
-    return tf.stack([self.global_step.read_value(), self.skipped_steps.read_value(),
-                     self.guard.consecutive.read_value()])
+    return tf.stack(
+      [
+        self.global_step.read_value(),
+        self.skipped_steps.read_value(),
+        self.guard.consecutive.read_value(),
+      ]
+    )
 
   def _stacked(self, outputs) -> tf.Tensor:
     """The step's outputs as one float32 vector, in the order of `_output_names`. A non-scalar
@@ -121,9 +131,11 @@ class CompiledLoop:
       self._sums.assign(tf.zeros([len(cast(list, self._output_names))]))  # set by the trace
     if self._not_scalar:
       shapes = ', '.join(f"'{k}' of shape {v}" for k, v in sorted(self._not_scalar.items()))
-      raise UserError(f'{type(self).__name__}.step returned {shapes}: the loop adds up each '
-                      'output over the steps and logs its mean, so each must be a scalar '
-                      '(reduce it in the step, e.g. tf.reduce_mean)')
+      raise UserError(
+        f'{type(self).__name__}.step returned {shapes}: the loop adds up each '
+        'output over the steps and logs its mean, so each must be a scalar '
+        '(reduce it in the step, e.g. tf.reduce_mean)'
+      )
     return Counters(*(int(v) for v in self.train_loop(iterator, num_steps).numpy()))
 
   def read_outputs(self) -> dict[str, float]:

@@ -33,6 +33,7 @@ in checkpoints):
              first N-1 non-finite steps in a row only skip, the N-th and every further one in the
              same run back off, and one finite step refills the budget to N.
 """
+
 from __future__ import annotations
 
 import tensorflow as tf
@@ -47,8 +48,14 @@ def state_variable(value, dtype, name, shape=None) -> tf.Variable:
   under the strategy's scope and written once per step in cross-replica context: every replica
   holds the same value, and on save/restore the first replica's stands for all. `shape`: a
   less specific shape than the value's, for state whose size is set later."""
-  return tf.Variable(value, dtype=dtype, trainable=False, name=name, shape=shape,
-                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+  return tf.Variable(
+    value,
+    dtype=dtype,
+    trainable=False,
+    name=name,
+    shape=shape,
+    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+  )
 
 
 def overwritten(variables) -> list[bool]:
@@ -85,10 +92,18 @@ class LossScaler(tf.Module):
   context with the all-replica finite flag, so every replica holds the same state.
   """
 
-  def __init__(self, *, mode: str = 'dynamic', initial_scale: float = 2.0**15,
-               growth_interval: int = 2000, growth_factor: float = 2.0,
-               backoff_factor: float = 0.5, min_scale: float = 1.0,
-               max_scale: float = 2.0**24, hysteresis: int = 1):
+  def __init__(
+    self,
+    *,
+    mode: str = 'dynamic',
+    initial_scale: float = 2.0**15,
+    growth_interval: int = 2000,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+    hysteresis: int = 1,
+  ):
     super().__init__(name='loss_scaler')
     if mode not in MODES:
       raise ValueError(f'loss scale mode must be one of {MODES}, got {mode!r}')
@@ -121,10 +136,16 @@ class LossScaler(tf.Module):
       mode, initial = text, precision.initial_scale
     else:
       mode, initial = 'static', float(text)
-    return cls(mode=mode, initial_scale=initial, growth_interval=precision.growth_interval,
-               growth_factor=precision.growth_factor, backoff_factor=precision.backoff_factor,
-               min_scale=precision.min_scale, max_scale=precision.max_scale,
-               hysteresis=precision.get('hysteresis', 1))
+    return cls(
+      mode=mode,
+      initial_scale=initial,
+      growth_interval=precision.growth_interval,
+      growth_factor=precision.growth_factor,
+      backoff_factor=precision.backoff_factor,
+      min_scale=precision.min_scale,
+      max_scale=precision.max_scale,
+      hysteresis=precision.get('hysteresis', 1),
+    )
 
   def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
     if self.mode == 'none':
@@ -156,8 +177,11 @@ class LossScaler(tf.Module):
       grow = good >= self.growth_interval
       grown = self.scale * self.growth_factor
       grown = tf.where(tf.math.is_finite(grown), tf.minimum(grown, self.max_scale), self.scale)
-      return (tf.where(grow, grown, self.scale), tf.where(grow, tf.zeros_like(good), good),
-              tf.constant(self.hysteresis, tf.int64))
+      return (
+        tf.where(grow, grown, self.scale),
+        tf.where(grow, tf.zeros_like(good), good),
+        tf.constant(self.hysteresis, tf.int64),
+      )
 
     def on_nonfinite():
       left = tf.maximum(self.hysteresis_left - 1, 0)
@@ -169,9 +193,12 @@ class LossScaler(tf.Module):
     scale, good, left = (tf.where(finite, x, y) for x, y in zip(on_finite(), on_nonfinite()))
     if active is not True:
       active = tf.convert_to_tensor(active)
-      scale, good, left = (tf.where(active, new, old) for new, old in
-                           zip((scale, good, left), (self.scale, self.good_steps,
-                                                     self.hysteresis_left)))
+      scale, good, left = (
+        tf.where(active, new, old)
+        for new, old in zip(
+          (scale, good, left), (self.scale, self.good_steps, self.hysteresis_left)
+        )
+      )
     self.scale.assign(scale)
     self.good_steps.assign(good)
     self.hysteresis_left.assign(left)
@@ -186,7 +213,10 @@ def update_scalers(groups, flags) -> None:
   for group, flag in zip(groups, flags):
     rate = tf.math.is_finite(tf.cast(group.optimizer.learning_rate, tf.float32))
     scaler, before, active = scalers.get(id(group.loss_scaler), (group.loss_scaler, True, True))
-    scalers[id(group.loss_scaler)] = (scaler, tf.logical_and(before, flag),
-                                      tf.logical_and(active, rate))
+    scalers[id(group.loss_scaler)] = (
+      scaler,
+      tf.logical_and(before, flag),
+      tf.logical_and(active, rate),
+    )
   for scaler, flag, active in scalers.values():
     scaler.update(flag, active)

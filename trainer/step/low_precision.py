@@ -30,6 +30,7 @@ Skipped steps never call the optimizer (trainer/step/train_step.py): weights, sl
 buffers and codes stay bit-identical. Clipping and gradient accumulation happen before the
 optimizer on float32 gradients, as with float32 masters.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -62,8 +63,15 @@ class _LowPrecision:
   _get_variable_index: Any
   _low_managed: bool  # set by build: some managed variable is bfloat16
 
-  def __init__(self, *args, master_weights: str = 'float32', state_bits: int = 32,
-               seed: int = 0, step=None, **kwargs):
+  def __init__(
+    self,
+    *args,
+    master_weights: str = 'float32',
+    state_bits: int = 32,
+    seed: int = 0,
+    step=None,
+    **kwargs,
+  ):
     super().__init__(*args, **kwargs)
     self.master_weights = master_weights
     self.state_bits = int(state_bits)
@@ -74,16 +82,21 @@ class _LowPrecision:
     self.stream = 0
 
   def get_config(self):
-    return {**super().get_config(), 'master_weights': self.master_weights,
-            'state_bits': self.state_bits, 'seed': self.seed}
+    return {
+      **super().get_config(),
+      'master_weights': self.master_weights,
+      'state_bits': self.state_bits,
+      'seed': self.seed,
+    }
 
   def _managed_variable(self, variable) -> bool:
     raise NotImplementedError
 
   def _apply_weight_decay(self, variables):
     # The managed variables' decay is part of their float32 update (one rounding, not two).
-    super()._apply_weight_decay([v for v in variables if not self._managed[
-        self._get_variable_index(v)]])
+    super()._apply_weight_decay(
+      [v for v in variables if not self._managed[self._get_variable_index(v)]]
+    )
 
   def _weight_decay(self, variable) -> float:
     """Keras's decoupled decay rate for `variable` (w -= w * wd * lr), or 0.0."""
@@ -97,14 +110,18 @@ class _LowPrecision:
     # update.
     managed = [self._managed[self._get_variable_index(v)] for _, v in grads_and_vars]
     super()._distributed_tf_update_step(
-        distribution, [gv for gv, k in zip(grads_and_vars, managed) if not k], learning_rate)
+      distribution, [gv for gv, k in zip(grads_and_vars, managed) if not k], learning_rate
+    )
     mine = [gv for gv, k in zip(grads_and_vars, managed) if k]
     if mine:
       # One update call, keyed to the first variable: on each device it runs with every
       # variable's and gradient's copy for that device.
       distribution.extended.update(
-          mine[0][1], lambda _, grads, variables, lr: self._update(grads, variables, lr),
-          args=([g for g, _ in mine], [v for _, v in mine], learning_rate), group=False)
+        mine[0][1],
+        lambda _, grads, variables, lr: self._update(grads, variables, lr),
+        args=([g for g, _ in mine], [v for _, v in mine], learning_rate),
+        group=False,
+      )
 
   def update_step(self, gradient, variable, learning_rate):
     index = self._get_variable_index(variable)
@@ -139,19 +156,29 @@ class _LowPrecision:
     for k, call in enumerate(calls):
       kind, n = (0, k) if variable_index is None else (1, variable_index)
       call_seed = tf.random.experimental.stateless_fold_in(
-          tf.random.experimental.stateless_fold_in(seed, kind), n)
+        tf.random.experimental.stateless_fold_in(seed, kind), n
+      )
       with tf.control_dependencies(assigns):  # one call's tensors at a time
-        assigns = self._update_call([grads[i] for i in call], [variables[i] for i in call],
-                                    lr, call_seed, sum(sizes[i] for i in call))
+        assigns = self._update_call(
+          [grads[i] for i in call],
+          [variables[i] for i in call],
+          lr,
+          call_seed,
+          sum(sizes[i] for i in call),
+        )
 
   def _update_call(self, grads, variables, lr, seed, size) -> list:
     """Reads every stored tensor of `variables`, draws the random bits, computes the updates in
     one compiled call and assigns the results; returns the assign ops."""
     stores = [self._stores(self._get_variable_index(v), v) for v in variables]
     # (A dense gradient of an embedding can lose its static shape; the kernel needs it.)
-    items = tuple((tf.ensure_shape(fused_optimizers._dense(g, tf.float32), v.shape),
-                   tuple(tuple(tf.convert_to_tensor(_tf(p)) for p in part) for part in store))
-                  for g, v, store in zip(grads, variables, stores))
+    items = tuple(
+      (
+        tf.ensure_shape(fused_optimizers._dense(g, tf.float32), v.shape),
+        tuple(tuple(tf.convert_to_tensor(_tf(p)) for p in part) for part in store),
+      )
+      for g, v, store in zip(grads, variables, stores)
+    )
     rules = tuple(self._weight_decay(v) for v in variables)
     streams = self._streams()
     bits = random_bits(seed, size, len(streams)) if streams else tf.zeros([0], tf.uint32)
@@ -197,7 +224,6 @@ class _LowPrecision:
 
 
 class _LowPrecisionAdam(_LowPrecision):
-
   def _managed_variable(self, variable) -> bool:
     return _low(variable) or self.state_bits == 8
 
@@ -214,12 +240,18 @@ class _LowPrecisionAdam(_LowPrecision):
       if self.state_bits == 8:
         size = int(np.prod(v.shape))
         name = getattr(v, 'path', v.name).replace('/', '_').replace(':', '_')
-        for codes, scales, kind in ((momentums, m_scales, 'momentum'),
-                                    (velocities, v_scales, 'velocity')):
-          codes.append(self.add_variable((blocks(size) * BLOCK,), 'zeros', 'uint8',
-                                         name=f'{name}_{kind}_codes'))
-          scales.append(self.add_variable((blocks(size),), 'zeros', 'float32',
-                                          name=f'{name}_{kind}_absmax'))
+        for codes, scales, kind in (
+          (momentums, m_scales, 'momentum'),
+          (velocities, v_scales, 'velocity'),
+        ):
+          codes.append(
+            self.add_variable(
+              (blocks(size) * BLOCK,), 'zeros', 'uint8', name=f'{name}_{kind}_codes'
+            )
+          )
+          scales.append(
+            self.add_variable((blocks(size),), 'zeros', 'float32', name=f'{name}_{kind}_absmax')
+          )
       else:  # the variable's own dtype: bfloat16 slots for bfloat16 weights
         momentums.append(self.add_variable_from_reference(v, 'momentum'))
         velocities.append(self.add_variable_from_reference(v, 'velocity'))
@@ -230,8 +262,10 @@ class _LowPrecisionAdam(_LowPrecision):
   def _state(self, index) -> tuple:
     """Per moment: (codes, absmax) with 8-bit state, else (slot,)."""
     if self.state_bits == 8:
-      return ((self._momentums[index], self._momentum_scales[index]),
-              (self._velocities[index], self._velocity_scales[index]))
+      return (
+        (self._momentums[index], self._momentum_scales[index]),
+        (self._velocities[index], self._velocity_scales[index]),
+      )
     return (self._momentums[index],), (self._velocities[index],)
 
   def _streams(self) -> tuple:
@@ -239,8 +273,15 @@ class _LowPrecisionAdam(_LowPrecision):
 
   def _kernel(self, items, lr, bits, rules, streams):
     alpha = fused_optimizers.adam_step_size(self, lr, tf.float32)
-    return low_precision_updates.adam_updates(items, lr, alpha, bits, rules, streams, (
-        float(self.beta_1), float(self.beta_2), float(self.epsilon), self.master_weights))
+    return low_precision_updates.adam_updates(
+      items,
+      lr,
+      alpha,
+      bits,
+      rules,
+      streams,
+      (float(self.beta_1), float(self.beta_2), float(self.epsilon), self.master_weights),
+    )
 
 
 class _LowPrecisionSGD(_LowPrecision):
@@ -266,8 +307,14 @@ class _LowPrecisionSGD(_LowPrecision):
     return ('weight',) * self._rounds_weights() + ('momentum',) * (self.momentum != 0)
 
   def _kernel(self, items, lr, bits, rules, streams):
-    return low_precision_updates.sgd_updates(items, lr, bits, rules, streams, (
-        float(self.momentum), bool(self.nesterov), self.master_weights))
+    return low_precision_updates.sgd_updates(
+      items,
+      lr,
+      bits,
+      rules,
+      streams,
+      (float(self.momentum), bool(self.nesterov), self.master_weights),
+    )
 
 
 @keras.saving.register_keras_serializable(package='trainer')
@@ -295,8 +342,9 @@ def requested(config) -> bool:
 
 def state_bytes(optimizer) -> int:
   """Bytes of the optimizer's per-variable state (every variable but its scalar counters)."""
-  return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in optimizer.variables
-             if len(v.shape))
+  return sum(
+    int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in optimizer.variables if len(v.shape)
+  )
 
 
 def weight_bytes(variables) -> int:
@@ -309,11 +357,12 @@ def check_optimizer(optimizer, config, group: int | None = None) -> None:
   checks each group's) cannot provide them: a Keras optimizer
   would compute a bfloat16 weight's update in bfloat16, where most updates round to nothing."""
   from trainer.errors import ConfigError  # pylint: disable=import-outside-toplevel
+
   if requested(config) and not isinstance(optimizer, _LowPrecision):
-    source = ('build_optimizer returned' if group is None else
-              f'update group {group}\'s optimizer is')
+    source = 'build_optimizer returned' if group is None else f"update group {group}'s optimizer is"
     raise ConfigError(
-        f'config.precision.master_weights={config.precision.master_weights!r} / '
-        f'config.optimizer.state_bits={config.optimizer.state_bits} need the optimizer '
-        f'Trainer.build_optimizer makes by default; {source} {type(optimizer).__name__} (make '
-        'each optimizer with trainer.build_optimizer(learning_rate)).')
+      f'config.precision.master_weights={config.precision.master_weights!r} / '
+      f'config.optimizer.state_bits={config.optimizer.state_bits} need the optimizer '
+      f'Trainer.build_optimizer makes by default; {source} {type(optimizer).__name__} (make '
+      'each optimizer with trainer.build_optimizer(learning_rate)).'
+    )

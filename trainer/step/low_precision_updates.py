@@ -8,13 +8,21 @@ cost more than the math (most variables are small). The random bits are drawn be
 after, so a trace depends only on the shapes and the static rules (decay rates,
 hyperparameters).
 """
+
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
 
-from trainer.step.rounding import (BLOCK, blocks, dequantize, kahan_add, noise, quantize,
-                                   stochastic_round)
+from trainer.step.rounding import (
+  BLOCK,
+  blocks,
+  dequantize,
+  kahan_add,
+  noise,
+  quantize,
+  stochastic_round,
+)
 
 
 def _slices(bits, items, streams):
@@ -25,7 +33,7 @@ def _slices(bits, items, streams):
   offset, out = 0, []
   for grad, _ in items:
     size = blocks(int(np.prod(grad.shape))) * BLOCK
-    piece = bits[offset:offset + size]
+    piece = bits[offset : offset + size]
     out.append({name: noise(piece, j) for j, name in enumerate(streams)})
     offset += size
   return out
@@ -33,7 +41,7 @@ def _slices(bits, items, streams):
 
 def _shaped(noise16, like):
   """The first elements of a padded noise slice, in `like`'s shape."""
-  return tf.reshape(noise16[:int(np.prod(like.shape))], like.shape)
+  return tf.reshape(noise16[: int(np.prod(like.shape))], like.shape)
 
 
 def _weight32(weight_parts) -> tf.Tensor:
@@ -66,7 +74,8 @@ def adam_updates(items, lr, alpha, bits, rules, streams, hyper):
   beta_1, beta_2, epsilon, master_weights = hyper
   out = []
   for (grad, (weight_parts, m_in, v_in)), weight_decay, rand in zip(
-      items, rules, _slices(bits, items, streams)):
+    items, rules, _slices(bits, items, streams)
+  ):
     shape = weight_parts[0].shape
     if len(m_in) == 2:
       m = dequantize(*m_in, shape, signed=True)
@@ -96,8 +105,7 @@ def sgd_updates(items, lr, bits, rules, streams, hyper):
   `items` (bfloat16 weights). Returns the new parts in the same structure."""
   momentum_rate, nesterov, master_weights = hyper
   out = []
-  for (grad, parts), weight_decay, rand in zip(
-      items, rules, _slices(bits, items, streams)):
+  for (grad, parts), weight_decay, rand in zip(items, rules, _slices(bits, items, streams)):
     weight_parts = parts[0]
     w32 = _weight32(weight_parts)
     update = -(w32 * weight_decay) * lr if weight_decay else 0.0

@@ -12,6 +12,7 @@ callable). The builders of adam, adamw and sgd are the functions below.
 The schedule is a function of the trainer's global step, which advances on every step, skipped
 or not; `optimizer.iterations` counts only applied updates, so it is not used for the schedule.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,6 +25,7 @@ from trainer import registry
 from trainer.errors import ConfigError
 from trainer.step import fused_optimizers
 
+
 def reset_loss_scale_factor(optimizer) -> None:
   """A Keras 3 optimizer given `loss_scale_factor=F` multiplies the loss by F in its own
   `scale_loss` and divides every gradient by F in `apply`: on top of the trainer's loss scaling
@@ -32,9 +34,14 @@ def reset_loss_scale_factor(optimizer) -> None:
   factor = getattr(optimizer, 'loss_scale_factor', None)
   if factor is not None:
     name = getattr(optimizer, 'name', type(optimizer).__name__)
-    logging.warning('optimizer %s: loss_scale_factor=%g reset to None: the trainer scales the '
-                    'loss itself (config.precision.loss_scale), and the optimizer would divide '
-                    'every gradient by %g again', name, factor, factor)
+    logging.warning(
+      'optimizer %s: loss_scale_factor=%g reset to None: the trainer scales the '
+      'loss itself (config.precision.loss_scale), and the optimizer would divide '
+      'every gradient by %g again',
+      name,
+      factor,
+      factor,
+    )
     optimizer.loss_scale_factor = None
 
 
@@ -86,8 +93,9 @@ def once_per_trace(rate):
   return learning_rate
 
 
-def build(opt_config, learning_rate, *, master_weights: str = 'float32', seed: int = 0,
-          step=None) -> keras.optimizers.Optimizer:
+def build(
+  opt_config, learning_rate, *, master_weights: str = 'float32', seed: int = 0, step=None
+) -> keras.optimizers.Optimizer:
   """The registered builder of `opt_config.name`, called with (opt_config, learning_rate);
   `learning_rate` is a float or a no-argument callable (Keras 3 calls it every update).
 
@@ -96,15 +104,22 @@ def build(opt_config, learning_rate, *, master_weights: str = 'float32', seed: i
   instead, seeded by (`seed`, `step`: the trainer's global step variable)."""
   found = registry.builder(opt_config.name)
   if found is None:
-    raise ConfigError(f'config.optimizer.name={opt_config.name!r}: '
-                      f'{registry.check_name(opt_config.name)}')
+    raise ConfigError(
+      f'config.optimizer.name={opt_config.name!r}: {registry.check_name(opt_config.name)}'
+    )
   state_bits = int(opt_config.get('state_bits', 32))
   if master_weights == 'float32' and state_bits == 32:
     return found(opt_config, learning_rate)
   from trainer.step import low_precision  # pylint: disable=import-outside-toplevel
-  kwargs = dict(learning_rate=learning_rate, master_weights=master_weights,
-                state_bits=state_bits, seed=seed, step=step,
-                weight_decay=float(opt_config.weight_decay) or None)
+
+  kwargs = dict(
+    learning_rate=learning_rate,
+    master_weights=master_weights,
+    state_bits=state_bits,
+    seed=seed,
+    step=step,
+    weight_decay=float(opt_config.weight_decay) or None,
+  )
   if opt_config.name == 'sgd':
     kwargs['momentum'] = opt_config.momentum
   else:
@@ -124,24 +139,30 @@ def _classes(opt_config):
 def _moments(opt_config) -> dict:
   """Adam's beta_1, beta_2 and epsilon from the config (Keras's defaults when a config built
   without the schema lacks them)."""
-  return {'beta_1': float(opt_config.get('beta_1', 0.9)),
-          'beta_2': float(opt_config.get('beta_2', 0.999)),
-          'epsilon': float(opt_config.get('epsilon', 1e-7))}
+  return {
+    'beta_1': float(opt_config.get('beta_1', 0.9)),
+    'beta_2': float(opt_config.get('beta_2', 0.999)),
+    'epsilon': float(opt_config.get('epsilon', 1e-7)),
+  }
 
 
 def _adam(opt_config, learning_rate):
-  return _classes(opt_config)[0](learning_rate=learning_rate,
-                                 weight_decay=float(opt_config.weight_decay) or None,
-                                 **_moments(opt_config))
+  return _classes(opt_config)[0](
+    learning_rate=learning_rate,
+    weight_decay=float(opt_config.weight_decay) or None,
+    **_moments(opt_config),
+  )
 
 
 def _adamw(opt_config, learning_rate):
-  return _classes(opt_config)[1](learning_rate=learning_rate,
-                                 weight_decay=float(opt_config.weight_decay),
-                                 **_moments(opt_config))
+  return _classes(opt_config)[1](
+    learning_rate=learning_rate, weight_decay=float(opt_config.weight_decay), **_moments(opt_config)
+  )
 
 
 def _sgd(opt_config, learning_rate):
-  return _classes(opt_config)[2](learning_rate=learning_rate, momentum=opt_config.momentum,
-                                 weight_decay=float(opt_config.weight_decay) or None)
-
+  return _classes(opt_config)[2](
+    learning_rate=learning_rate,
+    momentum=opt_config.momentum,
+    weight_decay=float(opt_config.weight_decay) or None,
+  )

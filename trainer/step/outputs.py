@@ -1,4 +1,5 @@
 """The step's outputs: what the compiled loop sums and the host reads as means and counts."""
+
 from __future__ import annotations
 
 import tensorflow as tf
@@ -12,8 +13,11 @@ def with_counters(outputs, skipped, loss_finite=True) -> dict[str, tf.Tensor]:
   """`outputs` as float32, zeroed when the loss is not finite, plus the three counters."""
   loss_finite = tf.convert_to_tensor(loss_finite)
   values = {k: tf.where(loss_finite, tf.cast(v, tf.float32), 0.0) for k, v in outputs.items()}
-  values.update(steps=tf.constant(1.0), skipped=tf.cast(skipped, tf.float32),
-                nonfinite_loss=1.0 - tf.cast(loss_finite, tf.float32))
+  values.update(
+    steps=tf.constant(1.0),
+    skipped=tf.cast(skipped, tf.float32),
+    nonfinite_loss=1.0 - tf.cast(loss_finite, tf.float32),
+  )
   return values
 
 
@@ -25,8 +29,9 @@ def read(names: list, totals: tf.Variable, metrics: dict) -> dict[str, float]:
   sums = {k: float(v) for k, v in zip(names, values)}
   totals.assign(tf.zeros_like(values))
   counted = sums.get('steps', 0.0) - sums.get('nonfinite_loss', 0.0)
-  means = {k: (v / counted if counted else float('nan')) for k, v in sums.items()
-           if k not in COUNTERS}
+  means = {
+    k: (v / counted if counted else float('nan')) for k, v in sums.items() if k not in COUNTERS
+  }
   ordered = {'loss': means.pop('loss')} if 'loss' in means else {}
   ordered.update(means)
   ordered.update(read_metrics(metrics))

@@ -5,6 +5,7 @@ their final logits float32 (`dtype='float32'` on the last layer) and the loss is
 `config.precision.float32_layers` names layers kept in float32 under a mixed policy
 (`build_model`, through Keras per-layer dtype policies).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,9 +68,11 @@ def apply(name: str) -> str:
   policy, reason = resolve(name)
   logging.info('precision policy: %s (%s)', policy, reason)
   if policy == 'mixed_float16' and not has_fast_float16():
-    logging.warning('mixed_float16 on hardware without fast float16: float16 is emulated here, '
-                    'so this will be slower than float32 (use mixed_bfloat16 or float32 for '
-                    'speed).')
+    logging.warning(
+      'mixed_float16 on hardware without fast float16: float16 is emulated here, '
+      'so this will be slower than float32 (use mixed_bfloat16 or float32 for '
+      'speed).'
+    )
   keras.mixed_precision.set_global_policy(policy)
   return policy
 
@@ -80,6 +83,7 @@ def quantize_float8(model) -> None:
   per-tensor scales from an amax history). Without float8 hardware (e.g. on a CPU) the casts
   are emulated (quantize-dequantize): the numerics are float8's, the speed is not."""
   import warnings
+
   with warnings.catch_warnings():  # "Layer InputLayer does not have a `quantize` method"
     warnings.simplefilter('ignore', UserWarning)
     model.quantize('float8')
@@ -108,8 +112,10 @@ def float32_layers(names, bfloat16_variables: bool = False):
   names = parse_layer_names(names) if isinstance(names, str) else tuple(names)
   base = keras.config.dtype_policy()
   if bfloat16_variables and base.name != 'mixed_bfloat16':
-    raise ConfigError('config.precision.master_weights bfloat16_* needs '
-                      f"config.precision.policy='mixed_bfloat16', the policy is {base.name!r}")
+    raise ConfigError(
+      'config.precision.master_weights bfloat16_* needs '
+      f"config.precision.policy='mixed_bfloat16', the policy is {base.name!r}"
+    )
   if not (names or bfloat16_variables) or not base.name.startswith('mixed_'):
     yield
     return
@@ -138,10 +144,13 @@ def build_model(build, names_text: str, bfloat16_variables: bool = False) -> ker
     found = {layer.name for layer in layers}
     # A path as the numerics line prints it ('net/big') names the layer too.
     paths = [getattr(layer, 'path', None) or layer.name for layer in layers]
-    missing = [n for n in names if n not in found
-               and not any(p == n or p.endswith('/' + n) for p in paths)]
+    missing = [
+      n for n in names if n not in found and not any(p == n or p.endswith('/' + n) for p in paths)
+    ]
     if missing:
-      raise ConfigError(f'config.precision.float32_layers={names_text!r}: no layer named '
-                        f'{", ".join(missing)} in the model; layer names: '
-                        f'{", ".join(sorted(found))}.')
+      raise ConfigError(
+        f'config.precision.float32_layers={names_text!r}: no layer named '
+        f'{", ".join(missing)} in the model; layer names: '
+        f'{", ".join(sorted(found))}.'
+      )
   return model

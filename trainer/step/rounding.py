@@ -29,6 +29,7 @@ kernel, 32 bits when one or two 16-bit chunks are needed, 64 bits for three or f
 a caller compiled by XLA can take bits drawn outside it: XLA's own random-number generator on a
 CPU is tens of times slower than TF's kernel.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -57,14 +58,19 @@ def random_bits(seed: tf.Tensor, size: int, chunks: int) -> tf.Tensor:
   if not 1 <= chunks <= 4:
     raise ValueError(f'random_bits: chunks={chunks}, must be 1 to 4')
   dtype = tf.uint32 if chunks <= 2 else tf.uint64
-  return tf.random.stateless_uniform([size], seed, minval=None, maxval=None, dtype=dtype,
-                                     alg='philox')
+  return tf.random.stateless_uniform(
+    [size], seed, minval=None, maxval=None, dtype=dtype, alg='philox'
+  )
 
 
 def noise(bits: tf.Tensor, chunk: int) -> tf.Tensor:
   """Chunk `chunk` of `bits`: int32 uniform in [0, 2^16)."""
-  return tf.cast(tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 16 * chunk),
-                                        tf.constant(0xFFFF, bits.dtype)), tf.int32)
+  return tf.cast(
+    tf.bitwise.bitwise_and(
+      tf.bitwise.right_shift(bits, 16 * chunk), tf.constant(0xFFFF, bits.dtype)
+    ),
+    tf.int32,
+  )
 
 
 def stochastic_round(x: tf.Tensor, noise16: tf.Tensor) -> tf.Tensor:
@@ -74,8 +80,9 @@ def stochastic_round(x: tf.Tensor, noise16: tf.Tensor) -> tf.Tensor:
   bits are cleared; the result is exactly representable in bfloat16. Finite inputs only (the
   step never applies a non-finite update)."""
   bits = tf.bitcast(tf.cast(x, tf.float32), tf.int32)
-  return tf.cast(tf.bitcast(tf.bitwise.bitwise_and(bits + noise16, -65536), tf.float32),
-                 tf.bfloat16)
+  return tf.cast(
+    tf.bitcast(tf.bitwise.bitwise_and(bits + noise16, -65536), tf.float32), tf.bfloat16
+  )
 
 
 def kahan_add(weight: tf.Tensor, compensation: tf.Tensor, update: tf.Tensor):
@@ -112,7 +119,7 @@ def quantize(x: tf.Tensor, noise16: tf.Tensor, signed: bool):
   p_lower = tf.clip_by_value(tf.math.divide_no_nan(upper - r, upper - lower), 0.0, 1.0)
   if not signed:  # below the range: round up, never to zero
     p_lower = tf.where(k + 1 == levels, 0.0, p_lower)
-  u = (tf.cast(tf.reshape(noise16, tf.shape(r)), tf.float32) + 0.5) * 2.0 ** -16  # in (0, 1)
+  u = (tf.cast(tf.reshape(noise16, tf.shape(r)), tf.float32) + 0.5) * 2.0**-16  # in (0, 1)
   code = tf.where(u < p_lower, k + 1, k)
   code = tf.where(r == 0.0, levels, code)
   if signed:

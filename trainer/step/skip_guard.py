@@ -14,6 +14,7 @@ nothing. The guard lives inside the compiled loop:
     the step, the loss scale and those variables. The trainer checks before saving, so the last
     checkpoint written before the storm is left as it was.
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,25 +30,32 @@ SHOWN = 3  # variables named per line
 
 def _nonfinite_per_variable(grads):
   """Replica context: int32 [num variables], 1 where that gradient has a non-finite value."""
-  return tf.stack([tf.constant(0) if g is None else
-                   tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(g))), tf.int32)
-                   for g in grads])
+  return tf.stack(
+    [
+      tf.constant(0)
+      if g is None
+      else tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(g))), tf.int32)
+      for g in grads
+    ]
+  )
 
 
 class SkipGuard(tf.Module):
   """Create it under the strategy's scope. `record` and `count` run in cross-replica context
   inside the compiled step; `check` runs on the host between calls."""
 
-  def __init__(self, *, strategy: tf.distribute.Strategy, variables,
-               max_consecutive_skips: int = 0):
+  def __init__(
+    self, *, strategy: tf.distribute.Strategy, variables, max_consecutive_skips: int = 0
+  ):
     super().__init__(name='skip_guard')
     self.strategy = strategy
     self.names = [getattr(v, 'path', None) or v.name for v in variables]
     self.max_consecutive_skips = int(max_consecutive_skips)
     self.consecutive = state_variable(0, tf.int64, 'consecutive_skips')
     # Replicas on which each variable's gradient was non-finite, at the last skipped step.
-    self.nonfinite = state_variable(tf.zeros([len(self.names)], tf.int32), tf.int32,
-                                    'nonfinite_per_variable')
+    self.nonfinite = state_variable(
+      tf.zeros([len(self.names)], tf.int32), tf.int32, 'nonfinite_per_variable'
+    )
     self.last_scale = state_variable(0.0, tf.float32, 'scale_at_last_skip')  # for forensics
 
   def record(self, grads, step, scale) -> None:
@@ -57,16 +65,25 @@ class SkipGuard(tf.Module):
     self.nonfinite.assign(counts)
     self.last_scale.assign(tf.cast(scale, tf.float32))
     bad = tf.boolean_mask(tf.constant(self.names), counts > 0)
-    tf.print(tf.strings.join([
-        'skipped step ', tf.strings.as_string(step), ' (non-finite gradients, no update): loss '
-        'scale ', tf.strings.as_string(scale, shortest=True), ', non-finite in ',
-        tf.strings.as_string(tf.size(bad)), f' of {len(self.names)} variables, first: ',
-        tf.strings.reduce_join(bad[:SHOWN], separator=', ')]), output_stream=sys.stderr)
+    tf.print(
+      tf.strings.join(
+        [
+          'skipped step ',
+          tf.strings.as_string(step),
+          ' (non-finite gradients, no update): loss scale ',
+          tf.strings.as_string(scale, shortest=True),
+          ', non-finite in ',
+          tf.strings.as_string(tf.size(bad)),
+          f' of {len(self.names)} variables, first: ',
+          tf.strings.reduce_join(bad[:SHOWN], separator=', '),
+        ]
+      ),
+      output_stream=sys.stderr,
+    )
 
   def count(self, good) -> None:
     """Every step: the number of bad steps in a row (skipped, or with a non-finite loss)."""
-    self.consecutive.assign(tf.where(good, tf.zeros_like(self.consecutive),
-                                     self.consecutive + 1))
+    self.consecutive.assign(tf.where(good, tf.zeros_like(self.consecutive), self.consecutive + 1))
 
   def collapsed(self):
     """A bool tensor for the loop to stop on (Python False when the guard is off)."""
@@ -78,8 +95,7 @@ class SkipGuard(tf.Module):
     """Host side: the variables whose gradients were non-finite at the last skipped step."""
     return [n for n, c in zip(self.names, self.nonfinite.numpy()) if c > 0]
 
-  def check(self, *, step: int, scaler, checkpoint: str | None,
-            healthy: str | None = None) -> None:
+  def check(self, *, step: int, scaler, checkpoint: str | None, healthy: str | None = None) -> None:
     """Host side, between compiled calls: raises CollapseError once the limit is reached.
     `scaler` (the LossScaler) is read only then; `healthy` names the last healthy checkpoint
     ('last healthy: ckpt-100, step 100, loss 0.29')."""
@@ -91,24 +107,41 @@ class SkipGuard(tf.Module):
       return
     bad = self.nonfinite_names()
     shown = ', '.join(bad[:SHOWN]) + (f' and {len(bad) - SHOWN} more' if len(bad) > SHOWN else '')
-    where = (f'first non-finite gradients in: {shown}' if shown else
-             'the gradients were finite but the loss was not')
-    kept = (f'The newest checkpoint, {checkpoint}, is finite (checked when saved)' if checkpoint
-            else 'No checkpoint was written yet') + (f'; {healthy}' if healthy else '')
+    where = (
+      f'first non-finite gradients in: {shown}'
+      if shown
+      else 'the gradients were finite but the loss was not'
+    )
+    kept = (
+      f'The newest checkpoint, {checkpoint}, is finite (checked when saved)'
+      if checkpoint
+      else 'No checkpoint was written yet'
+    ) + (f'; {healthy}' if healthy else '')
     # From step 0 no update was ever applied: the learning rate cannot be the cause. A static
     # scale multiplies every gradient; one too large overflows them from the first step.
     value = float(scaler.scale.numpy())
     too_large = scaler.mode == 'static' and value > 1 and bool(shown)  # gradients overflowed
-    scaled = (f'the static loss scale {value:g} (config.precision.loss_scale) overflows the '
-              "gradients (lower it, or set it to 'dynamic'), or " if too_large else '')
-    advice = (f'No update was ever applied, so the learning rate is not the cause: {scaled}the '
-              'model or the data is non-finite from the start; the forensic lines above (or '
-              '--mode=diagnose) name the layer or the batch, and --advise suggests float32 layers'
-              if step == run else 'Lower config.optimizer.learning_rate, check the input data'
-              + (f', lower the static loss scale {value:g} (config.precision.loss_scale)'
-                 if too_large else ''))
+    scaled = (
+      f'the static loss scale {value:g} (config.precision.loss_scale) overflows the '
+      "gradients (lower it, or set it to 'dynamic'), or "
+      if too_large
+      else ''
+    )
+    advice = (
+      f'No update was ever applied, so the learning rate is not the cause: {scaled}the '
+      'model or the data is non-finite from the start; the forensic lines above (or '
+      '--mode=diagnose) name the layer or the batch, and --advise suggests float32 layers'
+      if step == run
+      else 'Lower config.optimizer.learning_rate, check the input data'
+      + (
+        f', lower the static loss scale {value:g} (config.precision.loss_scale)'
+        if too_large
+        else ''
+      )
+    )
     raise CollapseError(
-        f'training collapsed at step {step}: {run} steps in a row (steps {step - run} to '
-        f'{step - 1}) were skipped for non-finite gradients or had a non-finite loss; loss scale '
-        f'{value:g}; {where}. {kept}. {advice}, or raise '
-        f'config.precision.max_consecutive_skips (now {limit}; 0 turns the guard off).')
+      f'training collapsed at step {step}: {run} steps in a row (steps {step - run} to '
+      f'{step - 1}) were skipped for non-finite gradients or had a non-finite loss; loss scale '
+      f'{value:g}; {where}. {kept}. {advice}, or raise '
+      f'config.precision.max_consecutive_skips (now {limit}; 0 turns the guard off).'
+    )

@@ -48,6 +48,7 @@ The hooks above (and Trainer.compute_loss, a stateful metric's update_state) are
 autograph as in any tf.function; the framework's own pieces are traced as written, without it
 (trainer/step/user_code.py). The compiled loop running `step` (`train_loop`): trainer/step/loop.py.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -65,9 +66,12 @@ from trainer.step.forward_state import forward_state, forward_state_kept  # noqa
 from trainer.step.skip_guard import SkipGuard
 
 SUM = tf.distribute.ReduceOp.SUM
+
+
 class UpdateGroup(NamedTuple):
   """One optimizer's share of a step: the variables it updates and the loss scaler their
   gradients were scaled with (`compute_gradients` scales that loss with it and unscales)."""
+
   optimizer: Any
   variables: list
   loss_scaler: Any
@@ -114,17 +118,22 @@ class TrainStep(CompiledLoop):
     replicas = self.strategy.num_replicas_in_sync
     per_replica = self.global_batch_size // replicas
     if per_replica % self.grad_accum_steps:
-      raise ConfigError(f'config.train.grad_accum_steps={self.grad_accum_steps} does not divide '
-                        f'the per-replica batch {per_replica} (config.train.batch_size='
-                        f'{self.global_batch_size} over {replicas} replicas).')
+      raise ConfigError(
+        f'config.train.grad_accum_steps={self.grad_accum_steps} does not divide '
+        f'the per-replica batch {per_replica} (config.train.batch_size='
+        f'{self.global_batch_size} over {replicas} replicas).'
+      )
 
     self.build_optimizers()
     # Keras float8 layers' scale and amax-history variables: their "gradients" are new values the
     # optimizer assigns: never unscaled, clipped or summed; MAX over micro-batches and replicas.
     self.overwritten = overwritten(self.variables)
     self.skipped_steps = state_variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
-    self.guard = SkipGuard(strategy=self.strategy, variables=self.variables,
-                           max_consecutive_skips=c.precision.max_consecutive_skips)
+    self.guard = SkipGuard(
+      strategy=self.strategy,
+      variables=self.variables,
+      max_consecutive_skips=c.precision.max_consecutive_skips,
+    )
     self._forward_state = forward_state(self.model)
     # Forensics: the loop stops right after the skip that brings skipped_steps to this count
     # (the host sets it; 0 = never): the host sees that step's pre-step weights and its batch.
@@ -162,11 +171,13 @@ class TrainStep(CompiledLoop):
     `compute_gradients` calls this; so does a probe on a `replica_share`): the per-example
     losses summed / global batch size, plus the model's regularization losses / (replicas x
     micro-batches); float32. Any context (no replica context needed)."""
-    loss = tf.nn.compute_average_loss(tf.cast(per_example_loss, tf.float32),
-                                      global_batch_size=self.global_batch_size)
+    loss = tf.nn.compute_average_loss(
+      tf.cast(per_example_loss, tf.float32), global_batch_size=self.global_batch_size
+    )
     if self.model.losses:
       loss += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) / (
-          self.strategy.num_replicas_in_sync * self.grad_accum_steps)
+        self.strategy.num_replicas_in_sync * self.grad_accum_steps
+      )
     return loss
 
   # ---- what a custom step overrides ---------------------------------------------------------
@@ -217,10 +228,14 @@ class TrainStep(CompiledLoop):
         continue
       for name, value in micro_outputs.items():  # stateful metrics see every micro-batch
         outputs[name] = outputs[name] + ([value] if name in self.metrics else value)
-      grads = [a if b is None else b if a is None else tf.maximum(a, b) if new_value else a + b
-               for a, b, new_value in zip(grads, micro_grads, self.overwritten)]
-    return {n: tuple(tf.concat(parts, 0) for parts in zip(*v)) if n in self.metrics else v
-            for n, v in outputs.items()}, grads
+      grads = [
+        a if b is None else b if a is None else tf.maximum(a, b) if new_value else a + b
+        for a, b, new_value in zip(grads, micro_grads, self.overwritten)
+      ]
+    return {
+      n: tuple(tf.concat(parts, 0) for parts in zip(*v)) if n in self.metrics else v
+      for n, v in outputs.items()
+    }, grads
 
   def apply_gradients(self, grads) -> None:
     """Replica context, finite steps only (one group): `apply_group` for each group's share of
@@ -256,7 +271,7 @@ class TrainStep(CompiledLoop):
     """`values` (one per entry of `variables`) cut into one list per group."""
     values, parts, start = list(values), [], 0
     for group in self.groups:
-      parts.append(values[start:start + len(group.variables)])
+      parts.append(values[start : start + len(group.variables)])
       start += len(group.variables)
     return parts
 
@@ -293,8 +308,11 @@ class TrainStep(CompiledLoop):
           # The skip the host stops at (skipped_steps counts it after this branch): its batch
           # is kept here, on the skip branch only, so a finite step pays nothing.
           self._batch_kept_on_skip = True
-          tf.cond(tf.equal(self.skipped_steps + 1, self.stop_at_skip),
-                  lambda: self._keep_batch(self._recording.last), lambda: tf.constant(True))
+          tf.cond(
+            tf.equal(self.skipped_steps + 1, self.stop_at_skip),
+            lambda: self._keep_batch(self._recording.last),
+            lambda: tf.constant(True),
+          )
         return tf.constant(1, tf.int64)
 
     if not isinstance(finite, (list, tuple)):
@@ -332,10 +350,12 @@ class TrainStep(CompiledLoop):
     int32, 0 or 1 each)."""
     saved = [v.read_value() for v in self._forward_state]
     outputs, grads = contract.step_gradients(
-        self, user_code.converted(self.compute_gradients)(batch), self.variables)
+      self, user_code.converted(self.compute_gradients)(batch), self.variables
+    )
     grads = self._maybe_inject(grads)
-    nonfinite = tf.stack([tf.cast(tf.logical_not(all_finite(part)), tf.int32)
-                          for part in self._split(grads)])
+    nonfinite = tf.stack(
+      [tf.cast(tf.logical_not(all_finite(part)), tf.int32) for part in self._split(grads)]
+    )
     return outputs, grads, nonfinite, saved
 
   def replica_step(self, batch):
@@ -347,8 +367,9 @@ class TrainStep(CompiledLoop):
     int32, the forward state read before the pass) for `groups_finite` and `apply_or_skip`."""
     outputs, grads, nonfinite, saved = self._replica_core_fn(batch)
     outputs = dict(outputs)
-    updates = [(metric, outputs.pop(name)) for name, metric in self.metrics.items()
-               if name in outputs]
+    updates = [
+      (metric, outputs.pop(name)) for name, metric in self.metrics.items() if name in outputs
+    ]
     if updates:  # outside XLA: metric variables sync on read
 
       def update():
@@ -358,8 +379,11 @@ class TrainStep(CompiledLoop):
 
       # As the summed outputs leave out steps whose loss is not finite, the stateful metrics
       # leave out this replica's non-finite-loss steps (a NaN logit would corrupt an AUC).
-      loss_finite = (tf.reduce_all(tf.math.is_finite(outputs['loss'])) if 'loss' in outputs
-                     else tf.constant(True))
+      loss_finite = (
+        tf.reduce_all(tf.math.is_finite(outputs['loss']))
+        if 'loss' in outputs
+        else tf.constant(True)
+      )
       tf.cond(loss_finite, update, lambda: tf.constant(False))
     return outputs, grads, nonfinite, saved
 
@@ -384,8 +408,13 @@ class TrainStep(CompiledLoop):
     """debug.inject_nonfinite_*: the gradients of chosen global steps made non-finite."""
     if not (self.inject_every or self.inject_steps):
       return grads
-    return inject.nonfinite(grads, self.global_step.read_value(), every=self.inject_every,
-                            steps=self.inject_steps, replica=self.inject_replica)
+    return inject.nonfinite(
+      grads,
+      self.global_step.read_value(),
+      every=self.inject_every,
+      steps=self.inject_steps,
+      replica=self.inject_replica,
+    )
 
   def _micro_gradients(self, batch):
     with tf.GradientTape() as tape:
@@ -395,6 +424,9 @@ class TrainStep(CompiledLoop):
     grads = self.loss_scaler.unscale(tape.gradient(scaled_loss, self.variables), self.variables)
     outputs = {'loss': loss}
     for name, value in metrics.items():
-      outputs[name] = (tuple(value) if name in self.metrics else
-                       tf.reduce_sum(tf.cast(value, tf.float32)) / self.global_batch_size)
+      outputs[name] = (
+        tuple(value)
+        if name in self.metrics
+        else tf.reduce_sum(tf.cast(value, tf.float32)) / self.global_batch_size
+      )
     return outputs, grads

@@ -13,6 +13,7 @@ recursively, and falls back to calling it as it is (as tf.function does) when it
 example when its source is not available. Keras's own code is never converted (autograph's own
 rule for the keras module).
 """
+
 from __future__ import annotations
 
 import tensorflow as tf
