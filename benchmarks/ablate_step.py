@@ -29,6 +29,8 @@ if ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
+from benchmarks import results as results_page  # noqa: E402  (--results_dir)
+
 from benchmarks import run as bench_run  # noqa: E402  (its flags: --rounds, --data_root, ...)
 
 _MODEL = flags.DEFINE_string('model', 'mnist_cnn', 'Module in models/.')
@@ -81,7 +83,7 @@ def ablated(trainer_class, keep_checks: bool):
   return Ablated
 
 
-def main(argv):
+def measure_and_print(argv):
   del argv
   logging.set_verbosity(logging.ERROR)
   import models
@@ -134,6 +136,12 @@ def main(argv):
     print(f'{row[0]:12} {row[1]} {row[2]} {row[3]} {row[4]}')
   for contender in built.values():
     contender.close()
+
+
+def main(argv):
+  """What it prints is also docs/results/ablate_step.md (benchmarks/results.py)."""
+  with results_page.recording('ablate_step', markdown=False):
+    measure_and_print(argv)
 
 
 if __name__ == '__main__':

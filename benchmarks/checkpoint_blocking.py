@@ -30,6 +30,8 @@ sys.path.insert(0, ROOT)
 
 
 def main() -> None:
+  from benchmarks import results as results_page
+
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
     '--data_dir', default=os.path.join(ROOT, '..', 'shared', 'data', 'tinyshakespeare')
@@ -37,7 +39,16 @@ def main() -> None:
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--steps_between', type=int, default=10)
   parser.add_argument('--set', action='append', default=[], help='key=value config override')
+  parser.add_argument(
+    '--results_dir', default=results_page.DEFAULT_DIR, help="results page folder; '' = none"
+  )
   args = parser.parse_args()
+  # What it prints is also the results page docs/results/checkpoint_blocking.md.
+  with results_page.recording('checkpoint_blocking', markdown=False, results_dir=args.results_dir):
+    measure_and_print(args)
+
+
+def measure_and_print(args) -> None:
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
   import ast
 

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks import results as results_page
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,10 +44,21 @@ def _run(command, env):
   return result, wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def report(out: str, stem: str, text: str, results: list) -> None:
-  """Prints the markdown `text`; with `out`, writes it to <out>/<stem>.md and `results` to
+def report(
+  out: str,
+  stem: str,
+  text: str,
+  results: list,
+  *,
+  page: str,
+  started: results_page.Start,
+  quick: bool = False,
+) -> None:
+  """Prints the markdown `text` and writes it as the results page docs/results/<page>.md
+  (benchmarks/results.py); with `out`, also writes it to <out>/<stem>.md and `results` to
   <out>/<stem>.json."""
   print(text, flush=True)
+  results_page.write(page, text, started=started, quick=quick)
   if out:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f'{stem}.md'), 'w') as f:

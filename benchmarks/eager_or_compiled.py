@@ -26,6 +26,8 @@ if ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
+from benchmarks import results as results_page  # noqa: E402  (--results_dir)
+
 _CONFIGS = flags.DEFINE_list(
   'configs',
   [
@@ -120,7 +122,7 @@ def _row(r: dict) -> str:
   )
 
 
-def main(argv):
+def measure_and_print(argv):
   del argv
   logging.set_verbosity(logging.ERROR)
   if _CHILD.value:
@@ -148,6 +150,14 @@ def main(argv):
     )
     result = [line for line in out.stdout.splitlines() if line.startswith('RESULT ')][-1]
     print(_row(json.loads(result[len('RESULT ') :])), flush=True)
+
+
+def main(argv):
+  """What it prints is also docs/results/eager_or_compiled.md (benchmarks/results.py)."""
+  if _CHILD.value:  # one config's measurement, printed for the parent
+    return measure_and_print(argv)
+  with results_page.recording('eager_or_compiled', markdown=True):
+    measure_and_print(argv)
 
 
 if __name__ == '__main__':

@@ -58,6 +58,7 @@ if ROOT not in sys.path:
 from absl import app, flags, logging  # noqa: E402
 
 from benchmarks import overrides as config_overrides  # noqa: E402
+from benchmarks import results as results_page  # noqa: E402  (--results_dir, --results_name)
 from benchmarks import run  # noqa: E402  (its flags --data_root, --data_dir apply here too)
 
 _MODEL = flags.DEFINE_string('model', 'transformer_lm', 'Model (module in models/).')
@@ -541,6 +542,7 @@ def main(argv):
     child(json.loads(_CHILD.value))
     return
   logging.set_verbosity(logging.WARNING)
+  started = results_page.start()
   settings = [(p, r.lower() == 'true') for p in _POLICY_LIST.value for r in _REMAT.value]
   results = {
     'model': _MODEL.value,
@@ -581,6 +583,12 @@ def main(argv):
   if _JSON.value:
     with open(_JSON.value, 'w') as f:
       f.write(text + '\n')
+  # One page per kind of measurement (memory_breakdown.md, ...); --results_name names another.
+  mode = next(
+    k for k in ('breakdown', 'account', 'time', 'largest_batch', 'memory') if k in results
+  )
+  body = (results.get('table', '') + '\n\n```json\n' + text + '\n```').lstrip('\n')
+  results_page.write(f'memory_{mode}' if mode != 'memory' else 'memory', body, started=started)
 
 
 if __name__ == '__main__':

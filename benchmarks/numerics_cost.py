@@ -24,6 +24,8 @@ if ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
+from benchmarks import results as results_page  # noqa: E402  (--results_dir)
+
 from benchmarks import run as bench_run  # noqa: E402  (its flags: --rounds, --data_root, ...)
 
 _POLICY = flags.DEFINE_string('policy', 'mixed_float16', 'Precision policy.')
@@ -60,7 +62,7 @@ def measure(name: str, rounds: int) -> dict:
   }
 
 
-def main(argv):
+def measure_and_print(argv):
   del argv
   logging.set_verbosity(logging.ERROR)
   names = bench_run._MODELS.value or ['mnist_cnn', 'mnist_mlp']
@@ -73,6 +75,12 @@ def main(argv):
       f'{name:16} {r["step_ms"]:8.2f} {r["probe_ms"]:9.2f} {r["probe_in_steps"]:11.2f} '
       f'{100 * r["cost"]:7.2f}%'
     )
+
+
+def main(argv):
+  """What it prints is also docs/results/numerics_cost.md (benchmarks/results.py)."""
+  with results_page.recording('numerics_cost', markdown=False):
+    measure_and_print(argv)
 
 
 if __name__ == '__main__':

@@ -26,6 +26,8 @@ if ROOT not in sys.path:
 
 from absl import app, flags  # noqa: E402
 
+from benchmarks import results as results_page  # noqa: E402  (--results_dir)
+
 _SHAPES = flags.DEFINE_string(
   'shapes', '784x128,128,128x10,10', 'Variable shapes, comma-separated.'
 )
@@ -81,7 +83,7 @@ def contenders():
   return out
 
 
-def main(argv):
+def measure_and_print(argv):
   del argv
   import numpy as np
   import tensorflow as tf
@@ -110,7 +112,7 @@ def main(argv):
       start = time.perf_counter()
       loop(n)
       times[name].append((time.perf_counter() - start) / _UPDATES.value)
-  print(f'shapes {_SHAPES.value}, {_ROUNDS.value} rounds of {_UPDATES.value} updates')
+  print(f'shapes {_SHAPES.value}, {_ROUNDS.value} rounds of {_UPDATES.value} updates\n')
   print('| update | us per update (median, min-max) | speed vs Keras (median of rounds) |')
   print('|---|---|---|')
   for name, ts in times.items():
@@ -119,6 +121,12 @@ def main(argv):
       f'| {name} | {statistics.median(ts) * 1e6:.1f} ({min(ts) * 1e6:.1f}-'
       f'{max(ts) * 1e6:.1f}) | {ratio:.2f}x |'
     )
+
+
+def main(argv):
+  """What it prints is also docs/results/optimizer_update.md (benchmarks/results.py)."""
+  with results_page.recording('optimizer_update', markdown=True):
+    measure_and_print(argv)
 
 
 if __name__ == '__main__':

@@ -36,6 +36,7 @@ if ROOT not in sys.path:
 from absl import app, flags  # noqa: E402
 
 from benchmarks import child  # noqa: E402
+from benchmarks import results as results_page  # noqa: E402
 from benchmarks import peer_torch  # noqa: E402  (its flags: --data, --steps, --out, --set)
 
 _SHAPE = flags.DEFINE_enum('shape', 'shakespeare', list(peer_torch.SHAPES), 'The shape.')
@@ -113,7 +114,7 @@ def run_ours(config, seed: int, folder: str) -> dict:
 
 def main(argv):
   del argv
-  shape, precision = _SHAPE.value, _PRECISION.value
+  started, shape, precision = results_page.start(), _SHAPE.value, _PRECISION.value
   steps = peer_torch._STEPS.value or peer_torch.SHAPES[shape][1]
   config = peer_torch.config_for(shape, precision, steps, peer_torch._SET.value)
   config.train.steps_per_loop = config.train.log_every = 1  # a loss per step
@@ -162,7 +163,15 @@ def main(argv):
     'ours': ours,
     'torch': torch,
   }
-  child.report(peer_torch._OUT.value, 'lockstep', '\n'.join(lines), [result])
+  child.report(
+    peer_torch._OUT.value,
+    'lockstep',
+    '\n'.join(lines),
+    [result],
+    page='peer_lockstep',
+    started=started,
+    quick=peer_torch._QUICK.value,
+  )
 
 
 if __name__ == '__main__':

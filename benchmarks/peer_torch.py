@@ -40,6 +40,7 @@ if ROOT not in sys.path:
 from absl import app, flags  # noqa: E402
 
 from benchmarks import child  # noqa: E402
+from benchmarks import results as results_page  # noqa: E402
 from benchmarks import overrides as config_overrides  # noqa: E402
 
 SHAPES = {  # name: (config file, steps, quick steps)
@@ -228,7 +229,7 @@ def main(argv):
       'python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install '
       'torch numpy'
     )
-  cells = {}
+  started, cells = results_page.start(), {}
   for shape in _SHAPES.value:
     steps = _STEPS.value or SHAPES[shape][2 if _QUICK.value else 1]
     for precision in _PRECISIONS.value:
@@ -259,7 +260,15 @@ def main(argv):
           result.update(shape=shape, precision=precision, round=round_)
           print(json.dumps(result), flush=True)
           runs.append(result)
-  child.report(_OUT.value, 'peer', tables(cells), [r for runs in cells.values() for r in runs])
+  child.report(
+    _OUT.value,
+    'peer',
+    tables(cells),
+    [r for runs in cells.values() for r in runs],
+    page='peer_torch',
+    started=started,
+    quick=_QUICK.value,
+  )
 
 
 if __name__ == '__main__':

@@ -34,6 +34,8 @@ if ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
+from benchmarks import results as results_page  # noqa: E402  (--results_dir)
+
 from benchmarks import run as bench_run  # noqa: E402  (its flags: --data_root, --data_dir)
 
 _MODEL = flags.DEFINE_string('model', 'mnist_cnn', 'Module in models/.')
@@ -115,7 +117,7 @@ def summarize(
   return '\n'.join(lines)
 
 
-def main(argv):
+def measure_and_print(argv):
   del argv
   logging.set_verbosity(logging.ERROR)
   import models
@@ -160,6 +162,12 @@ def main(argv):
       )
     )
     contender.close()
+
+
+def main(argv):
+  """What it prints is also docs/results/profile_step.md (benchmarks/results.py)."""
+  with results_page.recording('profile_step', markdown=False):
+    measure_and_print(argv)
 
 
 if __name__ == '__main__':

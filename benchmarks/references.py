@@ -39,6 +39,7 @@ if ROOT not in sys.path:
 from absl import app, flags, logging  # noqa: E402
 
 from benchmarks import child  # noqa: E402
+from benchmarks import results as results_page  # noqa: E402
 from benchmarks import overrides as config_overrides  # noqa: E402
 
 POLICIES = ('float32', 'mixed_bfloat16', 'mixed_float16')
@@ -264,7 +265,7 @@ def main(argv):
     raise app.UsageError(
       f'--only/--policies: unknown {unknown[0]!r}; known: {", ".join([*REFERENCES, *POLICIES])}'
     )
-  results = []
+  started, results = results_page.start(), []
   for name in _ONLY.value:
     for policy in _POLICIES.value:
       if _QUICK.value:
@@ -273,7 +274,15 @@ def main(argv):
         result = run_subprocess(name, policy, _DATA_ROOT.value, _SET.value, _SIDE.value)
       logging.info('%s', json.dumps(result))
       results.append(result)
-  child.report(_OUT.value, 'references', table(results), results)
+  child.report(
+    _OUT.value,
+    'references',
+    table(results),
+    results,
+    page='references',
+    started=started,
+    quick=_QUICK.value,
+  )
 
 
 if __name__ == '__main__':

@@ -17,7 +17,8 @@ Method (all in one process per model set, except memory):
     `--memory_steps` steps and reports its peak RSS (VmHWM) after the imports, after building
     and after training; "step MiB" = after training - after the imports (benchmarks/memory.py
     measures the same at any size, and the largest batch within a budget).
-Outputs in --out: benchmark.md (tables), benchmark.json (everything), benchmark.png (chart).
+Outputs in --out: benchmark.md (tables), benchmark.json (everything), benchmark.png (chart); the
+tables also go to docs/results/run.md (benchmarks/results.py: --results_dir, --results_name).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from absl import app, flags, logging  # noqa: E402
+
+from benchmarks import results as results_page  # noqa: E402  (--results_dir)
 
 _OUT = flags.DEFINE_string('out', os.path.join(ROOT, 'benchmarks', 'out'), 'Output folder.')
 _QUICK = flags.DEFINE_bool(
@@ -534,6 +537,7 @@ def main(argv):
   from benchmarks import flops, report
   import models
 
+  started = results_page.start()
   s = settings()
   started = time.perf_counter()
   results = {'machine': machine(), 'settings': s, 'peak_flops': {}, 'models': {}}
@@ -564,6 +568,8 @@ def main(argv):
   results['wall_seconds'] = round(time.perf_counter() - started, 1)
   os.makedirs(_OUT.value, exist_ok=True)
   paths = report.write(results, _OUT.value)
+  page = results_page.write('run', report.markdown(results), started=started, quick=s['quick'])
+  paths += [page] if page else []
   print('\n'.join(['wrote:'] + paths))
   print(f'wall time: {results["wall_seconds"]:.0f} s')
 

@@ -23,6 +23,7 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
       '--models=mnist_cnn',
       '--policies=float32,mixed_bfloat16',
       f'--out={out}',
+      f'--results_dir={tmp_path}',
     ],
     capture_output=True,
     text=True,
@@ -96,9 +97,18 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
     assert heading in table, heading
   for p in policies:
     assert f'| {p} |' in table
+  assert '## mnist_cnn' in results_page(tmp_path, 'run')  # the same tables, as the results page
 
 
-def test_step_ablation_runs_every_contender():
+def results_page(folder, name: str) -> str:
+  """The results page a benchmark wrote (benchmarks/results.py), checked for its header."""
+  text = (folder / f'{name}.md').read_text()
+  for row in ('| command | `python -m benchmarks.', '| commit |', '| machine |', '| load |'):
+    assert row in text, (row, text[:800])
+  return text
+
+
+def test_step_ablation_runs_every_contender(tmp_path):
   """benchmarks/ablate_step.py builds its stripped-down steps on the public TrainStep contract;
   one short round of each, on the MLP, so it never rots. No claim about speed."""
   done = subprocess.run(
@@ -109,6 +119,7 @@ def test_step_ablation_runs_every_contender():
       '--policy=mixed_bfloat16',
       '--rounds=1',
       '--calls=1',
+      f'--results_dir={tmp_path}',
     ],
     capture_output=True,
     text=True,
@@ -120,6 +131,7 @@ def test_step_ablation_runs_every_contender():
   rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:] if line.strip()}
   assert set(rows) == {'ours', 'no_cond', 'bare', 'no_forensics', 'no_guard', 'fit'}, done.stdout
   assert all(float(row[1]) > 0 for row in rows.values())  # steps per second
+  assert done.stdout.strip() in results_page(tmp_path, 'ablate_step')  # what it printed
 
 
 def trace_events(folder: str, suffix: str) -> tuple[int, int]:
@@ -157,6 +169,7 @@ def test_step_profile_divides_by_the_steps_in_each_trace(tmp_path):
       '--steps_per_loop=2',
       '--steps=4',
       f'--profile_out={tmp_path}',
+      f'--results_dir={tmp_path}',
     ],
     capture_output=True,
     text=True,
@@ -172,9 +185,10 @@ def test_step_profile_divides_by_the_steps_in_each_trace(tmp_path):
     losses, events = trace_events(str(tmp_path / label), ':SparseSoftmaxCrossEntropyWithLogits')
     assert losses == traced == {'ours': 4, 'fit': 6}[label], head
     assert int(head.split(' ops/step')[0].rsplit(' ', 1)[1]) == events // traced, head
+  assert heads[0] in results_page(tmp_path, 'profile_step')
 
 
-def test_eager_or_compiled_times_both_ways():
+def test_eager_or_compiled_times_both_ways(tmp_path):
   """benchmarks/eager_or_compiled.py (the figures behind the eager limits of the probe and the
   checkpoint check) reads the two functions through EagerThenCompiled; one config, so it never
   rots. No claim about speed."""
@@ -184,6 +198,7 @@ def test_eager_or_compiled_times_both_ways():
       os.path.join(ROOT, 'benchmarks', 'eager_or_compiled.py'),
       '--configs=mnist_mlp:float32',
       '--eager_calls=2',
+      f'--results_dir={tmp_path}',
     ],
     capture_output=True,
     text=True,
@@ -197,6 +212,8 @@ def test_eager_or_compiled_times_both_ways():
   cells = [c.strip() for c in row[0].strip('|').split('|')]
   times = [float(x) for i in (1, 2, 5, 6) for x in cells[i].split(' / ')]
   assert all(t > 0 for t in times) and int(cells[4]) > 0, row
+  assert row[0] in results_page(tmp_path, 'eager_or_compiled')  # the parent's page, no child's
+  assert os.listdir(tmp_path) == ['eager_or_compiled.md']
 
 
 def test_memory_breakdown_setting_and_table():

@@ -16,7 +16,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_quick_references(tmp_path):
   done = subprocess.run(
-    [sys.executable, '-m', 'benchmarks.references', '--quick', f'--out={tmp_path}'],
+    [
+      sys.executable,
+      '-m',
+      'benchmarks.references',
+      '--quick',
+      f'--out={tmp_path}',
+      f'--results_dir={tmp_path / "pages"}',
+    ],
     capture_output=True,
     text=True,
     cwd=ROOT,
@@ -42,6 +49,9 @@ def test_quick_references(tmp_path):
       assert r['metrics']['accuracy'] > 0.5, r
   text = (tmp_path / 'references.md').read_text()
   assert text.count('\n| nanogpt_cpu |') == 3 and text.count('\n| keras_mnist_convnet |') == 3
+  # The same table as the results page, under its header (benchmarks/results.py).
+  page = (tmp_path / 'pages' / 'references.md').read_text()
+  assert '| command | `python -m benchmarks.references --quick' in page and text.strip() in page
 
 
 def test_quick_keras_example_side(tmp_path):

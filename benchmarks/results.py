@@ -1,0 +1,254 @@
+"""The results pages under docs/results/: what a benchmark measured, under a header that says how
+(the command), on what code (the commit), on what machine (CPU, cores, TensorFlow and Keras) and
+under what load (the 1-minute load average at the start and the end, and the CPU time other
+processes used meanwhile). The guides state the method and link to these pages; a new run of a
+benchmark rewrites its page, so the numbers the docs show are the ones a command produced.
+
+  started = results.start()               # first thing in main(): the load and CPU counters
+  ...
+  results.write('references', body_markdown, started=started, quick=_QUICK.value)
+
+or, for a benchmark that prints its tables, around the printing:
+
+  with results.recording('ablate_step', markdown=False):
+    ...print(...)...
+
+`--results_dir` (default docs/results; '' writes nothing) chooses the folder; a quick (smoke)
+run writes a page only when `--results_dir` is given, so tests never overwrite the docs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import io
+import os
+import platform
+import resource
+import shlex
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_DIR = os.path.join(ROOT, 'docs', 'results')
+MARK = '<!-- written by benchmarks/results.py -->'
+
+RESULTS_DIR = flags.DEFINE_string(
+  'results_dir',
+  DEFAULT_DIR,
+  "Folder of the results page this run writes (<name>.md); '' = none. A quick run writes one only "
+  'when this flag is given.',
+)
+RESULTS_NAME = flags.DEFINE_string(
+  'results_name',
+  '',
+  "Name of the results page (default: the benchmark's own), for a run that should not replace "
+  'the page of another run of the same benchmark.',
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """What the machine looked like when the measurement began."""
+
+  wall: float  # time.time()
+  load: float  # 1-minute load average
+  busy: float | None  # CPU-seconds all processes had used (/proc/stat), None where unreadable
+  own: float  # CPU-seconds of this process and its waited-for children
+
+
+def _own_cpu() -> float:
+  total = 0.0
+  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+    usage = resource.getrusage(who)
+    total += usage.ru_utime + usage.ru_stime
+  return total
+
+
+def _busy_cpu() -> float | None:
+  """CPU-seconds every process on the machine has used since boot: /proc/stat's first line minus
+  its idle and iowait columns (guest time is already counted in user)."""
+  try:
+    with open('/proc/stat') as f:
+      fields = [int(x) for x in f.readline().split()[1:9]]
+  except (OSError, ValueError):
+    return None
+  user, nice, system, idle, iowait, irq, softirq, steal = fields
+  return (user + nice + system + irq + softirq + steal) / os.sysconf('SC_CLK_TCK')
+
+
+def start() -> Start:
+  return Start(time.time(), os.getloadavg()[0], _busy_cpu(), _own_cpu())
+
+
+def machine() -> dict:
+  """CPU model, cores, the CPU flags that matter for 16-bit math, and the library versions (read
+  from the installed packages: nothing is imported)."""
+  cpu, cpu_flags = platform.processor() or 'unknown', set()
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          cpu = line.split(':', 1)[1].strip()
+        elif line.startswith('flags'):
+          cpu_flags = set(line.split(':', 1)[1].split())
+  except OSError:
+    pass
+
+  def version(package: str) -> str:
+    try:
+      return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      return 'not installed'
+
+  return {
+    'cpu': cpu,
+    'cores': os.cpu_count(),
+    'cpu_flags': sorted(
+      cpu_flags & {'avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'f16c'}
+    ),
+    'tensorflow': version('tensorflow'),
+    'keras': version('keras'),
+    'python': platform.python_version(),
+  }
+
+
+def commit() -> str:
+  """The checked-out commit, and whether files other than the results pages differ from it."""
+  git = lambda *a: subprocess.run(
+    ['git', *a], cwd=ROOT, capture_output=True, text=True, check=False
+  ).stdout.strip()
+  head = git('rev-parse', '--short', 'HEAD')
+  if not head:
+    return 'unknown (not a git checkout)'
+  changed = [
+    line
+    for line in git('status', '--porcelain', '--untracked-files=no').splitlines()
+    if not line[3:].startswith('docs/results/')
+  ]
+  return f'`{head}`' + (f', with {len(changed)} changed file(s) not committed' if changed else '')
+
+
+def command() -> str:
+  """This process's command line, as `python -m benchmarks.<name> ...` when it is a benchmark."""
+  script = os.path.abspath(sys.argv[0])
+  if os.path.dirname(script) == os.path.join(ROOT, 'benchmarks'):
+    head = ['python', '-m', 'benchmarks.' + os.path.splitext(os.path.basename(script))[0]]
+  else:
+    head = ['python', os.path.relpath(script, ROOT)]
+  return ' '.join(head + [shlex.quote(a) for a in sys.argv[1:]])
+
+
+def load_line(started: Start | None, ended: Start) -> str:
+  """The load during the run: the 1-minute load average at both ends and the CPU time the
+  machine's other processes used, the part of the measurement's conditions numbers can carry."""
+  if started is None:
+    return f'1-minute load average {ended.load:.2f} at the end (the start was not recorded)'
+  text = f'1-minute load average {started.load:.2f} at the start, {ended.load:.2f} at the end'
+  if started.busy is not None and ended.busy is not None:
+    wall = max(ended.wall - started.wall, 1e-9)
+    others = max(0.0, (ended.busy - started.busy) - (ended.own - started.own))
+    share = others / (wall * (os.cpu_count() or 1))
+    text += (
+      f'; other processes used {others:.0f} CPU-s of the {wall:.0f} s '
+      f'({share:.0%} of the machine): ' + ('it ran alone' if share < 0.05 else 'it was shared')
+    )
+  return text
+
+
+def header(command_line: str, started: Start | None, ended: Start) -> str:
+  m = machine()
+  when = datetime.datetime.fromtimestamp(ended.wall, datetime.timezone.utc)
+  rows = [
+    ('command', f'`{command_line}`'),
+    ('commit', commit()),
+    ('recorded', when.strftime('%Y-%m-%d %H:%M UTC')),
+    (
+      'machine',
+      f'{m["cpu"]}, {m["cores"]} cores ({", ".join(m["cpu_flags"]) or "no 16-bit flags"}); '
+      f'TensorFlow {m["tensorflow"]}, Keras {m["keras"]}, Python {m["python"]}',
+    ),
+    ('load', load_line(started, ended)),
+  ]
+  return '\n'.join(['| | |', '|---|---|'] + [f'| {k} | {v} |' for k, v in rows])
+
+
+def page(name: str, command_line: str, body: str, started: Start | None) -> str:
+  """The whole page: title, header, the benchmark's own markdown (its title line dropped)."""
+  body = body.strip('\n')
+  if body.startswith('# '):
+    body = body.split('\n', 1)[1].lstrip('\n') if '\n' in body else ''
+  return (
+    f'# Results: {name}\n\n{MARK}\n'
+    f'Written by the run below; running its command again rewrites this page.\n\n'
+    f'{header(command_line, started, start())}\n\n{body}\n'
+  )
+
+
+def target_dir(quick: bool) -> str:
+  """Where a run writes its page: '' for none; a quick run only where asked explicitly."""
+  if not flags.FLAGS.is_parsed():
+    return '' if quick else DEFAULT_DIR
+  if quick and not flags.FLAGS['results_dir'].present:
+    return ''
+  return RESULTS_DIR.value
+
+
+def write(
+  name: str,
+  body: str,
+  *,
+  started: Start | None = None,
+  command_line: str | None = None,
+  quick: bool = False,
+  results_dir: str | None = None,
+) -> str | None:
+  """Writes docs/results/<name>.md (or <results_dir>/<name>.md); returns its path, or None when
+  this run writes no page."""
+  folder = target_dir(quick) if results_dir is None else results_dir
+  if not folder:
+    return None
+  if flags.FLAGS.is_parsed() and RESULTS_NAME.value:
+    name = RESULTS_NAME.value
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, f'{name}.md')
+  text = page(name, command_line or command(), body, started)
+  with open(path + '.tmp', 'w') as f:
+    f.write(text)
+  os.replace(path + '.tmp', path)
+  print(f'results page: {path}', file=sys.stderr, flush=True)
+  return path
+
+
+class _Tee(io.TextIOBase):
+  def __init__(self, stream):
+    self.stream, self.captured = stream, io.StringIO()
+
+  def write(self, text):
+    self.captured.write(text)
+    return self.stream.write(text)
+
+  def flush(self):
+    self.stream.flush()
+
+
+@contextlib.contextmanager
+def recording(
+  name: str, *, markdown: bool = True, quick: bool = False, results_dir: str | None = None
+):
+  """Everything printed inside the block becomes the body of <name>.md (as a code block when
+  `markdown` is False), written when the block ends without an error."""
+  started, tee = start(), _Tee(sys.stdout)
+  sys.stdout = tee
+  try:
+    yield
+  finally:
+    sys.stdout = tee.stream
+  text = tee.captured.getvalue().strip('\n')
+  body = text if markdown else f'```\n{text}\n```'
+  write(name, body, started=started, quick=quick, results_dir=results_dir)

@@ -1,0 +1,164 @@
+"""Measurements live in pages the benchmarks write (docs/results/, benchmarks/results.py); the
+guides state the method and link there. A guide line with a dated measurement (a date, a load
+average, "the quiet machine") is refused, every results page carries its header and is on the
+site, and the test files development.md names exist."""
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from benchmarks import results
+
+# A line that dates a measurement or names the load it ran under: it belongs on a results page.
+DATED = re.compile(
+  r'\b20\d\d-\d\d-\d\d\b'  # a date
+  r'|load average|\bload \d'  # the load
+  r'|\b(quiet|loaded|shared|busy)( 2-core)? machine'  # the machine's state
+  r'|machine was (shared|busy|quiet)'
+  r'|\b(quiet|loaded) 2-core\b',
+  re.IGNORECASE,
+)
+
+
+def guide_pages() -> list[str]:
+  """README.md and every page of the docs except the generated results pages."""
+  pages = ['README.md']
+  for folder, _, files in os.walk(os.path.join(ROOT, 'docs')):
+    rel = os.path.relpath(folder, ROOT)
+    if rel == os.path.join('docs', 'results') or rel.startswith(
+      os.path.join('docs', 'results', '')
+    ):
+      continue
+    pages += [os.path.join(rel, f) for f in sorted(files) if f.endswith('.md')]
+  return sorted(pages)
+
+
+def dated_lines(text: str) -> list[str]:
+  return [line for line in text.splitlines() if DATED.search(line)]
+
+
+def test_the_pattern_finds_the_dated_lines_the_guides_had_and_spares_method():
+  # Lines the guides carried before the measurements moved to docs/results/.
+  dated = [
+    '--rounds=6` (22 min) on the quiet machine, 2026-11-24, at commit `d9a5204`; the full report',
+    'Machine: AMD EPYC, 2 cores (avx2); load average at start 0.73, 0.94, 1.05.',
+    '| setting | kept | s/step (load 12-14) |',
+    '[32, 4, 512, 512] are 128 MiB per block in float32). MiB; the machine was shared (RSS is not',
+    'the shared 2-core machine measured it at 0.95 training steps for the CNN and 2.03 for the MLP.',
+    'median of 7 rounds; a loaded 2-core machine):',
+    'minutes on a quiet 2-core machine, install, lint, mypy and the docs build included (550 tests',
+  ]
+  assert [line for line in dated if not DATED.search(line)] == []
+  method = [
+    'steps per CPU-second of the process (user + system, all threads), which other processes barely',
+    'The loss scale stayed at 32768 for 2000 finite steps.',
+    'python benchmarks/memory.py --set=model_config.context=512 --batch_size=32',
+  ]
+  assert [line for line in method if DATED.search(line)] == []
+
+
+def test_no_guide_line_carries_a_dated_measurement():
+  found = []
+  for page in guide_pages():
+    with open(os.path.join(ROOT, page)) as f:
+      found += [f'{page}: {line.strip()[:90]}' for line in dated_lines(f.read())]
+  assert found == [], (
+    'dated measurements belong on a results page (docs/results/, written by the benchmark '
+    'through benchmarks/results.py); the guide states the method and links there:\n'
+    + '\n'.join(found)
+  )
+
+
+def results_pages() -> list[str]:
+  folder = os.path.join(ROOT, 'docs', 'results')
+  return sorted(f for f in os.listdir(folder) if f.endswith('.md') and f != 'index.md')
+
+
+def test_every_results_page_has_its_header_and_is_on_the_site():
+  pages = results_pages()
+  assert len(pages) >= 8  # run, memory, references, peer_torch, ... (one per benchmark)
+  with open(os.path.join(ROOT, 'mkdocs.yml')) as f:
+    nav = yaml.load(f, Loader=yaml.BaseLoader)['nav']
+  on_site = set(re.findall(r'results/[\w-]+\.md', str(nav)))
+  for page in pages:
+    with open(os.path.join(ROOT, 'docs', 'results', page)) as f:
+      text = f.read()
+    assert text.startswith('# Results: ') and results.MARK in text, page
+    for row in ('| command |', '| commit |', '| recorded |', '| machine |', '| load |'):
+      assert row in text, (page, row)
+    assert f'results/{page}' in on_site, f'docs/results/{page} is not in mkdocs.yml nav'
+
+
+def test_every_test_file_development_md_names_exists():
+  with open(os.path.join(ROOT, 'docs', 'development.md')) as f:
+    text = f.read()
+  named = set(re.findall(r'\b(test_\w+\.py|\w+_runs?\.py|docblocks\.py|conftest\.py)\b', text))
+  assert len(named) >= 30  # the table "what is tested where"
+  present = {f for _, _, files in os.walk(os.path.join(ROOT, 'tests')) for f in files}
+  assert sorted(named - present) == []
+  # No test count to go stale: the page says how to count instead.
+  assert 'pytest --collect-only -q' in text
+  assert not re.search(r'\b\d{3} tests\b', text)
+
+
+# ---- the writer ---------------------------------------------------------------------------------
+def test_the_writer_fills_the_header_from_git_and_the_machine(tmp_path):
+  started = results.start()
+  path = results.write(
+    'demo',
+    '# Ignored title\n\n| a | b |\n|---|---|\n| 1 | 2 |\n',
+    started=started,
+    command_line='python -m benchmarks.demo --rounds=1',
+    results_dir=str(tmp_path),
+  )
+  assert path == str(tmp_path / 'demo.md')
+  text = (tmp_path / 'demo.md').read_text()
+  head = subprocess.run(
+    ['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True
+  ).stdout.strip()
+  assert text.startswith('# Results: demo\n') and 'Ignored title' not in text
+  assert '| command | `python -m benchmarks.demo --rounds=1` |' in text
+  assert f'| commit | `{head}`' in text
+  assert f'{os.cpu_count()} cores' in text and 'TensorFlow 2.' in text and 'Keras 3.' in text
+  assert re.search(r'\| load \| 1-minute load average [\d.]+ at the start, [\d.]+ at the end', text)
+  assert '| 1 | 2 |' in text
+  assert os.listdir(tmp_path) == ['demo.md']  # written by a rename, nothing left behind
+
+
+def test_the_load_line_says_whether_the_machine_was_shared():
+  cores = os.cpu_count()
+  a = results.Start(wall=0.0, load=0.5, busy=100.0, own=10.0)
+  alone = results.Start(wall=100.0, load=0.7, busy=100.0 + 80 * cores, own=10.0 + 80 * cores)
+  shared = results.Start(wall=100.0, load=9.0, busy=100.0 + 90 * cores, own=10.0 + 40 * cores)
+  assert results.load_line(a, alone).endswith('(0% of the machine): it ran alone')
+  line = results.load_line(a, shared)
+  assert 'at the start' in line and line.endswith('(50% of the machine): it was shared')
+  assert 'not recorded' in results.load_line(None, shared)
+
+
+def test_a_quick_run_writes_no_page_unless_asked(tmp_path):
+  assert results.target_dir(quick=True) == ''  # flags unparsed: no --results_dir given
+  assert results.write('demo', 'x', quick=True) is None
+  assert results.target_dir(quick=False) == results.DEFAULT_DIR
+
+
+def test_recording_keeps_what_was_printed_and_writes_nothing_on_an_error(tmp_path):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    with results.recording('printed', markdown=False, results_dir=str(tmp_path)):
+      print('model   steps/s')
+      print('mlp     1000.0')
+  assert out.getvalue() == 'model   steps/s\nmlp     1000.0\n'  # still printed
+  text = (tmp_path / 'printed.md').read_text()
+  assert '```\nmodel   steps/s\nmlp     1000.0\n```' in text
+  with pytest.raises(RuntimeError), contextlib.redirect_stdout(io.StringIO()):
+    with results.recording('failed', results_dir=str(tmp_path)):
+      print('half a table')
+      raise RuntimeError('the benchmark failed')
+  assert not (tmp_path / 'failed.md').exists()
