@@ -184,7 +184,7 @@ def page(name: str, command_line: str, body: str, started: Start | None) -> str:
   if body.startswith('# '):
     body = body.split('\n', 1)[1].lstrip('\n') if '\n' in body else ''
   return (
-    f'# Results: {name}\n\n{MARK}\n'
+    f'# Results: {name}\n\n{MARK}\n\n'
     f'Written by the run below; running its command again rewrites this page.\n\n'
     f'{header(command_line, started, start())}\n\n{body}\n'
   )

@@ -163,3 +163,20 @@ def test_recording_keeps_what_was_printed_and_writes_nothing_on_an_error(tmp_pat
       print('half a table')
       raise RuntimeError('the benchmark failed')
   assert not (tmp_path / 'failed.md').exists()
+
+
+def test_the_peer_benchmarks_report_writes_their_page(tmp_path, monkeypatch):
+  """benchmarks/child.py's report, which references.py, peer_torch.py and peer_lockstep.py end
+  with (the PyTorch ones need a PyTorch environment, so their own runs are not tests)."""
+  from benchmarks import child
+
+  monkeypatch.setattr(results, 'DEFAULT_DIR', str(tmp_path / 'pages'))
+  table = '| shape | ours |\n|---|---|\n| nanogpt_cpu | 1.78 |'
+  with contextlib.redirect_stdout(io.StringIO()) as printed:
+    child.report(
+      str(tmp_path / 'out'), 'peer', table, [{'a': 1}], page='peer_torch', started=results.start()
+    )
+  assert printed.getvalue() == table + '\n'
+  assert (tmp_path / 'out' / 'peer.md').read_text() == table + '\n'
+  page = (tmp_path / 'pages' / 'peer_torch.md').read_text()
+  assert page.startswith('# Results: peer_torch\n') and table in page and '| load |' in page
