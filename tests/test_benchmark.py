@@ -235,3 +235,30 @@ def test_memory_breakdown_setting_and_table():
   assert table[0].startswith('| setting | bytes/param |')
   assert table[3].startswith('| b | 4.0 |')
   assert '120 (0.60x)' in table[3] and '50 (0.50x)' in table[3]
+
+
+def test_training_runs_tabulates_a_launch_run(tmp_path):
+  """benchmarks/training_runs.py (the runs behind docs/results.md) on one short run: its final
+  eval line and times reach the results page. No claim about accuracy or speed."""
+  done = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'benchmarks.training_runs',
+      '--runs=mnist_mlp',
+      '--set=train.steps=10',
+      f'--results_dir={tmp_path}',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  page = results_page(tmp_path, 'training_runs')
+  [row] = [line for line in page.splitlines() if line.startswith('| mnist_mlp |')]
+  cells = [c.strip() for c in row.strip('|').split('|')]
+  assert cells[1] == '`python launch.py --config=configs/mnist_mlp.py --config.train.steps=10`'
+  assert cells[2].startswith('loss ') and ', accuracy ' in cells[2], row
+  assert float(cells[3]) > 0 and float(cells[4]) > 0, row
