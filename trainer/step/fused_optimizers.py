@@ -40,11 +40,20 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import TYPE_CHECKING
 
 import keras
 import tensorflow as tf
 
 from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+  # A mixin's `super()` is the Keras optimizer it is mixed ahead of; Keras ships no types, so to
+  # mypy that base is Any (its attributes and methods unchecked), as it is at runtime a Keras
+  # Adam.
+  from keras.optimizers import Adam as _KerasAdam
+else:
+  _KerasAdam = object
 
 _KERNEL_DTYPES = (tf.float32, tf.float64, tf.float16, tf.bfloat16)
 TESTED_KERAS = '3.15'  # the Keras the fused updates were checked against (tests/)
@@ -105,7 +114,7 @@ def _dense(gradient, dtype):
 _STEP_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class _FusedAdamUpdate:
+class _FusedAdamUpdate(_KerasAdam):
   """`update_step` for Adam and AdamW (mixed in ahead of the Keras class)."""
 
   def build(self, variables):

@@ -33,7 +33,7 @@ optimizer on float32 gradients, as with float32 masters.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -41,6 +41,13 @@ import tensorflow as tf
 
 from trainer.step import fused_optimizers, low_precision_updates
 from trainer.step.rounding import BLOCK, blocks, random_bits
+
+if TYPE_CHECKING:
+  # The mixins' `super()` is the fused Keras optimizer they are mixed ahead of; Keras ships no
+  # types, so to mypy that base is Any, as it is at runtime a Keras optimizer.
+  from keras.optimizers import Optimizer as _KerasOptimizer
+else:
+  _KerasOptimizer = object
 
 
 def _tf(variable) -> tf.Variable:
@@ -52,7 +59,7 @@ def _low(variable) -> bool:
   return variable.dtype == tf.bfloat16
 
 
-class _LowPrecision:
+class _LowPrecision(_KerasOptimizer):
   """The update for bfloat16 weights and 8-bit moments, mixed in ahead of a fused optimizer.
   Variables it does not manage (float32 weights with 32-bit state) take the fused update."""
 
@@ -62,6 +69,9 @@ class _LowPrecision:
   _use_weight_decay: Any
   _get_variable_index: Any
   _low_managed: bool  # set by build: some managed variable is bfloat16
+  _managed: list[bool]  # set by build: per variable index, whether this class updates it
+  _comp_index: dict[int, int]  # variable index -> its Kahan compensation's index
+  _compensations: list
 
   def __init__(
     self,
@@ -140,7 +150,8 @@ class _LowPrecision:
     its index first."""
     variables = [_tf(v) for v in variables]
     sizes = [blocks(int(np.prod(v.shape))) * BLOCK for v in variables]
-    calls, total = [[]], 0
+    calls: list[list[int]] = [[]]
+    total = 0
     for i, size in enumerate(sizes):
       if calls[-1] and total + size > self.CALL_ELEMENTS:
         calls.append([])
@@ -197,7 +208,7 @@ class _LowPrecision:
 
   def _stores(self, index, var):
     """The variable's stored parts, in the kernel's order: ((weight[, compensation]), *state)."""
-    weight = (var,)
+    weight: tuple = (var,)
     if index in self._comp_index:
       weight += (self._compensations[self._comp_index[index]],)
     return (weight,) + self._state(index)
@@ -214,7 +225,7 @@ class _LowPrecision:
 
   def _build_compensations(self, variables):
     self._comp_index = {}
-    compensations = []
+    compensations: list = []
     if self.master_weights == 'bfloat16_kahan':
       for i, v in enumerate(variables):
         if _low(v):
@@ -235,7 +246,10 @@ class _LowPrecisionAdam(_LowPrecision):
     keras.optimizers.Optimizer.build(self, variables)  # iterations, the variable index
     self._managed = [self._managed_variable(v) for v in variables]
     self._low_managed = any(_low(v) for v in variables if self._managed_variable(v))
-    momentums, velocities, m_scales, v_scales = [], [], [], []
+    momentums: list = []
+    velocities: list = []
+    m_scales: list = []
+    v_scales: list = []
     for v in variables:
       if self.state_bits == 8:
         size = int(np.prod(v.shape))

@@ -78,8 +78,9 @@ def adam_updates(items, lr, alpha, bits, rules, streams, hyper):
   ):
     shape = weight_parts[0].shape
     if len(m_in) == 2:
-      m = dequantize(*m_in, shape, signed=True)
-      v = dequantize(*v_in, shape, signed=False)
+      (m_codes, m_absmax), (v_codes, v_absmax) = m_in, v_in
+      m = dequantize(m_codes, m_absmax, shape, signed=True)
+      v = dequantize(v_codes, v_absmax, shape, signed=False)
     else:
       m, v = tf.cast(m_in[0], tf.float32), tf.cast(v_in[0], tf.float32)
     m = m + (grad - m) * (1 - beta_1)
@@ -109,7 +110,7 @@ def sgd_updates(items, lr, bits, rules, streams, hyper):
     weight_parts = parts[0]
     w32 = _weight32(weight_parts)
     update = -(w32 * weight_decay) * lr if weight_decay else 0.0
-    state = ()
+    state: tuple = ()
     if len(parts) == 1:
       update -= lr * grad
     else:  # Keras: m = -g * lr + m * momentum; w += m (nesterov: w += -g * lr + m * momentum)
