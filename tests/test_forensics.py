@@ -380,21 +380,17 @@ def test_batch_structures_round_trip(tmp_path):
   np.testing.assert_array_equal(loaded['extra'][0], np.arange(2))
 
 
+def _recorded_skips(limiter, up_to: int) -> list[int]:
+  """The skips (1-based) that get forensics, as the Runner walks them with next_after."""
+  recorded, count = [], 0
+  while (count := limiter.next_after(count)) and count <= up_to:
+    recorded.append(count)
+  return recorded
+
+
 def test_rate_limiter_records_the_first_few_then_every_mth():
-  limiter = forensics.RateLimiter(first=2, every=3)
-  assert [limiter.should_record() for _ in range(9)] == [
-    True,
-    True,
-    False,
-    False,
-    True,
-    False,
-    False,
-    True,
-    False,
-  ]
-  off = forensics.RateLimiter(first=1, every=0)
-  assert [off.should_record() for _ in range(4)] == [True, False, False, False]
+  assert _recorded_skips(forensics.RateLimiter(first=2, every=3), 9) == [1, 2, 5, 8]
+  assert _recorded_skips(forensics.RateLimiter(first=1, every=0), 4) == [1]
 
 
 def test_launch_diagnose_records_then_replays_a_folder(tmp_path):

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from collections.abc import Iterable
-
 import keras
 import ml_collections
 import numpy as np
@@ -374,10 +372,6 @@ def state_bytes(optimizer: keras.optimizers.Optimizer) -> int:
   return sum(
     int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in optimizer.variables if len(v.shape)
   )
-
-
-def weight_bytes(variables: Iterable[tf.Variable]) -> int:
-  return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
 
 
 def check_optimizer(
