@@ -114,3 +114,28 @@ def test_jit_compile_may_name_the_policies_it_is_on_under(setting, policy, on):
     )
   )  # valid
   assert build.jit(setting, policy) is on
+
+
+def _schema_default(monkeypatch, name, default):
+  monkeypatch.setitem(config_lib.SCHEMA, name, config_lib.SCHEMA[name]._replace(default=default))
+
+
+def test_a_hand_built_section_reads_the_schema_default(monkeypatch):
+  """The code that tolerates a config section without a key (one built by hand, not by
+  validate) takes the default from SCHEMA, the one table of defaults: changed there, it changes
+  everywhere."""
+  from trainer.nn import remat
+  from trainer.step import loss_scale, optimizers
+
+  empty = ml_collections.ConfigDict()
+  assert config_lib.value(ml_collections.ConfigDict({'beta_1': 0.8}), 'optimizer.beta_1') == 0.8
+  assert config_lib.value(empty, 'optimizer.beta_1') == 0.9
+  _schema_default(monkeypatch, 'optimizer.beta_1', 0.5)
+  _schema_default(monkeypatch, 'optimizer.epsilon', 1e-3)
+  assert optimizers._moments(empty) == {'beta_1': 0.5, 'beta_2': 0.999, 'epsilon': 1e-3}
+  _schema_default(monkeypatch, 'train.remat', True)
+  assert remat.enabled(ml_collections.ConfigDict({'train': {}}))
+  precision = config_lib.defaults().precision
+  del precision['hysteresis']
+  _schema_default(monkeypatch, 'precision.hysteresis', 4)
+  assert loss_scale.LossScaler.from_config(precision, 'mixed_float16').hysteresis == 4

@@ -29,13 +29,14 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from trainer import config as config_lib
 from trainer.errors import ConfigError
 
 
 def enabled(config) -> bool:
-  """config.train.remat (False when the config has no such key)."""
+  """config.train.remat (its schema default when the config has no such key)."""
   train = config.get('train') if hasattr(config, 'get') else None
-  return bool(train.get('remat', False)) if train is not None else False
+  return bool(config_lib.value(train or {}, 'train.remat'))
 
 
 def checkpoint(fn: Callable, *inputs, enabled: bool = True):

@@ -150,7 +150,7 @@ class LossScaler(tf.Module):
       backoff_factor=precision.backoff_factor,
       min_scale=precision.min_scale,
       max_scale=precision.max_scale,
-      hysteresis=precision.get('hysteresis', 1),
+      hysteresis=config.value(precision, 'precision.hysteresis'),
     )
 
   def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:

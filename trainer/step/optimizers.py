@@ -25,7 +25,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from trainer import registry
+from trainer import config, registry
 from trainer.errors import ConfigError
 from trainer.step import fused_optimizers
 
@@ -63,7 +63,7 @@ def schedule(
     progress = clip((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)
   (nanoGPT's get_lr, with its lr_decay_iters = total_steps and min_lr = the floor)."""
   peak = float(opt_config.learning_rate)
-  floor = float(opt_config.get('min_learning_rate', 0.0))
+  floor = float(config.value(opt_config, 'optimizer.min_learning_rate'))
   warmup = int(opt_config.warmup_steps)
   kind = opt_config.schedule
   decay_steps = max(total_steps - warmup, 1)
@@ -122,7 +122,7 @@ def build(
     raise ConfigError(
       f'config.optimizer.name={opt_config.name!r}: {registry.check_name(opt_config.name)}'
     )
-  state_bits = int(opt_config.get('state_bits', 32))
+  state_bits = int(config.value(opt_config, 'optimizer.state_bits'))
   if master_weights == 'float32' and state_bits == 32:
     return found(opt_config, learning_rate)
   from trainer.step import low_precision  # pylint: disable=import-outside-toplevel
@@ -146,18 +146,16 @@ def build(
 
 def _classes(opt_config: ml_collections.ConfigDict) -> tuple[type, type, type]:
   """(Adam, AdamW, SGD): the fused ones (one kernel per variable) or Keras's own."""
-  if opt_config.get('fused', True):
+  if config.value(opt_config, 'optimizer.fused'):
     return (fused_optimizers.FusedAdam, fused_optimizers.FusedAdamW, fused_optimizers.FusedSGD)
   return keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.SGD
 
 
 def _moments(opt_config: ml_collections.ConfigDict) -> dict:
-  """Adam's beta_1, beta_2 and epsilon from the config (Keras's defaults when a config built
-  without the schema lacks them)."""
+  """Adam's beta_1, beta_2 and epsilon from the config (the schema's defaults, Keras's, when a
+  config built without the schema lacks them)."""
   return {
-    'beta_1': float(opt_config.get('beta_1', 0.9)),
-    'beta_2': float(opt_config.get('beta_2', 0.999)),
-    'epsilon': float(opt_config.get('epsilon', 1e-7)),
+    k: float(config.value(opt_config, f'optimizer.{k}')) for k in ('beta_1', 'beta_2', 'epsilon')
   }
 
 
