@@ -259,7 +259,7 @@ class Probe:
     examples, and the train pipeline is never read here. A second iterator over
     `datasets.train` made resumed runs differ from uninterrupted ones: a shuffled dataset's
     iterators share one seed generator, so the probe's iterator changed the order the training
-    iterator saw (tests/test_numerics.py)."""
+    iterator saw (tests/insight/test_numerics.py)."""
     if self._batch is None:
       self._batch = checks.first_eval_batch(self.trainer.datasets)
     return self._batch

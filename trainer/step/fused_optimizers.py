@@ -25,13 +25,13 @@ weight decay, clipping, EMA, the slots and their checkpoint names, distribution)
                  momentum.
 
 Adam and AdamW equal Keras's bit for bit, SGD up to float rounding (the last bit of some
-weights); tests/test_fused_optimizers.py compares them, Adam and AdamW over 500 steps. Cases the
-kernels do not cover fall back to Keras's own `update_step`: amsgrad, and variables that are not
-float32/float64/float16/bfloat16 resource variables. Sparse gradients (IndexedSlices, e.g. from
-an embedding lookup) are made dense first, which sums the rows a token repeats into the true
-gradient. (Keras's own Adam squares each
-repeated row separately before summing them, so on an embedding its second moment differs from
-Adam's; on unique rows the two agree.)
+weights); tests/step/test_fused_optimizers.py compares them, Adam and AdamW over 500 steps.
+Cases the kernels do not cover fall back to Keras's own `update_step`: amsgrad, and variables
+that are not float32/float64/float16/bfloat16 resource variables. Sparse gradients
+(IndexedSlices, e.g. from an embedding lookup) are made dense first, which sums the rows a token
+repeats into the true gradient. (Keras's own Adam squares each repeated row separately before
+summing them, so on an embedding its second moment differs from Adam's; on unique rows the two
+agree.)
 
 `config.optimizer.fused=False` selects Keras's classes instead (trainer/step/optimizers.py).
 """
