@@ -1,15 +1,28 @@
-"""Shared fixtures: the data folder, a tiny Trainer factory, and policy reset."""
+"""Shared fixtures: the data folder, a tiny Trainer factory, and policy reset.
+
+The tests live in folders named after the packages they test (tests/step/, tests/run/, ...;
+tests/e2e/ for the runs through launch.py and the benchmarks). The shared helpers (tiny.py,
+docblocks.py, the *_run(s).py scripts) stay here in tests/, and every test folder is on sys.path,
+so a test imports a helper or another test's function by module name wherever it lives.
+"""
 
 import os
+import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+FOLDERS = sorted(
+  e.path for e in os.scandir(TESTS) if e.is_dir() and e.name != 'fixtures' and e.name[0] not in '._'
+)
+sys.path[:0] = [p for p in [TESTS, *FOLDERS] if p not in sys.path]
+
 from tiny import TinyTrainer, tiny_config  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, '..', 'shared', 'data')
 MNIST_DIR = os.path.join(DATA, 'mnist')
 
@@ -41,14 +54,14 @@ _SPAWNS = ('subprocess.', 'sys.executable', 'multiprocessing')
 
 
 def _spawning_names(module) -> set[str]:
-  """The functions a test module defines or imports from tests/ that start a Python process,
-  directly or through another such function."""
+  """The functions a test module defines or imports from tests/ (any folder in it) that start a
+  Python process, directly or through another such function."""
   import inspect
 
   sources = {}
   for name, value in vars(module).items():
     defined = getattr(inspect.getmodule(value), '__file__', '') or ''
-    if inspect.isfunction(value) and os.path.dirname(defined) == os.path.dirname(__file__):
+    if inspect.isfunction(value) and defined.startswith(TESTS + os.sep):
       try:
         sources[name] = inspect.getsource(value)
       except OSError:

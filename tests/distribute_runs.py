@@ -1,4 +1,4 @@
-"""Runs for tests/test_distribute.py that need the CPU split into 2 logical devices.
+"""Runs for tests/step/test_distribute.py that need the CPU split into 2 logical devices.
 
 Logical devices must be configured before TensorFlow runs any op, so these runs happen in a
 fresh process: `python tests/distribute_runs.py OUT_DIR`. It writes OUT_DIR/arrays.npz (weights,

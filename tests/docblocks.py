@@ -3,13 +3,13 @@
 A marker is an HTML comment on a line of its own, outside code blocks, naming a test file and what
 that test does with the code below it:
 
-  <!-- tests/test_readme_beyond.py runs this block as my_project/gan.py -->
+  <!-- tests/docs/test_readme_beyond.py runs this block as my_project/gan.py -->
 
 The words after the file name identify the marker: `block(words)` is the fenced block on the
 next line, `section(words)` the fenced blocks from the marker to the next heading. Markers are
 looked up in README.md and every page under docs/, so a block can move between pages and its test
 still runs it; `problems()` lists the markers that name no test file, or one that does not use
-them (tests/test_docblocks.py).
+them (tests/docs/test_docblocks.py).
 """
 
 from __future__ import annotations

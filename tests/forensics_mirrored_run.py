@@ -1,4 +1,5 @@
-"""For tests/test_forensics.py: the replay after a compiled step that used XLA on 2 replicas.
+"""For tests/insight/test_forensics.py: the replay after a compiled step that used XLA on 2
+replicas.
 
 Logical devices must be configured before TensorFlow runs any op, hence a fresh process:
 `python tests/forensics_mirrored_run.py WORKDIR`. It builds the overflow demo under

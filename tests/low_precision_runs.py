@@ -1,4 +1,5 @@
-"""Trainer-level checks shared by tests/test_master_weights.py and tests/test_state_bits.py:
+"""Trainer-level checks shared by tests/step/test_master_weights.py and
+tests/step/test_state_bits.py:
 skipped steps leave every stored tensor bit-identical, and a resumed run is bit-identical to an
 uninterrupted one. Also runnable as `python tests/low_precision_runs.py OUT_DIR` with the CPU
 split into 2 logical devices (MirroredStrategy); it writes OUT_DIR/results.json."""

@@ -1,4 +1,4 @@
-"""One worker of the two-process MultiWorkerMirroredStrategy test (tests/test_distribute.py).
+"""One worker of the two-process MultiWorkerMirroredStrategy test (tests/step/test_distribute.py).
 
   TF_CONFIG=... python tests/multi_worker_run.py WORKDIR OUT_DIR STEPS [SIGTERM_AT]
 

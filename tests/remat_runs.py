@@ -1,4 +1,4 @@
-"""Runs for tests/test_remat.py that need the CPU split into 2 logical devices (a fresh process:
+"""Runs for tests/nn/test_remat.py that need the CPU split into 2 logical devices (a fresh process:
 `python tests/remat_runs.py OUT_DIR NAME REMAT` with NAME float32 or mixed_float16 and REMAT 0
 or 1 writes OUT_DIR/<NAME>_remat<REMAT>.npz): the tiny Transformer LM trained 3 steps under
 MirroredStrategy, in float32, or in mixed_float16 with dynamic loss scaling and an injected
@@ -21,7 +21,7 @@ def main(out_dir, only, remat):
   from distribute_runs import split_cpu
 
   split_cpu()
-  sys.path.insert(0, ROOT)
+  sys.path[:0] = [ROOT, os.path.join(ROOT, 'tests', 'nn')]
   from test_remat import train
 
   arrays = {}

@@ -388,6 +388,13 @@ def defaults() -> ml_collections.ConfigDict:
   return config
 
 
+def value(section: Any, name: str) -> Any:
+  """`section`'s value of the schema key `name` (config.optimizer and 'optimizer.beta_1'), or
+  the key's default in SCHEMA when the section lacks it: a section built by hand rather than by
+  `validate`, as a test or a custom builder may pass. The one place such a default is read."""
+  return section.get(name.rpartition('.')[2], SCHEMA[name].default)
+
+
 def _coerce(name, key, value):
   if key.type is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)

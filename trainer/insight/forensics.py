@@ -394,20 +394,11 @@ def record(
 
 class RateLimiter:
   """Which skipped steps get forensics: the first `first`, then every `every`-th skip after
-  them (0: none after the first few). `should_record()` counts one skip per call."""
+  them (0: none after the first few). It keeps no count: the Runner asks `next_after` with the
+  number of skips so far."""
 
-  def __init__(self, first: int = 3, every: int = 100):
-    self.first, self.every, self.seen = int(first), int(every), 0
-
-  def should_record(self) -> bool:
-    self.seen += 1
-    return self.wants(self.seen)
-
-  def wants(self, k: int) -> bool:
-    """Whether the k-th skip (1-based) gets forensics."""
-    if k <= self.first:
-      return True
-    return self.every > 0 and (k - self.first) % self.every == 0
+  def __init__(self, first: int = 3, every: int = 100) -> None:
+    self.first, self.every = int(first), int(every)
 
   def next_after(self, count: int) -> int:
     """The number of the first skip after `count` skips that gets forensics (0: none)."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -184,7 +185,7 @@ class Probe:
     variables = list(trainer.train_step.variables)
     # Float8 layers' scale and amax-history variables: their "gradients" are new values.
     self.variables = [v for v, new_value in zip(variables, overwritten(variables)) if not new_value]
-    owner = {}
+    owner: dict[int, Any] = {}  # id(variable) -> its layer
     for layer in self.layers:
       for v in layer.trainable_weights:
         owner.setdefault(id(getattr(v, 'value', v)), layer)
@@ -218,7 +219,8 @@ class Probe:
 
   def _stats(self, batch):
     t = self.trainer
-    outputs, outputs32 = {}, {}
+    outputs: dict[str, tuple] = {}
+    outputs32: dict[str, tuple] = {}
 
     def recorder(into):
       def record(layer, output):
@@ -257,7 +259,7 @@ class Probe:
     examples, and the train pipeline is never read here. A second iterator over
     `datasets.train` made resumed runs differ from uninterrupted ones: a shuffled dataset's
     iterators share one seed generator, so the probe's iterator changed the order the training
-    iterator saw (tests/test_numerics.py)."""
+    iterator saw (tests/insight/test_numerics.py)."""
     if self._batch is None:
       self._batch = checks.first_eval_batch(self.trainer.datasets)
     return self._batch

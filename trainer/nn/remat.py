@@ -15,7 +15,7 @@ This is `tf.recompute_grad`, not Keras's own rematerialization: `keras.RematScop
 with its keyword arguments, and Keras always passes `training=` as one, which tf.custom_gradient
 refuses inside a tf.function ("supports keywords arguments only when eager execution is
 enabled"): our step is a tf.function, so the Keras scope fails there for any layer whose call
-takes `training` (tests/test_remat.py shows it). Here keyword arguments stay in the closure and
+takes `training` (tests/nn/test_remat.py shows it). Here keyword arguments stay in the closure and
 only tensors cross the custom gradient.
 
 The recomputation must reproduce the forward pass: stateful randomness in a block (Dropout with
@@ -29,13 +29,14 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from trainer import config as config_lib
 from trainer.errors import ConfigError
 
 
 def enabled(config) -> bool:
-  """config.train.remat (False when the config has no such key)."""
+  """config.train.remat (its schema default when the config has no such key)."""
   train = config.get('train') if hasattr(config, 'get') else None
-  return bool(train.get('remat', False)) if train is not None else False
+  return bool(config_lib.value(train or {}, 'train.remat'))
 
 
 def checkpoint(fn: Callable, *inputs, enabled: bool = True):

@@ -20,8 +20,10 @@ from __future__ import annotations
 import difflib
 import math
 import os
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
+import ml_collections
 import tensorflow as tf
 from absl import logging
 
@@ -59,7 +61,7 @@ class _Tracker(tf.Module):
 
   KEY = ''  # its config section
 
-  def __init__(self, metric: str, mode: str, min_delta: float = 0.0):
+  def __init__(self, metric: str, mode: str, min_delta: float = 0.0) -> None:
     super().__init__(name=type(self).__name__)
     self.metric, self.mode, self.min_delta = metric, _direction(metric, mode), min_delta
     # A flag rather than +-inf: every floating variable of a checkpoint is checked finite.
@@ -100,7 +102,9 @@ class EarlyStopping(_Tracker):
 
   KEY = 'early_stopping'
 
-  def __init__(self, metric: str, mode: str = 'auto', patience: int = 3, min_delta: float = 0.0):
+  def __init__(
+    self, metric: str, mode: str = 'auto', patience: int = 3, min_delta: float = 0.0
+  ) -> None:
     super().__init__(metric, mode, min_delta)
     self.patience = int(patience)
     self._waited = tf.Variable(0, dtype=tf.int64, trainable=False, name='waited')
@@ -131,7 +135,7 @@ class BestCheckpoint(_Tracker):
 
   KEY = 'best_checkpoint'
 
-  def __init__(self, metric: str, mode: str = 'auto'):
+  def __init__(self, metric: str, mode: str = 'auto') -> None:
     super().__init__(metric, mode)
     self._manager = None
 
@@ -188,7 +192,7 @@ def state(actions: list) -> tf.Module:
   return module
 
 
-def from_config(config, reported) -> list:
+def from_config(config: ml_collections.ConfigDict, reported: Collection[str]) -> list:
   """The actions the config asks for (early_stopping.metric, best_checkpoint.metric). A metric
   the eval does not report (`reported`: its names) is a ConfigError now, before training, not at
   the first eval, after steps without a checkpoint."""

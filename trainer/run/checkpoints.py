@@ -3,9 +3,9 @@
 Writes are already atomic in TensorFlow: `Checkpoint.write` puts the data and index files in a
 temporary folder and renames them into place, and the manager rewrites its `checkpoint` state file
 with an atomic rename after that; a process killed mid-save leaves the previous checkpoint named
-in the state file and loadable (tests/test_reliability_checkpoints.py kills one mid-save). What can
-still happen is a damaged file (a full disk, a bad copy): then the newest checkpoint that reads
-is restored, with a warning naming the ones skipped.
+in the state file and loadable (tests/run/test_reliability_checkpoints.py kills one mid-save).
+What can still happen is a damaged file (a full disk, a bad copy): then the newest checkpoint
+that reads is restored, with a warning naming the ones skipped.
 
 Which ckpt-N files are the candidates, newest first, is `checkpoint_files.find` (the state file
 and the files on disk).

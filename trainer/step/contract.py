@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -26,6 +27,7 @@ from absl import logging
 
 from trainer.data.checks import shape_text as _shape
 from trainer.errors import UserError
+from trainer.step.eval_step import LossFn
 
 
 # Names of the step's own outputs and of the trainer's scalars: a metric cannot take them.
@@ -42,7 +44,7 @@ RESERVED = (
 )
 
 
-def _describe(value) -> str:
+def _describe(value: object) -> str:
   """'float32 [128, 10]' for a tensor-like, the type name otherwise."""
   if hasattr(value, 'shape') and hasattr(value, 'dtype'):
     dtype = tf.as_dtype(value.dtype).name
@@ -70,7 +72,7 @@ def _expected(name: str) -> str:
   return f'def {name}({", ".join(params)}):'
 
 
-def check_hooks(trainer, base: type) -> None:
+def check_hooks(trainer: object, base: type) -> None:
   """Before any hook runs: the three required hooks are defined, and every hook the subclass
   overrides accepts the arguments the trainer passes (a wrong signature would otherwise fail
   later, with a traceback, some of them only at the first log line)."""
@@ -105,7 +107,7 @@ def check_hooks(trainer, base: type) -> None:
       ) from None
 
 
-def check_model(model) -> None:
+def check_model(model: object) -> None:
   """build_model()'s result is a Keras model whose name TensorFlow takes as a scope name."""
   if not isinstance(model, keras.Model):
     hint = ' (did you forget the return?)' if model is None else ''
@@ -123,7 +125,7 @@ def check_model(model) -> None:
     )
 
 
-def check_metrics(metrics) -> None:
+def check_metrics(metrics: object) -> None:
   """build_metrics()'s result is {name: keras metric}."""
   if not isinstance(metrics, Mapping):
     raise UserError(
@@ -142,7 +144,7 @@ def check_metrics(metrics) -> None:
       )
 
 
-def check_actions(actions) -> None:
+def check_actions(actions: Iterable[object]) -> None:
   """Every action is a callable taking one Event."""
   for action in actions:
     name = getattr(action, '__name__', type(action).__name__)
@@ -162,7 +164,7 @@ def check_actions(actions) -> None:
       ) from None
 
 
-def _batch_size(batch) -> int | None:
+def _batch_size(batch: Any) -> int | None:
   sizes = {
     int(t.shape[0])
     for t in tf.nest.flatten(batch)
@@ -171,7 +173,7 @@ def _batch_size(batch) -> int | None:
   return sizes.pop() if len(sizes) == 1 else None
 
 
-def check_outputs(batch, outputs, stateful=()) -> dict:
+def check_outputs(batch: Any, outputs: Any, stateful: Collection[str] = ()) -> dict:
   """Checks compute_loss's result on `batch`; returns the metrics dict. Entries named in
   `stateful` (the Trainer's build_metrics()) are update_state arguments, not [B] values."""
   pair = isinstance(outputs, (tuple, list)) and len(outputs) == 2
@@ -207,7 +209,7 @@ def check_outputs(batch, outputs, stateful=()) -> dict:
     else '; a [B, 1] tensor compared with a [B] one broadcasts to [B, B]: flatten it to [B]'
   )
 
-  def per_example(kind: str, value, fix_scalar: str):
+  def per_example(kind: str, value: Any, fix_scalar: str) -> None:
     if not hasattr(value, 'shape') or not hasattr(value, 'dtype'):
       raise UserError(
         f'compute_loss returned {kind} of type {type(value).__name__}; return a '
@@ -283,7 +285,9 @@ def check_outputs(batch, outputs, stateful=()) -> dict:
   return dict(metrics)
 
 
-def _called(compute_loss, batch, training: bool, what: str = 'the first eval batch'):
+def _called(
+  compute_loss: LossFn, batch: Any, training: bool, what: str = 'the first eval batch'
+) -> Any:
   """compute_loss(batch, training=training); an error in it (the user's code) keeps its
   traceback and gains a line saying which call of the trainer's checks it was."""
   try:
@@ -297,7 +301,7 @@ def _called(compute_loss, batch, training: bool, what: str = 'the first eval bat
     raise
 
 
-def probe(batch, compute_loss, stateful=()) -> dict:
+def probe(batch: Any, compute_loss: LossFn, stateful: Collection[str] = ()) -> dict:
   """Runs compute_loss eagerly on `batch` (the first eval batch; the call builds the model)
   and checks its result; returns the metrics dict. Call it under the strategy's scope."""
   outputs = _called(compute_loss, batch, False)
@@ -306,7 +310,7 @@ def probe(batch, compute_loss, stateful=()) -> dict:
   return metrics
 
 
-def check_gradient(batch, compute_loss, model) -> None:
+def check_gradient(batch: Any, compute_loss: LossFn, model: keras.Model) -> None:
   """The default train step's loss has a gradient for at least one trainable variable of
   `model`: compute_loss(batch, training=True) as the step differentiates it (an eval path may
   use other weights, e.g. an average), on the first example of the first eval batch (on all of
@@ -340,7 +344,7 @@ def check_gradient(batch, compute_loss, model) -> None:
     )
 
 
-def _warn_nonfinite_loss(loss) -> None:
+def _warn_nonfinite_loss(loss: Any) -> None:
   """A loss already non-finite at the initial weights (log(0), a division by zero, an overflow
   in float16) makes every step a skipped one: one warning line before training starts."""
   try:
@@ -361,7 +365,7 @@ def _warn_nonfinite_loss(loss) -> None:
     )
 
 
-def step_gradients(step, result, variables) -> tuple:
+def step_gradients(step: object, result: Any, variables: Sequence[tf.Variable]) -> tuple:
   """What a step's `compute_gradients` returned, checked while it is traced: (outputs, grads),
   a scalar 'loss', one gradient per variable of `variables` (self.variables, in its order) with
   the variable's shape. A violation is one UserError line naming the step class."""

@@ -32,6 +32,7 @@ import socket
 import tempfile
 import urllib.parse
 
+import ml_collections
 import tensorflow as tf
 from absl import logging
 
@@ -41,7 +42,7 @@ from trainer.errors import ConfigError, UserError
 STRATEGIES = config.STRATEGIES
 
 
-def check_precision(config) -> None:
+def check_precision(config: ml_collections.ConfigDict) -> None:
   """ConfigError unless the precision settings suit the strategy (TPU: no float16, no scale)."""
   if config.distribute.strategy != 'tpu':
     return
@@ -59,7 +60,7 @@ def check_precision(config) -> None:
     )
 
 
-def set_threads(config) -> None:
+def set_threads(config: ml_collections.ConfigDict) -> None:
   """TensorFlow's op thread pools from `train.intra_op_threads` and `train.inter_op_threads`
   (0 = TensorFlow's choice, one thread per core for each pool). The pools are made when the
   runtime starts (the first op or device query), so this must run before: launch.py's Trainer
@@ -91,7 +92,7 @@ def set_threads(config) -> None:
     logging.info('TensorFlow %s: %d threads', key.replace('_threads', ''), wanted)
 
 
-def build(config) -> tf.distribute.Strategy:
+def build(config: ml_collections.ConfigDict) -> tf.distribute.Strategy:
   """The strategy named by `config.distribute.strategy` (config already validated)."""
   check_precision(config)
   kind = config.distribute.strategy
@@ -220,7 +221,7 @@ def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
   return tf.distribute.MultiWorkerMirroredStrategy()
 
 
-def _is_address(address) -> bool:
+def _is_address(address: object) -> bool:
   """'host:port' (an IPv6 host in brackets) with a port in [1, 65535]."""
   if not isinstance(address, str):
     return False

@@ -25,6 +25,8 @@ call; the numerics guide says so where it shows.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 from absl import logging
@@ -37,14 +39,16 @@ class EagerThenCompiled:
   traced into that graph and not counted. An eager call that raises is repeated compiled, and
   every later call is compiled."""
 
-  def __init__(self, fn, *, eager_calls: int, eager_seconds: float, **function_options):
+  def __init__(
+    self, fn: Callable, *, eager_calls: int, eager_seconds: float, **function_options: Any
+  ) -> None:
     self.fn = fn
     self.eager_calls, self.eager_seconds = int(eager_calls), float(eager_seconds)
     self.compiled = tf.function(fn, **function_options)
     self.calls = 0  # eager-mode calls so far, both kinds
     self.seconds = 0.0  # spent in the eager ones
 
-  def __call__(self, *args, **kwargs):
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
     if not tf.executing_eagerly():
       return self.fn(*args, **kwargs)
     # Checked at the first call, not at construction: a TPU system starts after that.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import keras
 
 import tensorflow as tf
 
@@ -13,7 +16,7 @@ SUM = tf.distribute.ReduceOp.SUM
 LossFn = Callable[..., tuple[tf.Tensor, dict[str, tf.Tensor]]]
 
 
-def read_metrics(metrics) -> dict[str, float]:
+def read_metrics(metrics: Mapping[str, keras.metrics.Metric]) -> dict[str, float]:
   """Host side: {name: result} of stateful Keras metrics, then reset them."""
   results = {name: float(metric.result()) for name, metric in metrics.items()}
   for metric in metrics.values():
@@ -26,7 +29,14 @@ class EvalLoop:
   metrics over every example, divided by the count, so no example is dropped or counted twice;
   stateful metrics (`Trainer.build_metrics()`) are updated per replica and read on the host."""
 
-  def __init__(self, *, strategy, compute_loss: LossFn, metric_names, metrics=None):
+  def __init__(
+    self,
+    *,
+    strategy: tf.distribute.Strategy,
+    compute_loss: LossFn,
+    metric_names: Iterable[str],
+    metrics: Mapping[str, keras.metrics.Metric] | None = None,
+  ) -> None:
     self.strategy = strategy
     self.compute_loss = compute_loss
     self.metrics = dict(metrics or {})
@@ -34,7 +44,7 @@ class EvalLoop:
     self.reports = (*self.metric_names, *self.metrics)  # the names evaluate() returns
     self.run = tf.function(self._run, autograph=False)
 
-  def _replica_sums(self, batch):
+  def _replica_sums(self, batch: Any) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
     per_example_loss, metrics = user_code.converted(self.compute_loss)(batch, training=False)
     sums = {'loss': tf.reduce_sum(tf.cast(per_example_loss, tf.float32))}
     for name, value in metrics.items():
@@ -45,12 +55,12 @@ class EvalLoop:
     count = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
     return sums, count
 
-  def _run(self, dataset):
+  def _run(self, dataset: Any) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
     # `dataset.reduce` (tf.data's, or tf.distribute's for a distributed dataset) is what
     # autograph makes of `for batch in dataset`, written out: this function traces without
     # autograph (trainer/step/user_code.py).
 
-    def add(state, batch):
+    def add(state: tuple, batch: Any) -> tuple:
       totals, count = state
       sums, n = self.strategy.run(self._replica_sums, args=(batch,))
       totals = {k: totals[k] + self.strategy.reduce(SUM, sums[k], axis=None) for k in totals}
@@ -61,7 +71,7 @@ class EvalLoop:
     )
     return {k: v / count for k, v in totals.items()}, count
 
-  def evaluate(self, dataset) -> dict[str, float]:
+  def evaluate(self, dataset: Any) -> dict[str, float]:
     """Host side: resets the stateful metrics, one pass, {'loss': ..., <metric>: ...}."""
     for metric in self.metrics.values():
       metric.reset_state()

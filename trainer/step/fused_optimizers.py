@@ -25,13 +25,13 @@ weight decay, clipping, EMA, the slots and their checkpoint names, distribution)
                  momentum.
 
 Adam and AdamW equal Keras's bit for bit, SGD up to float rounding (the last bit of some
-weights); tests/test_fused_optimizers.py compares them, Adam and AdamW over 500 steps. Cases the
-kernels do not cover fall back to Keras's own `update_step`: amsgrad, and variables that are not
-float32/float64/float16/bfloat16 resource variables. Sparse gradients (IndexedSlices, e.g. from
-an embedding lookup) are made dense first, which sums the rows a token repeats into the true
-gradient. (Keras's own Adam squares each
-repeated row separately before summing them, so on an embedding its second moment differs from
-Adam's; on unique rows the two agree.)
+weights); tests/step/test_fused_optimizers.py compares them, Adam and AdamW over 500 steps.
+Cases the kernels do not cover fall back to Keras's own `update_step`: amsgrad, and variables
+that are not float32/float64/float16/bfloat16 resource variables. Sparse gradients
+(IndexedSlices, e.g. from an embedding lookup) are made dense first, which sums the rows a token
+repeats into the true gradient. (Keras's own Adam squares each repeated row separately before
+summing them, so on an embedding its second moment differs from Adam's; on unique rows the two
+agree.)
 
 `config.optimizer.fused=False` selects Keras's classes instead (trainer/step/optimizers.py).
 """
@@ -40,11 +40,20 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import TYPE_CHECKING, Any
 
 import keras
 import tensorflow as tf
 
 from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+  # A mixin's `super()` is the Keras optimizer it is mixed ahead of; Keras ships no types, so to
+  # mypy that base is Any (its attributes and methods unchecked), as it is at runtime a Keras
+  # Adam.
+  from keras.optimizers import Adam as _KerasAdam
+else:
+  _KerasAdam = object
 
 _KERNEL_DTYPES = (tf.float32, tf.float64, tf.float16, tf.bfloat16)
 TESTED_KERAS = '3.15'  # the Keras the fused updates were checked against (tests/)
@@ -71,7 +80,9 @@ def check_keras(kind: str) -> None:
     )
 
 
-def adam_step_size(optimizer, learning_rate, dtype) -> tf.Tensor:
+def adam_step_size(
+  optimizer: keras.optimizers.Optimizer, learning_rate: tf.Tensor | float, dtype: tf.DType
+) -> tf.Tensor:
   """Keras Adam's alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t), t = iterations + 1, in
   `dtype`."""
   step = tf.cast(optimizer.iterations + 1, dtype)
@@ -80,7 +91,7 @@ def adam_step_size(optimizer, learning_rate, dtype) -> tf.Tensor:
   return tf.cast(learning_rate, dtype) * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
 
 
-def _resource(variable):
+def _resource(variable: Any) -> tf.Variable | None:
   """The tf.Variable behind a Keras variable (or the variable itself), or None when the fused
   kernels cannot take it."""
   if isinstance(variable, keras.Variable):
@@ -90,7 +101,13 @@ def _resource(variable):
   return variable
 
 
-def _dense(gradient, dtype):
+def _slot(variable: Any) -> tf.Variable:
+  """The tf.Variable behind a slot of a variable `_resource` takes (a slot has its variable's
+  dtype, so the kernels take it too)."""
+  return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _dense(gradient: tf.Tensor | tf.IndexedSlices, dtype: tf.DType) -> tf.Tensor:
   if isinstance(gradient, tf.IndexedSlices):
     gradient = tf.convert_to_tensor(gradient)
   return tf.cast(gradient, dtype)
@@ -105,21 +122,21 @@ def _dense(gradient, dtype):
 _STEP_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class _FusedAdamUpdate:
+class _FusedAdamUpdate(_KerasAdam):
   """`update_step` for Adam and AdamW (mixed in ahead of the Keras class)."""
 
-  def build(self, variables):
+  def build(self, variables: list) -> None:
     check_keras('Adam')
     super().build(variables)
 
-  def apply(self, grads, trainable_variables=None):
+  def apply(self, grads: list, trainable_variables: list | None = None) -> Any:
     _STEP_SIZES[self] = {}
     try:
       return super().apply(grads, trainable_variables)
     finally:
       _STEP_SIZES.pop(self, None)
 
-  def _step_size(self, learning_rate, dtype, device) -> tf.Tensor:
+  def _step_size(self, learning_rate: tf.Tensor, dtype: tf.DType, device: str) -> tf.Tensor:
     sizes = _STEP_SIZES.get(self)
     if sizes is None:  # update_step called outside `apply`
       return adam_step_size(self, learning_rate, dtype)
@@ -128,12 +145,12 @@ class _FusedAdamUpdate:
       sizes[key] = adam_step_size(self, learning_rate, dtype)
     return sizes[key]
 
-  def update_step(self, gradient, variable, learning_rate):
+  def update_step(self, gradient: Any, variable: Any, learning_rate: tf.Tensor) -> Any:
     var = _resource(variable)
     if self.amsgrad or var is None:
       return super().update_step(gradient, variable, learning_rate)
     index = self._get_variable_index(variable)
-    m, v = _resource(self._momentums[index]), _resource(self._velocities[index])
+    m, v = _slot(self._momentums[index]), _slot(self._velocities[index])
     dtype = var.dtype
     grad = _dense(gradient, dtype)
     alpha = self._step_size(learning_rate, dtype, var.device)
@@ -166,11 +183,11 @@ class FusedAdamW(_FusedAdamUpdate, keras.optimizers.AdamW):
 class FusedSGD(keras.optimizers.SGD):
   """keras.optimizers.SGD with a one-kernel update (same arguments)."""
 
-  def build(self, variables):
+  def build(self, variables: list) -> None:
     check_keras('SGD')
     super().build(variables)
 
-  def update_step(self, gradient, variable, learning_rate):
+  def update_step(self, gradient: Any, variable: Any, learning_rate: tf.Tensor) -> Any:
     var = _resource(variable)
     if var is None:
       return super().update_step(gradient, variable, learning_rate)
@@ -181,7 +198,7 @@ class FusedSGD(keras.optimizers.SGD):
         var=var.handle, alpha=lr, delta=grad, use_locking=False
       )
       return
-    m = _resource(self.momentums[self._get_variable_index(variable)])
+    m = _slot(self.momentums[self._get_variable_index(variable)])
     tf.raw_ops.ResourceApplyKerasMomentum(
       var=var.handle,
       accum=m.handle,

@@ -3,10 +3,14 @@ made non-finite, on every replica or on one, inside the compiled step."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import tensorflow as tf
 
 
-def nonfinite(grads, step, *, every: int = 0, steps=(), replica: int = -1) -> list:
+def nonfinite(
+  grads: list, step: tf.Tensor, *, every: int = 0, steps: Collection[int] = (), replica: int = -1
+) -> list:
   """`grads` with the first non-None gradient multiplied by inf at global `step` when it is a
   positive multiple of `every` or one of `steps`, on replica `replica` only when >= 0 (replica
   context)."""

@@ -16,6 +16,8 @@ iterator gives another batch under any of these. Two ways keep the right one:
 
 from __future__ import annotations
 
+from typing import Any
+
 import tensorflow as tf
 
 
@@ -23,21 +25,21 @@ class Recording:
   """Wraps the loop's iterator: `next(...)` / `get_next()` are the wrapped iterator's, and the
   last element (a tensor of the graph being traced) is kept in `last`."""
 
-  def __init__(self, iterator):
+  def __init__(self, iterator: Any) -> None:
     self.iterator, self.last = iterator, None
 
-  def __iter__(self):
+  def __iter__(self) -> Recording:
     return self
 
-  def __next__(self):
+  def __next__(self) -> Any:
     self.last = next(self.iterator)
     return self.last
 
-  def get_next(self):
+  def get_next(self) -> Any:
     self.last = self.iterator.get_next()
     return self.last
 
-  def __getattr__(self, name):  # element_spec and the rest
+  def __getattr__(self, name: str) -> Any:  # element_spec and the rest
     return getattr(self.iterator, name)
 
 
@@ -45,8 +47,8 @@ class KeptBatch:
   """Variables shaped like one (global) batch of `element_spec` (any batch size); `keep` in the
   compiled loop (cross-replica context), `read` on the host."""
 
-  def __init__(self, element_spec):
-    def variable(spec):
+  def __init__(self, element_spec: Any) -> None:
+    def variable(spec: tf.TensorSpec) -> tf.Variable:
       rank = len(spec.shape)
       return tf.Variable(
         tf.zeros([0] * rank, spec.dtype),
@@ -59,8 +61,8 @@ class KeptBatch:
     self.variables = tf.nest.map_structure(variable, element_spec)
     self.kept = tf.Variable(False, trainable=False, name='batch_kept')
 
-  def keep(self, strategy, batch) -> None:
-    def whole(value):
+  def keep(self, strategy: tf.distribute.Strategy, batch: Any) -> None:
+    def whole(value: Any) -> tf.Tensor:
       parts = strategy.experimental_local_results(value)
       return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
@@ -68,7 +70,7 @@ class KeptBatch:
       variable.assign(whole(value))
     self.kept.assign(True)
 
-  def read(self):
+  def read(self) -> Any:
     """The kept batch as NumPy arrays (the dataset's structure), then forgotten; None when no
     batch was kept since the last read."""
     if not bool(self.kept.numpy()):

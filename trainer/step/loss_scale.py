@@ -36,6 +36,10 @@ in checkpoints):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import ml_collections
 import tensorflow as tf
 
 from trainer import config
@@ -43,7 +47,9 @@ from trainer import config
 MODES = config.LOSS_SCALE_MODES
 
 
-def state_variable(value, dtype, name, shape=None) -> tf.Variable:
+def state_variable(
+  value: Any, dtype: tf.DType, name: str, shape: tf.TensorShape | None = None
+) -> tf.Variable:
   """A non-trainable variable of the step's own state (loss scale, counters, step), created
   under the strategy's scope and written once per step in cross-replica context: every replica
   holds the same value, and on save/restore the first replica's stands for all. `shape`: a
@@ -58,14 +64,14 @@ def state_variable(value, dtype, name, shape=None) -> tf.Variable:
   )
 
 
-def overwritten(variables) -> list[bool]:
+def overwritten(variables: Iterable[tf.Variable]) -> list[bool]:
   """Per variable: whether the optimizer assigns its "gradient" as its new value instead of
   stepping it (Keras's `overwrite_with_gradient`, set on float8 layers' scale and amax-history
   variables)."""
   return [bool(getattr(v, 'overwrite_with_gradient', False)) for v in variables]
 
 
-def all_finite(grads) -> tf.Tensor:
+def all_finite(grads: Sequence[tf.Tensor]) -> tf.Tensor:
   """A scalar bool: every element of every gradient is finite (None gradients are ignored).
 
   Fast path, every step: one float32 sum per gradient. A sum is finite only if every element
@@ -79,7 +85,7 @@ def all_finite(grads) -> tf.Tensor:
     return tf.constant(True)
   total = tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads])
 
-  def elementwise():
+  def elementwise() -> tf.Tensor:
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
 
   return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True), elementwise)
@@ -103,7 +109,7 @@ class LossScaler(tf.Module):
     min_scale: float = 1.0,
     max_scale: float = 2.0**24,
     hysteresis: int = 1,
-  ):
+  ) -> None:
     super().__init__(name='loss_scaler')
     if mode not in MODES:
       raise ValueError(f'loss scale mode must be one of {MODES}, got {mode!r}')
@@ -126,7 +132,7 @@ class LossScaler(tf.Module):
     self.hysteresis_left = state_variable(self.hysteresis, tf.int64, 'hysteresis_left')
 
   @classmethod
-  def from_config(cls, precision, policy: str) -> LossScaler:
+  def from_config(cls, precision: ml_collections.ConfigDict, policy: str) -> LossScaler:
     """From `config.precision` and the resolved policy name ('auto' is dynamic only under
     mixed_float16)."""
     text = precision.loss_scale
@@ -144,7 +150,7 @@ class LossScaler(tf.Module):
       backoff_factor=precision.backoff_factor,
       min_scale=precision.min_scale,
       max_scale=precision.max_scale,
-      hysteresis=precision.get('hysteresis', 1),
+      hysteresis=config.value(precision, 'precision.hysteresis'),
     )
 
   def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
@@ -152,7 +158,9 @@ class LossScaler(tf.Module):
       return loss
     return loss * tf.cast(self.scale, loss.dtype)
 
-  def unscale(self, grads, variables=None):
+  def unscale(
+    self, grads: Sequence[tf.Tensor | None], variables: Sequence[tf.Variable] | None = None
+  ) -> list[tf.Tensor | None]:
     """Gradients in float32, divided by the scale. Given the `variables` they belong to, the
     values of variables marked `overwrite_with_gradient` (Keras float8 layers' scales and amax
     histories: new values, not gradients) are left as they are."""
@@ -163,7 +171,7 @@ class LossScaler(tf.Module):
     inverse = 1.0 / self.scale  # read once; x (1/S) is exact for a power-of-two S
     return [g if g is None or k else g * inverse for g, k in zip(grads, keep)]
 
-  def update(self, finite: tf.Tensor, active=True) -> None:
+  def update(self, finite: tf.Tensor, active: tf.Tensor | bool = True) -> None:
     """Applies the rules in the module docstring for one step. Cross-replica context. When
     `active` is False (the step was skipped for another reason than its gradients, such as a
     non-finite learning rate) the state is left as it is: the scale answers to the gradients'
@@ -172,7 +180,7 @@ class LossScaler(tf.Module):
       return
     finite = tf.convert_to_tensor(finite)
 
-    def on_finite():
+    def on_finite() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
       good = self.good_steps + 1
       grow = good >= self.growth_interval
       grown = self.scale * self.growth_factor
@@ -183,7 +191,7 @@ class LossScaler(tf.Module):
         tf.constant(self.hysteresis, tf.int64),
       )
 
-    def on_nonfinite():
+    def on_nonfinite() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
       left = tf.maximum(self.hysteresis_left - 1, 0)
       backed = tf.maximum(self.scale * self.backoff_factor, self.min_scale)
       return (tf.where(left == 0, backed, self.scale), tf.zeros_like(self.good_steps), left)
@@ -204,7 +212,7 @@ class LossScaler(tf.Module):
     self.hysteresis_left.assign(left)
 
 
-def update_scalers(groups, flags) -> None:
+def update_scalers(groups: Sequence[Any], flags: Sequence[tf.Tensor]) -> None:
   """Cross-replica, once per step: each distinct loss scaler of `groups` (update groups: each
   has .optimizer and .loss_scaler) updates once, with the AND of its groups' finite `flags`, and
   only when each of those groups' learning rates is finite: a non-finite rate skips the update,

@@ -33,26 +33,34 @@ optimizer on float32 gradients, as with float32 masters.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
+import ml_collections
 import numpy as np
 import tensorflow as tf
 
 from trainer.step import fused_optimizers, low_precision_updates
 from trainer.step.rounding import BLOCK, blocks, random_bits
 
+if TYPE_CHECKING:
+  # The mixins' `super()` is the fused Keras optimizer they are mixed ahead of; Keras ships no
+  # types, so to mypy that base is Any, as it is at runtime a Keras optimizer.
+  from keras.optimizers import Optimizer as _KerasOptimizer
+else:
+  _KerasOptimizer = object
 
-def _tf(variable) -> tf.Variable:
+
+def _tf(variable: Any) -> tf.Variable:
   """The tf.Variable behind a Keras variable (or the variable itself)."""
   return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-def _low(variable) -> bool:
+def _low(variable: Any) -> bool:
   return variable.dtype == tf.bfloat16
 
 
-class _LowPrecision:
+class _LowPrecision(_KerasOptimizer):
   """The update for bfloat16 weights and 8-bit moments, mixed in ahead of a fused optimizer.
   Variables it does not manage (float32 weights with 32-bit state) take the fused update."""
 
@@ -62,16 +70,19 @@ class _LowPrecision:
   _use_weight_decay: Any
   _get_variable_index: Any
   _low_managed: bool  # set by build: some managed variable is bfloat16
+  _managed: list[bool]  # set by build: per variable index, whether this class updates it
+  _comp_index: dict[int, int]  # variable index -> its Kahan compensation's index
+  _compensations: list
 
   def __init__(
     self,
-    *args,
+    *args: Any,
     master_weights: str = 'float32',
     state_bits: int = 32,
     seed: int = 0,
-    step=None,
-    **kwargs,
-  ):
+    step: tf.Variable | None = None,
+    **kwargs: Any,
+  ) -> None:
     super().__init__(*args, **kwargs)
     self.master_weights = master_weights
     self.state_bits = int(state_bits)
@@ -81,7 +92,7 @@ class _LowPrecision:
     # share config.seed would otherwise round with the same bits. Group 0 folds in nothing.
     self.stream = 0
 
-  def get_config(self):
+  def get_config(self) -> dict:
     return {
       **super().get_config(),
       'master_weights': self.master_weights,
@@ -89,22 +100,24 @@ class _LowPrecision:
       'seed': self.seed,
     }
 
-  def _managed_variable(self, variable) -> bool:
+  def _managed_variable(self, variable: tf.Variable) -> bool:
     raise NotImplementedError
 
-  def _apply_weight_decay(self, variables):
+  def _apply_weight_decay(self, variables: list) -> None:
     # The managed variables' decay is part of their float32 update (one rounding, not two).
     super()._apply_weight_decay(
       [v for v in variables if not self._managed[self._get_variable_index(v)]]
     )
 
-  def _weight_decay(self, variable) -> float:
+  def _weight_decay(self, variable: tf.Variable) -> float:
     """Keras's decoupled decay rate for `variable` (w -= w * wd * lr), or 0.0."""
     if self.weight_decay is None or not self._use_weight_decay(variable):
       return 0.0
     return float(self.weight_decay)
 
-  def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+  def _distributed_tf_update_step(
+    self, distribution: tf.distribute.Strategy, grads_and_vars: list, learning_rate: tf.Tensor
+  ) -> None:
     # Keras updates one variable at a time; the managed ones are updated together, in one
     # compiled call per device (trainer/step/low_precision_updates.py), the others by the fused
     # update.
@@ -123,7 +136,7 @@ class _LowPrecision:
         group=False,
       )
 
-  def update_step(self, gradient, variable, learning_rate):
+  def update_step(self, gradient: Any, variable: Any, learning_rate: tf.Tensor) -> Any:
     index = self._get_variable_index(variable)
     if not self._managed[index]:
       return super().update_step(gradient, variable, learning_rate)
@@ -133,14 +146,17 @@ class _LowPrecision:
   # of one call's variables are live at once, so a large model is updated in several calls.
   CALL_ELEMENTS = 1 << 22
 
-  def _update(self, grads, variables, learning_rate, variable_index=None):
+  def _update(
+    self, grads: list, variables: list, learning_rate: tf.Tensor, variable_index: int | None = None
+  ) -> None:
     """Updates `variables` in compiled calls of at most CALL_ELEMENTS (padded) elements each,
     one after another. Call k draws its bits from (config.seed, step) folded with (0, k); a
     single variable updated by update_step, with (1, its index). A later update group folds in
     its index first."""
     variables = [_tf(v) for v in variables]
     sizes = [blocks(int(np.prod(v.shape))) * BLOCK for v in variables]
-    calls, total = [[]], 0
+    calls: list[list[int]] = [[]]
+    total = 0
     for i, size in enumerate(sizes):
       if calls[-1] and total + size > self.CALL_ELEMENTS:
         calls.append([])
@@ -167,7 +183,9 @@ class _LowPrecision:
           sum(sizes[i] for i in call),
         )
 
-  def _update_call(self, grads, variables, lr, seed, size) -> list:
+  def _update_call(
+    self, grads: list, variables: list, lr: tf.Tensor, seed: tf.Tensor, size: int
+  ) -> list:
     """Reads every stored tensor of `variables`, draws the random bits, computes the updates in
     one compiled call and assigns the results; returns the assign ops."""
     stores = [self._stores(self._get_variable_index(v), v) for v in variables]
@@ -195,26 +213,28 @@ class _LowPrecision:
     Kahan's: under float32 masters a layer built in bfloat16 is rounded so too)."""
     return self.master_weights != 'bfloat16_kahan' and self._low_managed
 
-  def _stores(self, index, var):
+  def _stores(self, index: int, var: tf.Variable) -> tuple:
     """The variable's stored parts, in the kernel's order: ((weight[, compensation]), *state)."""
-    weight = (var,)
+    weight: tuple = (var,)
     if index in self._comp_index:
       weight += (self._compensations[self._comp_index[index]],)
     return (weight,) + self._state(index)
 
-  def _state(self, index) -> tuple:
+  def _state(self, index: int) -> tuple:
     raise NotImplementedError
 
   def _streams(self) -> tuple:
     """The tensors that round stochastically, each reading its own 16-bit chunk of the bits."""
     raise NotImplementedError
 
-  def _kernel(self, items, lr, bits, rules, streams):
+  def _kernel(
+    self, items: tuple, lr: tf.Tensor, bits: tf.Tensor, rules: tuple, streams: tuple
+  ) -> tuple:
     raise NotImplementedError
 
-  def _build_compensations(self, variables):
+  def _build_compensations(self, variables: list) -> None:
     self._comp_index = {}
-    compensations = []
+    compensations: list = []
     if self.master_weights == 'bfloat16_kahan':
       for i, v in enumerate(variables):
         if _low(v):
@@ -224,10 +244,10 @@ class _LowPrecision:
 
 
 class _LowPrecisionAdam(_LowPrecision):
-  def _managed_variable(self, variable) -> bool:
+  def _managed_variable(self, variable: tf.Variable) -> bool:
     return _low(variable) or self.state_bits == 8
 
-  def build(self, variables):
+  def build(self, variables: list) -> None:
     if self.built:
       return
     if self.amsgrad:
@@ -235,7 +255,10 @@ class _LowPrecisionAdam(_LowPrecision):
     keras.optimizers.Optimizer.build(self, variables)  # iterations, the variable index
     self._managed = [self._managed_variable(v) for v in variables]
     self._low_managed = any(_low(v) for v in variables if self._managed_variable(v))
-    momentums, velocities, m_scales, v_scales = [], [], [], []
+    momentums: list = []
+    velocities: list = []
+    m_scales: list = []
+    v_scales: list = []
     for v in variables:
       if self.state_bits == 8:
         size = int(np.prod(v.shape))
@@ -259,7 +282,7 @@ class _LowPrecisionAdam(_LowPrecision):
     self._momentum_scales, self._velocity_scales = m_scales, v_scales
     self._build_compensations(variables)
 
-  def _state(self, index) -> tuple:
+  def _state(self, index: int) -> tuple:
     """Per moment: (codes, absmax) with 8-bit state, else (slot,)."""
     if self.state_bits == 8:
       return (
@@ -271,7 +294,9 @@ class _LowPrecisionAdam(_LowPrecision):
   def _streams(self) -> tuple:
     return ('weight',) * self._rounds_weights() + ('m', 'v')
 
-  def _kernel(self, items, lr, bits, rules, streams):
+  def _kernel(
+    self, items: tuple, lr: tf.Tensor, bits: tf.Tensor, rules: tuple, streams: tuple
+  ) -> tuple:
     alpha = fused_optimizers.adam_step_size(self, lr, tf.float32)
     return low_precision_updates.adam_updates(
       items,
@@ -289,10 +314,10 @@ class _LowPrecisionSGD(_LowPrecision):
   momentums: list
   nesterov: bool
 
-  def _managed_variable(self, variable) -> bool:
+  def _managed_variable(self, variable: tf.Variable) -> bool:
     return _low(variable)
 
-  def build(self, variables):
+  def build(self, variables: list) -> None:
     if self.built:
       return
     super().build(variables)  # momentums in each variable's dtype
@@ -300,13 +325,15 @@ class _LowPrecisionSGD(_LowPrecision):
     self._low_managed = any(_low(v) for v in variables if self._managed_variable(v))
     self._build_compensations(variables)
 
-  def _state(self, index) -> tuple:
+  def _state(self, index: int) -> tuple:
     return () if self.momentum == 0 else ((self.momentums[index],),)
 
   def _streams(self) -> tuple:
     return ('weight',) * self._rounds_weights() + ('momentum',) * (self.momentum != 0)
 
-  def _kernel(self, items, lr, bits, rules, streams):
+  def _kernel(
+    self, items: tuple, lr: tf.Tensor, bits: tf.Tensor, rules: tuple, streams: tuple
+  ) -> tuple:
     return low_precision_updates.sgd_updates(
       items,
       lr,
@@ -335,23 +362,21 @@ class LowPrecisionSGD(_LowPrecisionSGD, fused_optimizers.FusedSGD):
 CLASSES = {'adam': LowPrecisionAdam, 'adamw': LowPrecisionAdamW, 'sgd': LowPrecisionSGD}
 
 
-def requested(config) -> bool:
+def requested(config: ml_collections.ConfigDict) -> bool:
   """Whether the config asks for 16-bit master weights or 8-bit state."""
   return config.precision.master_weights != 'float32' or config.optimizer.state_bits != 32
 
 
-def state_bytes(optimizer) -> int:
+def state_bytes(optimizer: keras.optimizers.Optimizer) -> int:
   """Bytes of the optimizer's per-variable state (every variable but its scalar counters)."""
   return sum(
     int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in optimizer.variables if len(v.shape)
   )
 
 
-def weight_bytes(variables) -> int:
-  return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
-
-
-def check_optimizer(optimizer, config, group: int | None = None) -> None:
+def check_optimizer(
+  optimizer: keras.optimizers.Optimizer, config: ml_collections.ConfigDict, group: int | None = None
+) -> None:
   """ConfigError when the config asks for 16-bit masters or 8-bit state and `optimizer` (the
   trainer's, from Trainer.build_optimizer, or update group `group`'s; TrainStep.build_optimizers
   checks each group's) cannot provide them: a Keras optimizer

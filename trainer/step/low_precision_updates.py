@@ -25,7 +25,7 @@ from trainer.step.rounding import (
 )
 
 
-def _slices(bits, items, streams):
+def _slices(bits: tf.Tensor, items: tuple, streams: tuple) -> list[dict[str, tf.Tensor]]:
   """Per item, {stream: its 16-bit noise}, each [blocks * BLOCK] (the variable's slice of the
   draw, padded to whole blocks as the 8-bit codes are)."""
   if not streams:
@@ -39,18 +39,20 @@ def _slices(bits, items, streams):
   return out
 
 
-def _shaped(noise16, like):
+def _shaped(noise16: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
   """The first elements of a padded noise slice, in `like`'s shape."""
   return tf.reshape(noise16[: int(np.prod(like.shape))], like.shape)
 
 
-def _weight32(weight_parts) -> tf.Tensor:
+def _weight32(weight_parts: tuple) -> tf.Tensor:
   """The weight in float32: with Kahan compensation, the true weight w + c."""
   weight = tf.cast(weight_parts[0], tf.float32)
   return weight if len(weight_parts) == 1 else weight + tf.cast(weight_parts[1], tf.float32)
 
 
-def _weight_out(weight_parts, update, noise16, master_weights: str) -> tuple:
+def _weight_out(
+  weight_parts: tuple, update: tf.Tensor, noise16: tf.Tensor | None, master_weights: str
+) -> tuple:
   """The new bfloat16 weight parts from the stored ones and a float32 `update`: Kahan's sum, or
   stochastic rounding."""
   if master_weights == 'bfloat16_kahan':
@@ -59,7 +61,7 @@ def _weight_out(weight_parts, update, noise16, master_weights: str) -> tuple:
   return (stochastic_round(tf.cast(weight, tf.float32) + update, _shaped(noise16, weight)),)
 
 
-def _slot_out(value, like, noise16) -> tf.Tensor:
+def _slot_out(value: tf.Tensor, like: tf.Tensor, noise16: tf.Tensor) -> tf.Tensor:
   """A 32-bit-state slot: float32 as is, bfloat16 rounded stochastically."""
   if like.dtype == tf.bfloat16:
     return stochastic_round(value, _shaped(noise16, like))
@@ -67,7 +69,15 @@ def _slot_out(value, like, noise16) -> tf.Tensor:
 
 
 @tf.function(jit_compile=True, autograph=False)
-def adam_updates(items, lr, alpha, bits, rules, streams, hyper):
+def adam_updates(
+  items: tuple,
+  lr: tf.Tensor,
+  alpha: tf.Tensor,
+  bits: tf.Tensor,
+  rules: tuple,
+  streams: tuple,
+  hyper: tuple,
+) -> tuple:
   """Adam/AdamW (Keras's formula, term for term, in float32) for each (gradient, (weight parts,
   m parts, v parts)) of `items`: m and v are (codes, absmax) with 8-bit state, else (slot,).
   Returns the new parts in the same structure, without the gradient."""
@@ -78,8 +88,9 @@ def adam_updates(items, lr, alpha, bits, rules, streams, hyper):
   ):
     shape = weight_parts[0].shape
     if len(m_in) == 2:
-      m = dequantize(*m_in, shape, signed=True)
-      v = dequantize(*v_in, shape, signed=False)
+      (m_codes, m_absmax), (v_codes, v_absmax) = m_in, v_in
+      m = dequantize(m_codes, m_absmax, shape, signed=True)
+      v = dequantize(v_codes, v_absmax, shape, signed=False)
     else:
       m, v = tf.cast(m_in[0], tf.float32), tf.cast(v_in[0], tf.float32)
     m = m + (grad - m) * (1 - beta_1)
@@ -91,6 +102,7 @@ def adam_updates(items, lr, alpha, bits, rules, streams, hyper):
       new_weight = ((w32 + decay) - adam,)
     else:
       new_weight = _weight_out(weight_parts, decay - adam, rand.get('weight'), master_weights)
+    moments: tuple
     if len(m_in) == 2:
       moments = (quantize(m, rand['m'], signed=True), quantize(v, rand['v'], signed=False))
     else:
@@ -100,7 +112,9 @@ def adam_updates(items, lr, alpha, bits, rules, streams, hyper):
 
 
 @tf.function(jit_compile=True, autograph=False)
-def sgd_updates(items, lr, bits, rules, streams, hyper):
+def sgd_updates(
+  items: tuple, lr: tf.Tensor, bits: tf.Tensor, rules: tuple, streams: tuple, hyper: tuple
+) -> tuple:
   """SGD (Keras's formula, in float32) for each (gradient, (weight parts[, (momentum,)])) of
   `items` (bfloat16 weights). Returns the new parts in the same structure."""
   momentum_rate, nesterov, master_weights = hyper
@@ -109,7 +123,7 @@ def sgd_updates(items, lr, bits, rules, streams, hyper):
     weight_parts = parts[0]
     w32 = _weight32(weight_parts)
     update = -(w32 * weight_decay) * lr if weight_decay else 0.0
-    state = ()
+    state: tuple = ()
     if len(parts) == 1:
       update -= lr * grad
     else:  # Keras: m = -g * lr + m * momentum; w += m (nesterov: w += -g * lr + m * momentum)

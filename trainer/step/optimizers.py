@@ -17,16 +17,24 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
+from typing import Any
+
 import keras
+import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from trainer import registry
+from trainer import config, registry
 from trainer.errors import ConfigError
 from trainer.step import fused_optimizers
 
+# What Keras takes as an optimizer's learning rate: a float, or a no-argument callable it calls at
+# every update.
+LearningRate = float | Callable[[], tf.Tensor]
 
-def reset_loss_scale_factor(optimizer) -> None:
+
+def reset_loss_scale_factor(optimizer: keras.optimizers.Optimizer) -> None:
   """A Keras 3 optimizer given `loss_scale_factor=F` multiplies the loss by F in its own
   `scale_loss` and divides every gradient by F in `apply`: on top of the trainer's loss scaling
   (which never calls the optimizer's `scale_loss`) each update would be F times too small. Reset
@@ -45,7 +53,9 @@ def reset_loss_scale_factor(optimizer) -> None:
     optimizer.loss_scale_factor = None
 
 
-def schedule(opt_config, total_steps: int):
+def schedule(
+  opt_config: ml_collections.ConfigDict, total_steps: int
+) -> Callable[[tf.Tensor], tf.Tensor]:
   """step (a scalar tensor) -> learning rate (float32): linear warm-up from 0 over
   `warmup_steps`, then constant, or a cosine decay from the peak to `min_learning_rate` (the
   floor, default 0) at `total_steps`:
@@ -53,12 +63,12 @@ def schedule(opt_config, total_steps: int):
     progress = clip((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)
   (nanoGPT's get_lr, with its lr_decay_iters = total_steps and min_lr = the floor)."""
   peak = float(opt_config.learning_rate)
-  floor = float(opt_config.get('min_learning_rate', 0.0))
+  floor = float(config.value(opt_config, 'optimizer.min_learning_rate'))
   warmup = int(opt_config.warmup_steps)
   kind = opt_config.schedule
   decay_steps = max(total_steps - warmup, 1)
 
-  def learning_rate(step):
+  def learning_rate(step: tf.Tensor) -> tf.Tensor:
     step = tf.cast(step, tf.float32)
     if kind == 'cosine':
       progress = tf.clip_by_value((step - warmup) / decay_steps, 0.0, 1.0)
@@ -72,7 +82,7 @@ def schedule(opt_config, total_steps: int):
   return learning_rate
 
 
-def once_per_trace(rate):
+def once_per_trace(rate: Callable[[], tf.Tensor]) -> Callable[[], tf.Tensor]:
   """`rate` (a no-argument callable: the learning rate of the current step) computed once per
   graph being traced, the same tensor for every later call in that graph; called eagerly,
   computed every time. Keras calls an optimizer's learning-rate callable at every read, and
@@ -82,7 +92,7 @@ def once_per_trace(rate):
   step gets the rate of that step, as before."""
   computed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-  def learning_rate():
+  def learning_rate() -> tf.Tensor:
     if tf.executing_eagerly():
       return rate()
     graph = tf.compat.v1.get_default_graph()
@@ -94,7 +104,12 @@ def once_per_trace(rate):
 
 
 def build(
-  opt_config, learning_rate, *, master_weights: str = 'float32', seed: int = 0, step=None
+  opt_config: ml_collections.ConfigDict,
+  learning_rate: LearningRate,
+  *,
+  master_weights: str = 'float32',
+  seed: int = 0,
+  step: tf.Variable | None = None,
 ) -> keras.optimizers.Optimizer:
   """The registered builder of `opt_config.name`, called with (opt_config, learning_rate);
   `learning_rate` is a float or a no-argument callable (Keras 3 calls it every update).
@@ -107,12 +122,12 @@ def build(
     raise ConfigError(
       f'config.optimizer.name={opt_config.name!r}: {registry.check_name(opt_config.name)}'
     )
-  state_bits = int(opt_config.get('state_bits', 32))
+  state_bits = int(config.value(opt_config, 'optimizer.state_bits'))
   if master_weights == 'float32' and state_bits == 32:
     return found(opt_config, learning_rate)
   from trainer.step import low_precision  # pylint: disable=import-outside-toplevel
 
-  kwargs = dict(
+  kwargs: dict[str, Any] = dict(
     learning_rate=learning_rate,
     master_weights=master_weights,
     state_bits=state_bits,
@@ -129,24 +144,24 @@ def build(
   return low_precision.CLASSES[opt_config.name](**kwargs)
 
 
-def _classes(opt_config):
+def _classes(opt_config: ml_collections.ConfigDict) -> tuple[type, type, type]:
   """(Adam, AdamW, SGD): the fused ones (one kernel per variable) or Keras's own."""
-  if opt_config.get('fused', True):
+  if config.value(opt_config, 'optimizer.fused'):
     return (fused_optimizers.FusedAdam, fused_optimizers.FusedAdamW, fused_optimizers.FusedSGD)
   return keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.SGD
 
 
-def _moments(opt_config) -> dict:
-  """Adam's beta_1, beta_2 and epsilon from the config (Keras's defaults when a config built
-  without the schema lacks them)."""
+def _moments(opt_config: ml_collections.ConfigDict) -> dict:
+  """Adam's beta_1, beta_2 and epsilon from the config (the schema's defaults, Keras's, when a
+  config built without the schema lacks them)."""
   return {
-    'beta_1': float(opt_config.get('beta_1', 0.9)),
-    'beta_2': float(opt_config.get('beta_2', 0.999)),
-    'epsilon': float(opt_config.get('epsilon', 1e-7)),
+    k: float(config.value(opt_config, f'optimizer.{k}')) for k in ('beta_1', 'beta_2', 'epsilon')
   }
 
 
-def _adam(opt_config, learning_rate):
+def _adam(
+  opt_config: ml_collections.ConfigDict, learning_rate: LearningRate
+) -> keras.optimizers.Optimizer:
   return _classes(opt_config)[0](
     learning_rate=learning_rate,
     weight_decay=float(opt_config.weight_decay) or None,
@@ -154,13 +169,17 @@ def _adam(opt_config, learning_rate):
   )
 
 
-def _adamw(opt_config, learning_rate):
+def _adamw(
+  opt_config: ml_collections.ConfigDict, learning_rate: LearningRate
+) -> keras.optimizers.Optimizer:
   return _classes(opt_config)[1](
     learning_rate=learning_rate, weight_decay=float(opt_config.weight_decay), **_moments(opt_config)
   )
 
 
-def _sgd(opt_config, learning_rate):
+def _sgd(
+  opt_config: ml_collections.ConfigDict, learning_rate: LearningRate
+) -> keras.optimizers.Optimizer:
   return _classes(opt_config)[2](
     learning_rate=learning_rate,
     momentum=opt_config.momentum,

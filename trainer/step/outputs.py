@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import tensorflow as tf
 
 from trainer.step.eval_step import read_metrics
@@ -9,7 +11,9 @@ from trainer.step.eval_step import read_metrics
 COUNTERS = ('steps', 'skipped', 'nonfinite_loss')  # outputs read as counts, not means
 
 
-def with_counters(outputs, skipped, loss_finite=True) -> dict[str, tf.Tensor]:
+def with_counters(
+  outputs: Mapping[str, tf.Tensor], skipped: tf.Tensor, loss_finite: tf.Tensor | bool = True
+) -> dict[str, tf.Tensor]:
   """`outputs` as float32, zeroed when the loss is not finite, plus the three counters."""
   loss_finite = tf.convert_to_tensor(loss_finite)
   values = {k: tf.where(loss_finite, tf.cast(v, tf.float32), 0.0) for k, v in outputs.items()}

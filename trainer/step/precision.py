@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from collections.abc import Callable, Iterable, Iterator
 
 import keras
 import tensorflow as tf
@@ -77,7 +78,7 @@ def apply(name: str) -> str:
   return policy
 
 
-def quantize_float8(model) -> None:
+def quantize_float8(model: keras.Model) -> None:
   """config.precision.float8: Keras's float8 training for every Dense and EinsumDense layer
   (`model.quantize('float8')`: inputs, kernels and output gradients are cast to float8 with
   per-tensor scales from an amax history). Without float8 hardware (e.g. on a CPU) the casts
@@ -95,7 +96,7 @@ def parse_layer_names(text: str) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def float32_layers(names, bfloat16_variables: bool = False):
+def float32_layers(names: str | Iterable[str], bfloat16_variables: bool = False) -> Iterator[None]:
   """Layers constructed inside this scope whose name is in `names` (and every layer nested in
   them) compute in float32 under a mixed global policy; the others keep the global policy.
 
@@ -130,7 +131,9 @@ def float32_layers(names, bfloat16_variables: bool = False):
     keras.config.set_dtype_policy(base)
 
 
-def build_model(build, names_text: str, bfloat16_variables: bool = False) -> keras.Model:
+def build_model(
+  build: Callable[[], keras.Model], names_text: str, bfloat16_variables: bool = False
+) -> keras.Model:
   """`build()` (a Trainer's build_model) with the layers named in `names_text` (the value of
   config.precision.float32_layers) kept in float32; ConfigError when a name matches no layer.
   `bfloat16_variables`: the other layers store bfloat16 variables (see float32_layers)."""

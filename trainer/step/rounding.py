@@ -32,6 +32,8 @@ CPU is tens of times slower than TF's kernel.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import tensorflow as tf
 
@@ -85,7 +87,9 @@ def stochastic_round(x: tf.Tensor, noise16: tf.Tensor) -> tf.Tensor:
   )
 
 
-def kahan_add(weight: tf.Tensor, compensation: tf.Tensor, update: tf.Tensor):
+def kahan_add(
+  weight: tf.Tensor, compensation: tf.Tensor, update: tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor]:
   """(new weight, new compensation), both bfloat16: s = w + (c + update) in float32, w' = s
   rounded to nearest, c' = s - w' rounded to nearest."""
   total = tf.cast(weight, tf.float32) + (tf.cast(compensation, tf.float32) + update)
@@ -97,7 +101,7 @@ def blocks(size: int) -> int:
   return -(-size // BLOCK)
 
 
-def quantize(x: tf.Tensor, noise16: tf.Tensor, signed: bool):
+def quantize(x: tf.Tensor, noise16: tf.Tensor, signed: bool) -> tuple[tf.Tensor, tf.Tensor]:
   """float32 tensor -> (uint8 codes [blocks * BLOCK], float32 absmax [blocks]), rounded
   stochastically between neighbouring codes (unbiased) with `noise16` ([blocks * BLOCK] int32
   in [0, 2^16)). Unsigned: x >= 0, and a non-zero value below the smallest code rounds up to
@@ -127,7 +131,9 @@ def quantize(x: tf.Tensor, noise16: tf.Tensor, signed: bool):
   return tf.cast(tf.reshape(code, [-1]), tf.uint8), absmax
 
 
-def dequantize(codes: tf.Tensor, absmax: tf.Tensor, shape, signed: bool) -> tf.Tensor:
+def dequantize(
+  codes: tf.Tensor, absmax: tf.Tensor, shape: tf.TensorShape | Sequence[int], signed: bool
+) -> tf.Tensor:
   """(uint8 codes, float32 absmax per block) -> float32 tensor of `shape`."""
   table = tf.constant(M_CODE if signed else V_CODE)
   values = tf.reshape(tf.gather(table, tf.cast(codes, tf.int32)), [-1, BLOCK]) * absmax[:, None]

@@ -85,7 +85,7 @@ def global_norm(grads) -> tf.Tensor:
   IndexedSlices (an embedding's gradient) holds one row per lookup: a token seen twice in the
   batch has two rows that its dense gradient sums, so they are summed per index first.
   tf.linalg.global_norm takes the rows as they are, which under-reports such a gradient: the
-  clipped gradients were then larger than `clip_norm` (tests/test_train_step.py)."""
+  clipped gradients were then larger than `clip_norm` (tests/step/test_train_step.py)."""
   squares = []
   for g in grads:
     if isinstance(g, tf.IndexedSlices):

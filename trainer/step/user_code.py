@@ -16,18 +16,22 @@ rule for the keras module).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import tensorflow as tf
 
 _PACKAGE = 'trainer'
+F = TypeVar('F', bound=Callable)
 
 
-def is_framework(fn) -> bool:
+def is_framework(fn: Callable) -> bool:
   """Whether `fn` (a function or bound method) is defined in the framework's package."""
   module = getattr(getattr(fn, '__func__', fn), '__module__', None) or ''
   return module == _PACKAGE or module.startswith(_PACKAGE + '.')
 
 
-def converted(fn):
+def converted(fn: F) -> F:
   """`fn` to call inside a compiled function: the framework's own functions as they are, any
   other (the user's) converted by autograph as `tf.function` converts what it traces, recursively
   (a function the user marked tf.autograph.experimental.do_not_convert stays unconverted)."""
@@ -36,7 +40,7 @@ def converted(fn):
   return tf.__internal__.autograph.tf_convert(fn, _enabled())
 
 
-def _enabled():
+def _enabled() -> Any:
   """The autograph context `tf.function` traces in when its autograph is on. Inside the
   framework's functions (autograph=False) the current context says "disabled", which would leave
   the user's code unconverted too; the context's class is reached through the exported

@@ -1,0 +1,250 @@
+"""Issue 11's table, row by row: a new user's mistakes in their own hooks, on a small
+Fashion-MNIST-like CNN (28x28x1 images, 10 classes) over synthetic data. Each mistake is a
+one-line UserError naming the hook, what it returned and the fix, raised before the workdir is
+opened (nothing written); or, for the last three rows, training that works (no .repeat()) or
+starts with a clear message (float16 variables: an error unless allowed; float16 logits: a
+warning)."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from absl import logging
+
+from tiny import tiny_config
+from trainer import Datasets, Trainer
+from trainer.errors import ConfigError, UserError
+
+N = 256
+
+
+def images_and_labels():
+  rng = np.random.default_rng(0)
+  x = rng.random((N, 28, 28, 1), dtype=np.float32)
+  y = rng.integers(0, 10, N).astype(np.int32)
+  return x, y
+
+
+class FashionTrainer(Trainer):
+  """Correct hooks; each test breaks one of them as the issue's table did."""
+
+  labels_column = False  # y.reshape(-1, 1)
+  eval_batched = True
+  repeat = True
+  hidden_dtype = None
+  logits_dtype = 'float32'
+
+  def build_model(self):
+    return keras.Sequential(
+      [
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(4, 3, activation='relu'),
+        keras.layers.MaxPooling2D(4),
+        keras.layers.Flatten(),
+        keras.layers.Dense(16, activation='relu', dtype=self.hidden_dtype),
+        keras.layers.Dense(10, dtype=self.logits_dtype),
+      ],
+      name='fashion',
+    )
+
+  def build_datasets(self):
+    x, y = images_and_labels()
+    if self.labels_column:
+      y = y.reshape(-1, 1)
+    batch = self.config.train.batch_size
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    train = data.shuffle(N, seed=0)
+    if self.repeat:
+      train = train.repeat()
+    train = train.batch(batch, drop_remainder=True)
+    return Datasets(
+      train=train, eval=data.batch(batch) if self.eval_batched else data, train_examples=N
+    )
+
+  def logits(self, images, training):
+    return tf.cast(self.model(images, training=training), tf.float32)
+
+  def compute_loss(self, batch, *, training):
+    images, labels = batch
+    logits = self.logits(images, training)
+    loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float32)
+    return loss, {'accuracy': correct}
+
+
+def config(**overrides):
+  return tiny_config(**{'model': 'fashion', 'train.steps': 0, 'train.epochs': 1, **overrides})
+
+
+def rejected(trainer_class, tmp_path, error=UserError) -> str:
+  workdir = tmp_path / 'work'
+  with pytest.raises(error) as info:
+    trainer_class(config(), str(workdir))
+  message = str(info.value)
+  assert message and '\n' not in message
+  assert not workdir.exists()  # nothing written
+  return message
+
+
+def test_correct_hooks_pass_and_train(tmp_path):
+  metrics = FashionTrainer(config(), str(tmp_path / 'work')).train()
+  assert set(metrics) == {'loss', 'accuracy'}
+
+
+def test_labels_shaped_b_by_1(tmp_path):
+  class Column(FashionTrainer):
+    labels_column = True
+
+  message = rejected(Column, tmp_path)
+  assert message.startswith("compute_loss returned the metric 'accuracy' of shape [32, 32]")
+  assert 'int32 [32, 1]' in message and 'y.reshape(-1)' in message
+
+
+def test_metric_returned_as_the_batch_mean(tmp_path):
+  class Mean(FashionTrainer):
+    def compute_loss(self, batch, *, training):
+      loss, metrics = super().compute_loss(batch, training=training)
+      return loss, {'accuracy': tf.reduce_mean(metrics['accuracy'])}
+
+  message = rejected(Mean, tmp_path)
+  assert "the metric 'accuracy' as a scalar (float32 [])" in message
+  assert 'one value per example, shape [B]' in message
+
+
+def test_scalar_loss(tmp_path):
+  class ScalarLoss(FashionTrainer):
+    def compute_loss(self, batch, *, training):
+      loss, metrics = super().compute_loss(batch, training=training)
+      return tf.reduce_mean(loss), metrics
+
+  message = rejected(ScalarLoss, tmp_path)
+  assert message.startswith('compute_loss returned the loss as a scalar (float32 [])')
+  assert 'drop the tf.reduce_mean' in message
+
+
+def test_loss_of_shape_b_by_10(tmp_path):
+  class WideLoss(FashionTrainer):
+    def compute_loss(self, batch, *, training):
+      images, labels = batch
+      logits = self.logits(images, training)
+      loss = tf.nn.softmax_cross_entropy_with_logits(tf.one_hot(labels, 10), logits)[:, None]
+      return loss * tf.ones([1, 10]), {}
+
+  message = rejected(WideLoss, tmp_path)
+  assert message.startswith('compute_loss returned the loss of shape [32, 10] (float32 [32, 10])')
+  assert 'it must be [B]' in message
+
+
+def test_only_the_loss_returned(tmp_path):
+  class LossOnly(FashionTrainer):
+    def compute_loss(self, batch, *, training):
+      return super().compute_loss(batch, training=training)[0]
+
+  message = rejected(LossOnly, tmp_path)
+  assert message.startswith('compute_loss returned float32 [32]; return a pair')
+  assert 'return loss, {}' in message
+
+
+def test_eval_dataset_not_batched(tmp_path):
+  class Unbatched(FashionTrainer):
+    eval_batched = False
+
+  message = rejected(Unbatched, tmp_path)
+  assert message.startswith('build_datasets returned an unbatched Datasets.eval')
+  assert 'float32 [28, 28, 1], int32 []' in message
+  assert '.batch(config.train.batch_size)' in message
+
+
+def test_no_repeat_on_the_train_set_trains_past_the_epoch(tmp_path):
+  class Finite(FashionTrainer):
+    repeat = False
+
+  # 256 examples / 32 = 8 batches per epoch; three epochs cross the end of the data twice.
+  trainer = Finite(config(**{'train.epochs': 3}), str(tmp_path / 'work'))
+  assert trainer.total_steps == 24
+  trainer.train()
+  assert int(trainer.global_step.numpy()) == 24
+
+
+def test_float16_layer_is_an_error_unless_allowed(tmp_path):
+  class Half(FashionTrainer):
+    hidden_dtype = 'float16'
+
+  trainer = Half(config(), str(tmp_path / 'work'))
+  with pytest.raises(ConfigError) as info:
+    trainer.train()
+  message = str(info.value)
+  assert '\n' not in message and 'low-precision variables' in message
+  assert 'config.precision.allow_low_precision_variables=True' in message
+  assert int(trainer.global_step.numpy()) == 0
+  allowed = Half(
+    config(**{'precision.allow_low_precision_variables': True, 'train.steps': 4}),
+    str(tmp_path / 'allowed'),
+  )
+  allowed.train()
+  assert int(allowed.global_step.numpy()) == 4
+
+
+def test_low_precision_logits_warn_when_training_starts(tmp_path, monkeypatch):
+  class HalfLogits(FashionTrainer):
+    logits_dtype = None  # follows the mixed policy: bfloat16 logits
+
+  warnings = []
+  monkeypatch.setattr(logging, 'warning', lambda msg, *args: warnings.append(msg % args))
+  trainer = HalfLogits(
+    config(**{'precision.policy': 'mixed_bfloat16', 'train.steps': 2}), str(tmp_path / 'work')
+  )
+  trainer.train()
+  hazards = [w for w in warnings if w.startswith('precision hazard')]
+  assert len(hazards) == 1 and 'low-precision logits' in hazards[0]
+  assert 'dtype="float32"' in hazards[0]
+
+
+def test_clean_model_starts_without_hazard_warnings(tmp_path, monkeypatch):
+  warnings = []
+  monkeypatch.setattr(logging, 'warning', lambda msg, *args: warnings.append(msg % args))
+  FashionTrainer(
+    config(**{'precision.policy': 'mixed_bfloat16', 'train.steps': 2}), str(tmp_path / 'work')
+  ).train()
+  assert not [w for w in warnings if w.startswith('precision hazard')]
+
+
+def test_a_contract_error_exits_2_from_launch(tmp_path):
+  """The launcher path: a models/ module with a scalar loss; error line, exit 2, no workdir."""
+  import subprocess
+  import sys
+
+  from conftest import ROOT as root, TESTS
+
+  script = tmp_path / 'run.py'
+  script.write_text(f"""
+import sys
+sys.path[:0] = [{root!r}, {TESTS!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+import launch, models
+from test_contract import FashionTrainer
+import tensorflow as tf
+
+class ScalarLoss(FashionTrainer):
+  def compute_loss(self, batch, *, training):
+    loss, metrics = super().compute_loss(batch, training=training)
+    return tf.reduce_mean(loss), metrics
+
+models.get_trainer_class = lambda name: ScalarLoss
+from absl import app
+app.run(launch.main, flags_parser=launch.parse_flags)
+""")
+  workdir = tmp_path / 'work'
+  result = subprocess.run(
+    [sys.executable, str(script), f'--config={root}/configs/mnist.py', f'--workdir={workdir}'],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=root,
+  )
+  assert result.returncode == 2, result.stderr[-2000:]
+  errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+  assert errors == [errors[0]] and 'compute_loss returned the loss as a scalar' in errors[0]
+  assert 'Traceback' not in result.stderr
+  assert not workdir.exists()

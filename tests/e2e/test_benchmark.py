@@ -1,0 +1,264 @@
+"""The benchmark's quick mode runs end to end, so benchmarks/run.py never rots.
+
+It checks that the outputs exist and hold every section for every model with positive numbers;
+it makes no claim about speed (those are measured side by side by the full run, not by tests).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
+  out = tmp_path / 'bench'
+  # Two policies keep it short; the full run adds mixed_float16 through the same code.
+  done = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'benchmarks', 'run.py'),
+      '--quick',
+      '--models=mnist_cnn',
+      '--policies=float32,mixed_bfloat16',
+      f'--out={out}',
+      f'--results_dir={tmp_path}',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=900,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  for name in ('benchmark.json', 'benchmark.md', 'benchmark.png'):
+    assert (out / name).stat().st_size > 0, name
+
+  results = json.loads((out / 'benchmark.json').read_text())
+  machine = results['machine']
+  assert machine['cores'] >= 1 and machine['cpu'] and machine['tensorflow']
+  assert all(results['peak_flops'][d] > 0 for d in ('float32', 'bfloat16', 'float16'))
+  policies = results['settings']['policies']
+  assert {'float32', 'mixed_bfloat16'} <= set(policies)
+  model = results['models']['mnist_cnn']
+  assert model['flops_per_step'] > 0
+  assert model['host_ops_in_train_loop'] == []  # nothing a finite step runs calls the host
+  assert model['host_ops_on_skipped_steps_only'] == ['PrintV2']  # the skip report, and only it
+  rounds = results['settings']['rounds']
+  for name, contender in model['contenders'].items():
+    assert len(contender['rounds']) == rounds and all(r > 0 for r in contender['rounds']), name
+    for clock in ('steps_per_sec', 'steps_per_cpu_sec'):
+      stats = contender[clock]
+      assert 0 < stats['min'] <= stats['median'] <= stats['max'], (name, clock)
+  default = model['default_policy']
+  expected = {f'{kind} {p}' for kind in ('ours', 'fit') for p in policies}
+  auto = {p: 'dynamic' if p == 'mixed_float16' else 'none' for p in policies}
+  expected |= {
+    f'ours {p} loss_scale={m}'
+    for p in policies
+    for m in ('none', 'static', 'dynamic')
+    if m != auto[p]
+  }
+  expected |= {
+    f'{kind} {default} steps_per_loop={n}'
+    for kind in ('ours', 'fit')
+    for n in results['settings']['loop_sweep']
+    if n != results['settings']['steps_per_loop']
+  }
+  expected.add(f'ours {default} jit_compile')
+  assert expected <= set(model['contenders'])
+  for p in policies:
+    assert model['ours_over_fit'][p]['median'] > 0
+    assert model['cpu_time']['ours_over_fit'][p]['median'] > 0
+    assert set(model['loss_scale_overhead_pct'][p]) == {'static', 'dynamic'}
+    assert model['speedup_over_float32'][p]['median'] > 0
+    assert 0 < model['mfu'][p]['fraction']
+    memory = model['memory'][p]
+    assert 0 < memory['imported_mib'] <= memory['built_mib'] <= memory['peak_mib']
+    assert memory['step_mib'] == memory['peak_mib'] - memory['imported_mib']
+  assert set(model['memory']) == set(policies)  # no remat rows: the CNN marks no blocks
+  assert (
+    set(model['targets_met'])
+    == set(model['targets_met_cpu_time'])
+    == {'ours_over_fit', 'dynamic_overhead', 'bfloat16_speedup', 'no_host_sync'}
+  )
+
+  table = (out / 'benchmark.md').read_text()
+  assert machine['cpu'] in table and machine['tensorflow'] in table
+  for heading in (
+    '## mnist_cnn',
+    'Ours vs Keras fit',
+    'Cost of loss scaling',
+    'speed-up, FLOP utilisation, memory',
+    'steps_per_loop and jit_compile',
+    'Memory of a training step',
+  ):
+    assert heading in table, heading
+  for p in policies:
+    assert f'| {p} |' in table
+  assert '## mnist_cnn' in results_page(tmp_path, 'run')  # the same tables, as the results page
+
+
+def results_page(folder, name: str) -> str:
+  """The results page a benchmark wrote (benchmarks/results.py), checked for its header."""
+  text = (folder / f'{name}.md').read_text()
+  for row in ('| command | `python -m benchmarks.', '| commit |', '| machine |', '| load |'):
+    assert row in text, (row, text[:800])
+  return text
+
+
+def test_step_ablation_runs_every_contender(tmp_path):
+  """benchmarks/ablate_step.py builds its stripped-down steps on the public TrainStep contract;
+  one short round of each, on the MLP, so it never rots. No claim about speed."""
+  done = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'benchmarks', 'ablate_step.py'),
+      '--model=mnist_mlp',
+      '--policy=mixed_bfloat16',
+      '--rounds=1',
+      '--calls=1',
+      f'--results_dir={tmp_path}',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:] if line.strip()}
+  assert set(rows) == {'ours', 'no_cond', 'bare', 'no_forensics', 'no_guard', 'fit'}, done.stdout
+  assert all(float(row[1]) > 0 for row in rows.values())  # steps per second
+  assert done.stdout.strip() in results_page(tmp_path, 'ablate_step')  # what it printed
+
+
+def trace_events(folder: str, suffix: str) -> tuple[int, int]:
+  """(events whose op name ends with `suffix`, all op events) on the executor's threads of the
+  newest tf.profiler trace under `folder`."""
+  import glob
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+  path = max(glob.glob(f'{folder}/**/*.xplane.pb', recursive=True), key=os.path.getmtime)
+  space = xplane_pb2.XSpace()
+  with open(path, 'rb') as f:
+    space.ParseFromString(f.read())
+  names = [
+    plane.event_metadata[event.metadata_id].name
+    for plane in space.planes
+    for line in plane.lines
+    if line.name.startswith('tf_Compute')
+    for event in line.events
+  ]
+  names = [n for n in names if ':' in n and not n.startswith(('Executor', 'ThreadpoolListener'))]
+  return sum(n.endswith(suffix) for n in names), len(names)
+
+
+def test_step_profile_divides_by_the_steps_in_each_trace(tmp_path):
+  """benchmarks/profile_step.py --vs_fit: fit's trace holds one execution more than fit times,
+  and the per-step op figures divide by the steps in the trace. Reference: the loss kernel,
+  once per step in both loops, counted in the trace files."""
+  done = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'benchmarks', 'profile_step.py'),
+      '--model=mnist_mlp',
+      '--policy=float32',
+      '--vs_fit',
+      '--steps_per_loop=2',
+      '--steps=4',
+      f'--profile_out={tmp_path}',
+      f'--results_dir={tmp_path}',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  heads = [line for line in done.stdout.splitlines() if line.startswith('== ')]
+  assert len(heads) == 2, done.stdout
+  for label, head in zip(('ours', 'fit'), heads):
+    traced = int(head.split('(')[1].split()[0])
+    losses, events = trace_events(str(tmp_path / label), ':SparseSoftmaxCrossEntropyWithLogits')
+    assert losses == traced == {'ours': 4, 'fit': 6}[label], head
+    assert int(head.split(' ops/step')[0].rsplit(' ', 1)[1]) == events // traced, head
+  assert heads[0] in results_page(tmp_path, 'profile_step')
+
+
+def test_eager_or_compiled_times_both_ways(tmp_path):
+  """benchmarks/eager_or_compiled.py (the figures behind the eager limits of the probe and the
+  checkpoint check) reads the two functions through EagerThenCompiled; one config, so it never
+  rots. No claim about speed."""
+  done = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'benchmarks', 'eager_or_compiled.py'),
+      '--configs=mnist_mlp:float32',
+      '--eager_calls=2',
+      f'--results_dir={tmp_path}',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  row = [line for line in done.stdout.splitlines() if line.startswith('| mnist_mlp, float32')]
+  assert len(row) == 1, done.stdout
+  cells = [c.strip() for c in row[0].strip('|').split('|')]
+  times = [float(x) for i in (1, 2, 5, 6) for x in cells[i].split(' / ')]
+  assert all(t > 0 for t in times) and int(cells[4]) > 0, row
+  assert row[0] in results_page(tmp_path, 'eager_or_compiled')  # the parent's page, no child's
+  assert os.listdir(tmp_path) == ['eager_or_compiled.md']
+
+
+def test_memory_breakdown_setting_and_table():
+  from benchmarks import memory
+
+  assert memory._parse_setting(
+    'bf16 sr:mixed_bfloat16,precision.master_weights=bfloat16_sr,train.remat=true'
+  ) == (
+    'bf16 sr',
+    'mixed_bfloat16',
+    True,
+    ['precision.master_weights=bfloat16_sr', 'train.remat=true'],
+  )
+  rows = [
+    {'label': 'a', 'bytes_per_param': 12.0, 'step_mib': 200.0, 'kept_mib': 100.0},
+    {'label': 'b', 'bytes_per_param': 4.0, 'step_mib': 120.0, 'kept_mib': 50.0},
+  ]
+  table = memory.markdown(rows).splitlines()
+  assert table[0].startswith('| setting | bytes/param |')
+  assert table[3].startswith('| b | 4.0 |')
+  assert '120 (0.60x)' in table[3] and '50 (0.50x)' in table[3]
+
+
+def test_training_runs_tabulates_a_launch_run(tmp_path):
+  """benchmarks/training_runs.py (the runs behind docs/results.md) on one short run: its final
+  eval line and times reach the results page. No claim about accuracy or speed."""
+  done = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'benchmarks.training_runs',
+      '--runs=mnist_mlp',
+      '--set=train.steps=10',
+      f'--results_dir={tmp_path}',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  page = results_page(tmp_path, 'training_runs')
+  [row] = [line for line in page.splitlines() if line.startswith('| mnist_mlp |')]
+  cells = [c.strip() for c in row.strip('|').split('|')]
+  assert cells[1] == '`python launch.py --config=configs/mnist_mlp.py --config.train.steps=10`'
+  assert cells[2].startswith('loss ') and ', accuracy ' in cells[2], row
+  assert float(cells[3]) > 0 and float(cells[4]) > 0, row

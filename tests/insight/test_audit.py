@@ -1,0 +1,209 @@
+"""trainer.audit: the per-layer dtype table and the hazards it flags, and launch.py --audit."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from trainer.insight import audit, hooks
+
+from conftest import ROOT
+
+
+@pytest.fixture
+def mixed_float16():
+  keras.mixed_precision.set_global_policy('mixed_float16')
+  yield 'mixed_float16'
+  keras.mixed_precision.set_global_policy('float32')
+
+
+class Float32Inside(keras.layers.Layer):
+  """Ignores the policy: its weight is never autocast and it casts the input up."""
+
+  def build(self, shape):
+    self.w = self.add_weight(shape=(shape[-1], 4), dtype='float32', autocast=False)
+
+  def call(self, x):
+    return tf.matmul(tf.cast(x, tf.float32), self.w)
+
+
+def test_clean_mixed_model_has_float32_variables_and_logits(mixed_float16):
+  model = keras.Sequential(
+    [
+      keras.Input((8,)),
+      keras.layers.Dense(16, activation='relu', name='hidden'),
+      keras.layers.Dense(3, dtype='float32'),
+    ],
+    name='clean',
+  )
+  rows, hazards = audit.audit(model)
+  assert [(r.cls, r.compute_dtype, r.variable_dtype, r.output_dtype, r.params) for r in rows] == [
+    ('Dense', 'float16', 'float32', 'float16', 8 * 16 + 16),
+    ('Dense', 'float32', 'float32', 'float32', 16 * 3 + 3),
+  ]
+  assert hazards == []
+  text = audit.markdown(model, mixed_float16, rows, hazards)
+  assert '| hidden | Dense | float16 | float32 | float16 | 144 |' in text
+  assert 'No hazards' in text and '195 parameters' in text
+
+
+def test_flags_each_hazard_once(mixed_float16):
+  model = keras.Sequential(
+    [
+      keras.Input((8,)),
+      keras.layers.Dense(16, dtype='float16', name='half_weights'),
+      Float32Inside(name='float32_inside'),
+      keras.layers.Dense(16, name='ok'),
+      keras.layers.Dense(3, activation='softmax', name='half_softmax'),  # float16 output too
+    ]
+  )
+  _, hazards = audit.audit(model)
+  found = sorted((h.layer, h.kind) for h in hazards)
+  assert found == [
+    ('float32_inside', 'not autocast'),
+    ('half_softmax', 'low-precision logits'),  # named by the layer making it
+    ('half_softmax', 'low-precision softmax'),
+    ('half_weights', 'low-precision variables'),
+  ]
+  assert all('float32' in h.message for h in hazards)  # each says what to do
+
+
+class Subclassed(keras.Model):
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.hidden = keras.layers.Dense(16, name='hidden')
+    self.inside = Float32Inside(name='float32_inside')
+    self.head = keras.layers.Dense(3, name='head')  # float16 logits
+
+  def call(self, x):
+    return self.head(self.inside(self.hidden(x)))
+
+
+def test_a_subclassed_model_is_audited_through_one_forward_pass(mixed_float16):
+  """Keras records no layer outputs for a subclassed model: without `run` its output dtypes
+  are '?' and its float16 logits go unseen."""
+  model = Subclassed()
+  model(tf.zeros([2, 8]))
+  rows, hazards = audit.audit(model)
+  assert [r.output_dtype for r in rows] == ['?'] * 3 and hazards == []
+  rows, hazards = audit.audit(model, run=lambda: model(tf.ones([2, 8])))
+  assert [(r.name, r.output_dtype) for r in rows] == [
+    ('hidden', 'float16'),
+    ('float32_inside', 'float32'),
+    ('head', 'float16'),
+  ]
+  assert sorted((h.layer, h.kind) for h in hazards) == [
+    ('float32_inside', 'not autocast'),
+    ('head', 'low-precision logits'),
+  ]
+  assert 'call' not in vars(model) and 'call' not in vars(model.head)  # the hooks are gone
+
+
+class FloatIds(keras.Model):
+  def __init__(self, vocabulary=5000, **kwargs):
+    super().__init__(**kwargs)
+    self.embed = keras.layers.Embedding(vocabulary, 4, name='embed')
+    self.head = keras.layers.Dense(3, dtype='float32')
+
+  def call(self, ids):
+    return self.head(self.embed(ids)), None  # a None beside the logits (a cache, say)
+
+
+@pytest.mark.parametrize('policy', ['mixed_bfloat16', 'mixed_float16'])
+def test_float_token_ids_into_an_embedding(policy):
+  """A subclassed model casts its float inputs to the compute dtype, so float ids reach the
+  Embedding rounded: in bfloat16 id 257 looks up row 256. A Functional model's float32 Input
+  reaches it as float32 (an Embedding does not autocast): exact, as integer ids are."""
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+
+    def functional(dtype):
+      ids = keras.Input((4,), dtype=dtype)
+      embedded = keras.layers.Embedding(5000, 4, name='embed')(ids)
+      return keras.Model(ids, keras.layers.Dense(3, dtype='float32')(embedded))
+
+    assert audit.audit(functional('float32'))[1] == []
+    assert audit.audit(functional('int32'))[1] == []
+    model = FloatIds()
+    model(tf.zeros([2, 4]))
+    # The premise: the Embedding gets the ids the model cast (id 257 becomes 256 in bfloat16,
+    # 2049 becomes 2048 in float16); given float32 ids itself, it reads the right row.
+    first = 257.0 if policy == 'mixed_bfloat16' else 2049.0
+    with hooks.recording(model, None) as calls:
+      model(tf.fill([1, 4], first))
+    got = next(c.args[0] for c in calls if c.layer is model.embed)
+    assert got.dtype.name == policy[6:] and float(got[0, 0]) == first - 1
+    model.embed.embeddings.assign(np.tile([[0.0], [1.0]], [2500, 4]))  # odd rows 1, even 0
+    assert float(model.embed(tf.constant([first]))[0, 0]) == 1.0
+    _, hazards = audit.audit(model, run=lambda: model(tf.fill([2, 4], 257.0)))
+    assert [(h.layer, h.kind) for h in hazards] == [('embed', 'float token ids')]
+    limit = '256' if policy == 'mixed_bfloat16' else '2048'
+    assert f'ids above {limit} of its 5000 turn into other ids' in hazards[0].message
+    model(tf.zeros([2, 4], tf.int32))
+    assert audit.audit(model, run=lambda: model(tf.fill([2, 4], 257)))[1] == []
+    small = FloatIds(vocabulary=200)  # every id below 257: exact in either dtype
+    assert audit.audit(small, run=lambda: small(tf.fill([2, 4], 7.0)))[1] == []
+  finally:
+    keras.mixed_precision.set_global_policy('float32')
+
+
+class Failing(keras.Model):
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.head = keras.layers.Dense(3, dtype='float32')
+    self.fail = False
+
+  def call(self, x):
+    if self.fail:
+      raise RuntimeError('broken')
+    return self.head(x)
+
+
+def test_a_failing_forward_pass_leaves_the_audit_without_output_dtypes(mixed_float16, caplog):
+  """The audit is a diagnostic: a forward pass that fails is a warning, not a stopped run."""
+  model = Failing()
+  model(tf.zeros([2, 8]))
+  model.fail = True
+  rows, hazards = audit.audit(model, run=lambda: model(tf.zeros([2, 8])))
+  assert [r.output_dtype for r in rows] == ['?'] and hazards == []
+  assert 'the forward pass of failing failed (RuntimeError: broken)' in caplog.text
+
+
+def test_nested_models_are_walked(mixed_float16):
+  inner = keras.Sequential(
+    [keras.Input((4,)), keras.layers.Dense(5, name='inner_dense')], name='inner'
+  )
+  outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(2, dtype='float32')])
+  names = [r.name for r in audit.audit(outer)[0]]
+  assert names[:2] == ['inner', 'inner/inner_dense']
+
+
+def test_launch_audit_prints_and_writes_markdown(tmp_path):
+  workdir = tmp_path / 'run'
+  result = subprocess.run(
+    [
+      sys.executable,
+      'launch.py',
+      '--config=configs/shakespeare.py',
+      '--audit',
+      '--config.data.dir=../shared/data/tinyshakespeare',
+      f'--workdir={workdir}',
+      '--config.model_config.num_layers=1',
+      '--config.precision.policy=mixed_float16',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert '| block0/block0_attention | CausalSelfAttention | float16 | float32 |' in result.stdout
+  assert '| logits | Dense | float32 | float32 | float32 |' in result.stdout
+  assert 'No hazards' in result.stdout
+  assert (workdir / 'audit.md').read_text() == result.stdout.rstrip('\n') + '\n'
+  assert not (workdir / 'checkpoints').exists()  # audit does not train
