@@ -126,6 +126,27 @@ def test_health_test():
   assert h.healthy(0)
 
 
+def test_a_network_that_stopped_learning_is_not_healthy():
+  """A run at chance from step 50 (warm-up to learning rate 20) was healthy: its running minimum
+  was 1.8. The divergence monitor now calls its training loss diverged (tests/test_divergence.py
+  replays it); an eval back near the loss at the first weights is not healthy either."""
+  h = health.Health()
+  h.observe_eval(0.4, first=2.3)  # learned: best eval 0.4
+  assert h.healthy(0)
+  h.observe_eval(1.0, first=2.3)  # worse, but keeps more than 3/4 of its gain (log units)
+  assert h.healthy(0)
+  h.observe_eval(2.29, first=2.3)  # back at the first weights' loss: stopped learning
+  assert not h.healthy(0) and h.bad
+  h.bad = False  # a recovery restored a healthy checkpoint
+  assert h.healthy(0)
+  h.observe_eval(float('nan'), first=None)  # a non-finite eval is never healthy
+  assert not h.healthy(0)
+  fresh = health.Health()
+  fresh.observe_eval(2.29, first=2.3)  # no gain yet (an early eval): not judged
+  assert fresh.healthy(0)
+  assert health.DEFINITION.startswith('healthy = finite, its last step applied')
+
+
 def test_goodput_shares_sum_to_one_and_count_compilation():
   clock = goodput.Clock(started=0.0)
   clock.started = __import__('time').perf_counter() - 10.0  # a 10 s run so far

@@ -271,6 +271,9 @@ class Runner:
         'model does not compute finite outputs; see the skipped steps in '
         'the log, lower config.optimizer.learning_rate or check the data.'
       )
+    health.check_end(
+      self.divergence, self.health, metrics['loss'], step, self.workdir.healthy_record()
+    )
     return metrics
 
   def run_steps(self, iterator, num_steps: int) -> int:
@@ -481,5 +484,6 @@ class Runner:
     metrics = self.evaluate()
     logging.info('eval at step %d: %s', step, ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
     self.write_scalars('eval', metrics, step)
+    self.health.observe_eval(metrics['loss'], self.divergence.first)  # before this step's save
     self.act('eval', step, metrics)
     return {**metrics, '_step': step}
