@@ -77,6 +77,21 @@ def test_a_run_at_chance_after_a_divergence_is_not_recovered():
   )
 
 
+def test_a_resumed_run_is_not_judged_against_its_trained_loss():
+  """A resumed batch-1 run starts from one eval example's loss at trained weights (here the
+  lowest of the recorded losses): as an untrained loss it would make every misread example an
+  alarm. Resumed, only the rules against the run's best level apply: none fires."""
+  record, _, _ = replay('cnn_b1')
+  later = [row for row in record['logged'] if row[0] > 750]
+  one_example = min(loss for _, loss, _ in later)
+  for resumed, alarms in ((False, True), (True, False)):
+    monitor = DivergenceMonitor(10.0)
+    monitor.start(one_example, resumed=resumed)
+    lines = [monitor.update(step, loss, rate) for step, loss, rate in later]
+    assert any(lines) == alarms
+  assert monitor.first is None and monitor.verdict(record['final']['loss']) is None
+
+
 def test_monitor_rule():
   monitor = DivergenceMonitor(10.0)
   monitor.start(2.3)

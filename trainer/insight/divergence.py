@@ -20,7 +20,8 @@ compared by ratios):
     one logged loss is over factor x the loss at the run's first weights (the `start` loss; a
       blow-up to 1e4 at the first log line), plus 8 of its sigmas, or
     the median of the last 3 logged losses is over factor x the loss at the first weights, or
-    the level is over factor x its best level, plus the margin, or
+    the level is over factor x its best level, plus the margin (the best: the lowest level plus
+      its own margin then), or
     the level is over 2 x the loss at the first weights, plus the margin (worse than untrained), or
     the network stopped learning: the level is back near the loss at the first weights (within a
       quarter of its best gain, in log units; plus the margin) after having been well below it, or
@@ -30,9 +31,13 @@ compared by ratios):
 
 The default factor of 10 is far outside what a healthy run does at any batch size: 0 alarms on
 MNIST runs at batch 1, 2 and 4 logged every step (tests/test_divergence.py replays them from
-tests/fixtures/losses/). A loss that is zero or negative (a log-density) is judged only on
-being finite; `factor` 0 turns the monitor off. `verdict` says whether a finished run ended
-diverged. Pure Python: no TensorFlow, reusable by any loop.
+tests/fixtures/losses/; still 0 with a quarter of the margin or a factor of 3). The level rules
+wait for 9 logged losses (the spread of the 8 before the newest), and the best level is taken
+only from windows as long as the spread asks for. A resumed run (`start(..., resumed=True)`)
+has no untrained loss: only the non-finite rule and the rule against its best level apply. A
+loss that is zero or negative (a log-density) is judged only on being finite; `factor` 0 turns
+the monitor off. `verdict` says whether a finished run ended diverged. Pure Python: no
+TensorFlow, reusable by any loop.
 """
 
 from __future__ import annotations
@@ -62,15 +67,20 @@ class DivergenceMonitor:
     self.first: float | None = None  # the loss at the run's first weights
     self.logs: list[float] = []  # the logged log-losses (finite, positive), newest last
     self.steps: list[int] = []  # their steps
-    self.best = math.inf  # the lowest level so far (log units)
+    self.best = math.inf  # the lowest level plus its margin so far (log units)
     self.positive = True  # every loss so far > 0: the ratio rules apply
+    self.resumed = False  # no untrained loss (start): only the rules against the best level
     self.diverged_at: int | None = None  # the step of the first divergence line
     self.since: int | None = None  # the step of a divergence not recovered from (level_rule)
     self.line: str | None = None  # the latest update's line
 
-  def start(self, loss: float) -> None:
-    """The loss at the run's first weights (before any step of this run)."""
-    if math.isfinite(loss):
+  def start(self, loss: float, resumed: bool = False) -> None:
+    """The loss at the run's first weights (before any step of this run). `resumed`: they are
+    trained weights (a resumed run, a warm start), whose loss on one batch is no untrained
+    loss (at batch 1 one example's, maybe 1e-4): the rules against it are off, those against
+    the run's best level stay."""
+    self.resumed = self.resumed or resumed
+    if math.isfinite(loss) and not self.resumed:
       self.first = loss
       self.positive = self.positive and loss > 0
 
@@ -87,7 +97,7 @@ class DivergenceMonitor:
       self.since = None
     if not math.isfinite(loss):
       return self._said(step, f'loss {loss}{rate}')
-    if self.first is None:  # no `start`: the first loss seen stands for it
+    if self.first is None and not self.resumed:  # no `start`: the first loss stands for it
       self.start(loss)
     if loss <= 0 or not self.positive:  # a ratio means nothing at or below 0
       self.positive = False
@@ -95,7 +105,7 @@ class DivergenceMonitor:
     self.logs = (self.logs + [math.log(loss)])[-2 * LONGEST :]
     self.steps = (self.steps + [step])[-2 * LONGEST :]
     sigma = spread(self.logs[:-1][-LONGEST:])  # the newest loss is not its own yardstick
-    what = self.spike(sigma) or self.level_rule(sigma)
+    what = (self.spike(sigma) if self.first else None) or self.level_rule(sigma)
     joint = ' ' if what and what.startswith('is ') else '; '  # about this loss, or the level
     return self._said(step, what and f'loss {loss:.4g}{joint}{what}{rate}')
 
@@ -120,13 +130,14 @@ class DivergenceMonitor:
 
   def level_rule(self, sigma: float) -> str | None:
     """The rules on the level (the module docstring), said, or None."""
-    first, factor = math.log(self.first or 1.0), math.log(self.factor)
-    level, n, noise = self.level(sigma)
-    best, margin = min(self.best, first), MARGIN * noise
+    level, n, noise, full = self.level(sigma)
+    margin, factor = MARGIN * noise, math.log(self.factor)
+    first = math.log(self.first) if self.first else math.inf  # resumed: no rule against it
+    best = min(self.best, first)
     smoothed = f'the median of the last {n} logged, {math.exp(level):.4g},'
-    if len(self.logs) >= SPREAD_FROM:  # before, no spread, no judgement against it
-      self.best = min(self.best, level)
-      gain = first - best
+    if len(self.logs) > SPREAD_FROM:  # before, no spread (of the earlier losses), no judgement
+      if full:  # a window shorter than the spread asks for is no best (nor its low)
+        self.best = min(self.best, level + margin)
       if level > best + factor + margin:
         return (
           f'{smoothed} is {math.exp(level - best):.3g}x its best {math.exp(best):.4g} (the '
@@ -137,6 +148,7 @@ class DivergenceMonitor:
           f'{smoothed} is {math.exp(level - first):.3g}x the loss at the first weights '
           f'{self.first:.4g}: worse than the untrained network'
         )
+      gain = first - best
       if gain > max(2 * margin, MIN_GAIN) and level > first - gain / 4 + margin:
         return (
           f'{smoothed} is back near the loss at the first weights {self.first:.4g} after '
@@ -150,11 +162,12 @@ class DivergenceMonitor:
     self.since = None
     return None
 
-  def level(self, sigma: float) -> tuple[float, int, float]:
-    """(the level, its window's length, its noise) for a spread `sigma`: the module docstring."""
-    wanted = math.ceil((1.25 * sigma / LEVEL_NOISE) ** 2)
-    n = min(max(wanted, SHORT), LONGEST, len(self.logs))
-    return statistics.median(self.logs[-n:]), n, 1.25 * sigma / math.sqrt(n)
+  def level(self, sigma: float) -> tuple[float, int, float, bool]:
+    """(the level, its window's length, its noise, whether the window is as long as the spread
+    asks) for a spread `sigma`: the module docstring."""
+    wanted = min(max(math.ceil((1.25 * sigma / LEVEL_NOISE) ** 2), SHORT), LONGEST)
+    n = min(wanted, len(self.logs))
+    return statistics.median(self.logs[-n:]), n, 1.25 * sigma / math.sqrt(n), n == wanted
 
   def _said(self, step: int, what: str | None) -> str | None:
     if what is None:

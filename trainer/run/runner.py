@@ -197,7 +197,7 @@ class Runner:
     ticker = progress.Progress(total=total, log_every=t.log_every, first_step=step)
     self.numerics.start(step)
     if self.divergence.factor > 0 and step < total:
-      self.divergence.start(self.first_loss())
+      self.divergence.start(self.first_loss(), resumed=step > 0 or bool(t.init_from))
     elapsed, steps_timed = 0.0, 0
     last_eval = None
     profiler = profiling.StepProfiler(t.profile_steps, os.path.join(tr.workdir, 'tensorboard'))
