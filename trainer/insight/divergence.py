@@ -34,7 +34,8 @@ MNIST runs at batch 1, 2 and 4 logged every step (tests/test_divergence.py repla
 tests/fixtures/losses/; still 0 with a quarter of the margin or a factor of 3). The level rules
 wait for 9 logged losses (the spread of the 8 before the newest), and the best level is taken
 only from windows as long as the spread asks for. A resumed run (`start(..., resumed=True)`)
-has no untrained loss: only the non-finite rule and the rule against its best level apply. A
+has no untrained loss: only the non-finite rule, the rule against its best level and one
+logged loss over factor**6 x the loss at the resumed weights, at least 1 (a blow-up to 1e36). A
 loss that is zero or negative (a log-density) is judged only on being finite; `factor` 0 turns
 the monitor off. `verdict` says whether a finished run ended diverged. Pure Python: no
 TensorFlow, reusable by any loop.
@@ -50,6 +51,7 @@ LONGEST = 512  # logged losses in the longest window
 LEVEL_NOISE = 0.05  # the window grows until the level's noise is about this (log units)
 MARGIN = 4.0  # level noises added to each threshold
 SPIKE = 8.0  # one logged loss: sigmas of one value added to its threshold
+RESUMED = 6  # a resumed run: one logged loss factor**6 x the resumed weights' loss diverged
 SPREAD_FROM = 8  # logged losses before the spread is measured and the level judged
 WORSE = math.log(2)  # a level over 2x the loss at the first weights (plus the margin): diverged
 MIN_GAIN = 0.05  # the stall rule: the best level was at least this far below the first loss
@@ -70,6 +72,7 @@ class DivergenceMonitor:
     self.best = math.inf  # the lowest level plus its margin so far (log units)
     self.positive = True  # every loss so far > 0: the ratio rules apply
     self.resumed = False  # no untrained loss (start): only the rules against the best level
+    self.start_loss: float | None = None  # the loss at the first weights, trained or not
     self.diverged_at: int | None = None  # the step of the first divergence line
     self.since: int | None = None  # the step of a divergence not recovered from (level_rule)
     self.line: str | None = None  # the latest update's line
@@ -77,11 +80,13 @@ class DivergenceMonitor:
   def start(self, loss: float, resumed: bool = False) -> None:
     """The loss at the run's first weights (before any step of this run). `resumed`: they are
     trained weights (a resumed run, a warm start), whose loss on one batch is no untrained
-    loss (at batch 1 one example's, maybe 1e-4): the rules against it are off, those against
-    the run's best level stay."""
+    loss (at batch 1 one example's: 1e-6 to 7 on the recorded CNN run): the rules against an
+    untrained loss are off, one logged loss factor**RESUMED x above it (at least 1) still
+    diverged, and the rules against the run's best level stay."""
     self.resumed = self.resumed or resumed
-    if math.isfinite(loss) and not self.resumed:
-      self.first = loss
+    if math.isfinite(loss):
+      self.start_loss = loss
+      self.first = None if self.resumed else loss
       self.positive = self.positive and loss > 0
 
   def update(self, step: int, loss: float, learning_rate: float | None = None) -> str | None:
@@ -105,21 +110,28 @@ class DivergenceMonitor:
     self.logs = (self.logs + [math.log(loss)])[-2 * LONGEST :]
     self.steps = (self.steps + [step])[-2 * LONGEST :]
     sigma = spread(self.logs[:-1][-LONGEST:])  # the newest loss is not its own yardstick
-    what = (self.spike(sigma) if self.first else None) or self.level_rule(sigma)
+    what = (self.spike(sigma) if self.start_loss else None) or self.level_rule(sigma)
     joint = ' ' if what and what.startswith('is ') else '; '  # about this loss, or the level
     return self._said(step, what and f'loss {loss:.4g}{joint}{what}{rate}')
 
   def spike(self, sigma: float) -> str | None:
     """The rules against the first loss that need no level: one logged loss, or 3."""
-    first, factor = math.log(self.first or 1.0), math.log(self.factor)
-    if self.logs[-1] > first + factor + SPIKE * sigma:
-      noise = (
-        f' (the threshold: {self.factor:g}x, times {math.exp(SPIKE * sigma):.3g} for its noise)'
-      )
+    assert self.start_loss is not None
+    # Resumed: at least 1, for a loss of one example at trained weights can be 1e-6 (a mean
+    # loss, or a sum, is rarely below 1 where its blow-up matters).
+    start = max(self.start_loss, 1.0) if self.resumed else self.start_loss
+    first, factor = math.log(start), math.log(self.factor)
+    weights = 'resumed' if self.resumed else 'first'
+    times = RESUMED if self.resumed else 1
+    if self.logs[-1] > first + times * factor + SPIKE * sigma:
+      noise = f' (the threshold: {self.factor**times:g}x, times {math.exp(SPIKE * sigma):.3g}'
+      noise += ' for its noise)'
       return (
-        f'is {math.exp(self.logs[-1] - first):.3g}x the loss at the first weights '
-        f'{self.first:.4g}' + (noise if sigma else '')
+        f'is {math.exp(self.logs[-1] - first):.3g}x the loss at the {weights} weights '
+        f'{start:.4g}' + (noise if sigma or self.resumed else '')
       )
+    if self.resumed:
+      return None
     short = statistics.median(self.logs[-SHORT:])
     if short > first + factor:
       return (
