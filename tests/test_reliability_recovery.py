@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer.errors import CollapseError
+from trainer.errors import CollapseError, DivergenceError
+from trainer.insight.divergence import DivergenceMonitor
 from trainer.run import goodput, health
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -145,6 +146,26 @@ def test_a_network_that_stopped_learning_is_not_healthy():
   fresh.observe_eval(2.29, first=2.3)  # no gain yet (an early eval): not judged
   assert fresh.healthy(0)
   assert health.DEFINITION.startswith('healthy = finite, its last step applied')
+
+
+def test_a_run_whose_final_eval_fell_back_ends_with_exit_status_3():
+  """health.check_end at the end of train(): the training losses looked fine to the monitor,
+  but the final eval is back near the loss at the first weights."""
+  monitor = DivergenceMonitor(10.0)
+  monitor.start(2.3)
+  h = health.Health()
+  h.observe_eval(0.4, monitor.first)
+  health.check_end(monitor, h, 0.4, 50, None)  # a good run: no error
+  h.observe_eval(2.2, monitor.first)
+  with pytest.raises(DivergenceError) as failed:
+    health.check_end(monitor, h, 2.2, 100, {'checkpoint': 'ckpt-50', 'step': 50, 'loss': 0.41})
+  assert failed.value.exit_status == 3
+  assert str(failed.value) == (
+    'step 100: the final eval loss 2.2 is back near the loss at the first weights 2.3 (best eval '
+    '0.4): the network stopped learning; the checkpoint of step 100 is saved, last healthy: '
+    'ckpt-50, step 50, loss 0.41; lower config.optimizer.learning_rate or add warm-up '
+    '(config.optimizer.warmup_steps)'
+  )
 
 
 def test_goodput_shares_sum_to_one_and_count_compilation():
