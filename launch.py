@@ -5,9 +5,13 @@
 Without --workdir a new folder under ./runs/ is made; pass the same --workdir again to resume.
 --advise suggests layers to keep in float32; --mode=diagnose replays a non-finite step (see
 docs/guides/numerics.md).
-A mistake in the command or config is one line naming the culprit, exit code 2. SIGTERM or
-Ctrl-C saves a checkpoint at the end of the current loop and exits with code 0; the same command
-resumes.
+Exit statuses (docs/guides/troubleshooting.md#exit-statuses), each failure one `error:` line:
+  0    done (or stopped by SIGTERM or Ctrl-C with a checkpoint saved; the same command resumes)
+  1    a bug: an unexpected exception, with its traceback
+  2    bad input: a mistake in the command, config, data or model code (trainer.errors.UserError)
+  3    the run failed numerically: it collapsed, diverged, ended at chance or is not finite, or
+       --mode=eval of a checkpoint whose eval loss is not finite (trainer.errors.TrainingFailed)
+  130  a second Ctrl-C: stopped at once, nothing saved
 """
 
 from __future__ import annotations
@@ -90,9 +94,9 @@ _TF_LOGS = flags.DEFINE_bool(
 )
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, status: int = 2) -> None:
   print(f'error: {message}', file=sys.stderr)
-  sys.exit(2)
+  sys.exit(status)
 
 
 def parse_flags(argv):
@@ -289,8 +293,8 @@ def main(argv):
       metrics = lifecycle.evaluate_checkpoint(trainer)
     else:
       metrics = trainer.train()
-  except UserError as e:
-    _fail(str(e))
+  except UserError as e:  # 2: bad input; 3: the run failed numerically (TrainingFailed)
+    _fail(str(e), e.exit_status)
   except Preempted as e:  # SIGTERM/SIGINT: a checkpoint was saved; not a failure
     print(str(e), file=sys.stderr)
     exit_now(0, config)

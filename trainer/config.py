@@ -323,15 +323,15 @@ SCHEMA: dict[str, Key] = {
   'numerics.divergence_factor': Key(
     float,
     10.0,
-    'a warning line when the logged train loss '
-    'passes this many times its running minimum (and the '
-    'first loss); 0 = off',
+    'a warning line when the smoothed train loss '
+    'passes this many times its best or its first loss, beyond '
+    "the run's own noise (trainer/insight/divergence.py); 0 = off",
     _non_negative,
   ),
   'numerics.divergence_stop': Key(
     bool,
     False,
-    'divergence also ends the run (exit status 2; the newest checkpoint, written before, is kept)',
+    'divergence also ends the run (exit status 3; the newest checkpoint, written before, is kept)',
   ),
   'early_stopping.metric': Key(
     str,

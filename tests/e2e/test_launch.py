@@ -1,6 +1,8 @@
-"""launch.py: a bad command is one line naming the culprit, exit 2, and nothing written."""
+"""launch.py: a bad command is one line naming the culprit, exit 2, and nothing written; a run
+whose numbers failed (diverged, collapsed, not finite) is one line and exit 3."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -103,3 +105,90 @@ def test_tensorflows_tf_data_options_warning_is_hidden_and_others_are_not():
   )
   assert 'preserve tf.data options' not in result.stderr
   assert "a warning of the user's own" in result.stderr
+
+
+TINY_MODULE = '''import tiny
+
+
+class Tiny(tiny.TinyTrainer):
+  """tests/tiny.py's model, for launch.py."""
+'''
+
+
+def launch_tiny(tmp_path, *args):
+  """launch.py with tests/tiny.py's model (a module of a package in tmp_path), 5 steps a line."""
+  package = tmp_path / 'tinypkg'
+  package.mkdir(exist_ok=True)
+  (package / '__init__.py').write_text('')
+  (package / 'tiny_model.py').write_text(TINY_MODULE)
+  env = dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL='3',
+    PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests'), str(tmp_path)]),
+  )
+  return subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'launch.py'),
+      '--config=configs/mnist_mlp.py',
+      f'--workdir={tmp_path / "run"}',
+      '--config.model=tinypkg.tiny_model',
+      '--config.train.batch_size=32',
+      '--config.train.steps_per_loop=5',
+      '--config.train.log_every=5',
+      '--config.train.checkpoint_every=5',
+      '--config.precision.policy=float32',
+      *args,
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+def test_a_run_that_ends_diverged_exits_3_with_one_line(tmp_path):
+  """It exited 0 ('final eval: loss 1.8e+04'): a script or CI job saw success."""
+  result = launch_tiny(
+    tmp_path,
+    '--config.train.steps=40',
+    '--config.optimizer.name=sgd',
+    '--config.optimizer.learning_rate=5',
+    '--config.optimizer.schedule=constant',
+  )
+  assert result.returncode == 3, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr and 'final eval' not in result.stdout
+  lines = error_lines(result)
+  assert len(lines) == 1, result.stderr[-3000:]
+  assert lines[0].startswith('error: step 40: the run ended diverged (divergence at step 40: ')
+  assert 'last healthy: ckpt-' in lines[0]
+
+
+@pytest.mark.slow
+def test_eval_names_its_checkpoint_and_a_collapsed_run_exits_3(tmp_path):
+  """--mode=eval of a collapsed run evaluated its newest (finite, useless) checkpoint and exited
+  0 with 'final eval: loss nan'. The collapse itself exits 3 too."""
+  assert launch_tiny(tmp_path, '--config.train.steps=20').returncode == 0
+  healthy = launch_tiny(tmp_path, '--config.train.steps=20', '--mode=eval')
+  assert healthy.returncode == 0, healthy.stderr[-3000:]
+  assert '(ckpt-20, the last healthy one): loss ' in healthy.stderr
+  broken = launch_tiny(
+    tmp_path,
+    '--config.train.steps=60',
+    '--config.optimizer.learning_rate=1e38',
+    '--config.train.accept_config_change=True',
+    '--config.precision.max_consecutive_skips=20',
+    '--config.train.max_to_keep=2',
+  )
+  assert broken.returncode == 3, broken.stderr[-3000:]
+  assert error_lines(broken)[0].startswith('error: training collapsed at step ')
+  result = launch_tiny(tmp_path, '--config.train.steps=60', '--mode=eval')
+  assert result.returncode == 3, result.stderr[-3000:]
+  lines = error_lines(result)
+  assert len(lines) == 1 and 'final eval' not in result.stdout, result.stderr[-3000:]
+  assert re.match(
+    r'error: --mode=eval: ckpt-(\d+) \(step \1, not the last healthy one \(last healthy: '
+    r'ckpt-20, step 20, loss [\d.]+\)\) gives eval loss nan',
+    lines[0],
+  ), lines[0]

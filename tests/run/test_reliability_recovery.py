@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer.errors import CollapseError
+from trainer.errors import CollapseError, DivergenceError
+from trainer.insight.divergence import DivergenceMonitor
 from trainer.run import goodput, health
 
 from tiny import TinyTrainer, tiny_config, weights
@@ -122,6 +123,47 @@ def test_health_test():
   assert not h.healthy(0)
   h.observe(1.0, diverged=False)
   assert h.healthy(0)
+
+
+def test_a_network_that_stopped_learning_is_not_healthy():
+  """A run at chance from step 50 (warm-up to learning rate 20) was healthy: its running minimum
+  was 1.8. The divergence monitor now calls its training loss diverged (tests/test_divergence.py
+  replays it); an eval back near the loss at the first weights is not healthy either."""
+  h = health.Health()
+  h.observe_eval(0.4, first=2.3)  # learned: best eval 0.4
+  assert h.healthy(0)
+  h.observe_eval(1.0, first=2.3)  # worse, but keeps more than 3/4 of its gain (log units)
+  assert h.healthy(0)
+  h.observe_eval(2.29, first=2.3)  # back at the first weights' loss: stopped learning
+  assert not h.healthy(0) and h.bad
+  h.bad = False  # a recovery restored a healthy checkpoint
+  assert h.healthy(0)
+  h.observe_eval(float('nan'), first=None)  # a non-finite eval is never healthy
+  assert not h.healthy(0)
+  fresh = health.Health()
+  fresh.observe_eval(2.29, first=2.3)  # no gain yet (an early eval): not judged
+  assert fresh.healthy(0)
+  assert health.DEFINITION.startswith('healthy = finite, its last step applied')
+
+
+def test_a_run_whose_final_eval_fell_back_ends_with_exit_status_3():
+  """health.check_end at the end of train(): the training losses looked fine to the monitor,
+  but the final eval is back near the loss at the first weights."""
+  monitor = DivergenceMonitor(10.0)
+  monitor.start(2.3)
+  h = health.Health()
+  h.observe_eval(0.4, monitor.first)
+  health.check_end(monitor, h, 0.4, 50, None)  # a good run: no error
+  h.observe_eval(2.2, monitor.first)
+  with pytest.raises(DivergenceError) as failed:
+    health.check_end(monitor, h, 2.2, 100, {'checkpoint': 'ckpt-50', 'step': 50, 'loss': 0.41})
+  assert failed.value.exit_status == 3
+  assert str(failed.value) == (
+    'step 100: the final eval loss 2.2 is back near the loss at the first weights 2.3 (best eval '
+    '0.4): the network stopped learning; the checkpoint of step 100 is saved, last healthy: '
+    'ckpt-50, step 50, loss 0.41; lower config.optimizer.learning_rate or add warm-up '
+    '(config.optimizer.warmup_steps)'
+  )
 
 
 def test_goodput_shares_sum_to_one_and_count_compilation():

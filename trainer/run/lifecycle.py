@@ -14,6 +14,7 @@ sibling of the run folder), never into the run folder.
 from __future__ import annotations
 
 import inspect
+import math
 import os
 
 import keras
@@ -21,33 +22,55 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.insight import audit, hooks
-from trainer.run import checkpoint_files, checkpoints
+from trainer.run import checkpoint_files, checkpoints, health
 from trainer.run import workdir as workdir_lib
-from trainer.errors import ConfigError, UserError
+from trainer.errors import ConfigError, NonFiniteError, UserError
 
 
 def restore(trainer, what: str = 'restore') -> int:
   """Restores the newest readable checkpoint of `trainer.workdir` without writing anything;
   returns the global step. UserError naming `what` when the run has no checkpoint."""
+  return _restore(trainer, what)[0]
+
+
+def _restore(trainer, what: str) -> tuple[int, str]:
+  """`restore`, and the path of the checkpoint it read."""
   if not checkpoint_files.find(trainer.runner.workdir.checkpoint_dir):
     raise UserError(
       f'{what}: no checkpoint in {trainer.runner.workdir.checkpoint_dir}; train '
       'first (or check --workdir)'
     )
-  trainer.runner.workdir.restore_read_only()
-  return int(trainer.global_step.numpy())
+  path = trainer.runner.workdir.restore_read_only()
+  return int(trainer.global_step.numpy()), str(path)
 
 
 def evaluate_checkpoint(trainer) -> dict[str, float]:
-  """Restores the workdir's latest checkpoint (read-only) and runs one pass over the eval set."""
-  step = restore(trainer, '--mode=eval')
+  """Restores the workdir's latest checkpoint (read-only) and runs one pass over the eval set;
+  says which checkpoint it read and whether it is the last healthy one (trainer/run/health.py).
+  NonFiniteError (exit status 3) when the eval loss is not finite, naming the last healthy
+  checkpoint."""
+  step, path = _restore(trainer, '--mode=eval')
+  record = trainer.runner.workdir.healthy_record()
+  name = os.path.basename(path)
+  which = (
+    'the last healthy one'
+    if record and record['checkpoint'] == name
+    else f'not the last healthy one ({health.describe(record)})'
+  )
   metrics = trainer.evaluate()
   logging.info(
-    'eval of %s at step %d: %s',
+    'eval of %s at step %d (%s, %s): %s',
     trainer.workdir,
     step,
+    name,
+    which,
     ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()),
   )
+  if not math.isfinite(metrics['loss']):
+    raise NonFiniteError(
+      f'--mode=eval: {name} (step {step}, {which}) gives eval loss {metrics["loss"]}: the '
+      'model does not compute finite outputs'
+    )
   return metrics
 
 

@@ -197,7 +197,7 @@ class Runner:
     ticker = progress.Progress(total=total, log_every=t.log_every, first_step=step)
     self.numerics.start(step)
     if self.divergence.factor > 0 and step < total:
-      self.divergence.start(self.first_loss())
+      self.divergence.start(self.first_loss(), resumed=step > 0 or bool(t.init_from))
     elapsed, steps_timed = 0.0, 0
     last_eval = None
     profiler = profiling.StepProfiler(t.profile_steps, os.path.join(tr.workdir, 'tensorboard'))
@@ -271,6 +271,9 @@ class Runner:
         'model does not compute finite outputs; see the skipped steps in '
         'the log, lower config.optimizer.learning_rate or check the data.'
       )
+    health.check_end(
+      self.divergence, self.health, metrics['loss'], step, self.workdir.healthy_record()
+    )
     return metrics
 
   def run_steps(self, iterator, num_steps: int) -> int:
@@ -481,5 +484,6 @@ class Runner:
     metrics = self.evaluate()
     logging.info('eval at step %d: %s', step, ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
     self.write_scalars('eval', metrics, step)
+    self.health.observe_eval(metrics['loss'], self.divergence.first)  # before this step's save
     self.act('eval', step, metrics)
     return {**metrics, '_step': step}
