@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import MNIST_DIR, ROOT
+from conftest import MNIST_DIR, ROOT, TESTS
 from tiny import TinyTrainer, tiny_config
 from trainer import config as config_lib
 from trainer.errors import DivergenceError, TrainingFailed
 from trainer.insight.divergence import DivergenceMonitor
 
-LOSSES = os.path.join(os.path.dirname(__file__), 'fixtures', 'losses')
+LOSSES = os.path.join(TESTS, 'fixtures', 'losses')
 HEALTHY = [f'{model}_b{batch}' for model in ('cnn', 'mlp', 'tiny') for batch in (1, 2, 4)]
 
 

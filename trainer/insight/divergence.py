@@ -30,7 +30,7 @@ compared by ratios):
       ends that.
 
 The default factor of 10 is far outside what a healthy run does at any batch size: 0 alarms on
-MNIST runs at batch 1, 2 and 4 logged every step (tests/test_divergence.py replays them from
+MNIST runs at batch 1, 2 and 4 logged every step (tests/insight/test_divergence.py replays them from
 tests/fixtures/losses/; still 0 with a quarter of the margin or a factor of 3). The level rules
 wait for 9 logged losses (the spread of the 8 before the newest), and the best level is taken
 only from windows as long as the spread asks for. A resumed run (`start(..., resumed=True)`)
