@@ -17,7 +17,7 @@ def snapshot(trainer):
 
 def run_steps(trainer, n):
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  trainer.train_step.run(iterator, n)
+  trainer.runner.train_loop.run(iterator, n)
 
 
 @pytest.mark.parametrize('policy', ['float32', 'mixed_float16'])
@@ -71,10 +71,10 @@ def test_first_call_traces_the_step_once_and_sums_every_output(tiny_trainer):
   run_steps(trainer, 4)
   run_steps(trainer, 2)  # a new iterator of the same type: no new trace either
   assert len(traced) == 1
-  logs = trainer.train_step.read_outputs()
+  logs = trainer.runner.train_loop.read_outputs()
   assert (logs['steps'], logs['skipped'], logs['nonfinite_loss']) == (6, 1, 0)
   assert 0.0 < logs['accuracy'] <= 1.0 and np.isfinite(logs['loss'])
-  assert trainer.train_step.read_outputs()['steps'] == 0  # read resets the sums
+  assert trainer.runner.train_loop.read_outputs()['steps'] == 0  # read resets the sums
 
 
 class RowsAboveZero(keras.metrics.Metric):
@@ -122,7 +122,7 @@ def test_autograph_converts_the_users_code_and_not_the_frameworks(tmp_path):
   assert 'tiny.TinyTrainer.compute_loss' in converted  # its super() call, recursively
   assert 'test_train_step.RowsAboveZero.update_state' in converted
   assert not [name for name in converted if name.startswith('trainer.')]
-  logs = trainer.train_step.read_outputs()
+  logs = trainer.runner.train_loop.read_outputs()
   assert logs['steps'] == 3 and np.isfinite(logs['loss'])
   assert 0 < logs['rows_above_zero'] <= 3 * 32  # rows of 3 batches of 32 random normals
   from trainer.insight import numerics  # the numerics probe's pass converts compute_loss too
@@ -155,7 +155,7 @@ def test_a_custom_steps_hook_may_use_python_control_flow_on_tensors(tmp_path):
 
   trainer = CountingTrainer(tiny_config(), str(tmp_path))
   run_steps(trainer, 2)
-  assert trainer.train_step.read_outputs()['loops'] == 3.0
+  assert trainer.runner.train_loop.read_outputs()['loops'] == 3.0
 
 
 def test_a_custom_step_returning_a_non_scalar_output_is_named(tmp_path):

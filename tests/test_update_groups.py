@@ -71,7 +71,7 @@ def test_one_group_skips_alone_and_the_forward_state_is_put_back(gan2, tmp_path)
 
   trainer.runner.run_steps(iterator, 1)  # step 3: both apply again
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (3, 4)
-  outputs = step.read_outputs()
+  outputs = trainer.runner.train_loop.read_outputs()
   assert outputs['steps'] == 4 and outputs['skipped'] == 1
   assert 0.0 <= outputs['real_accuracy'] <= 1.0  # the stateful metric was updated and read
   assert outputs['loss'] == pytest.approx(outputs['d_loss'] + outputs['g_loss'], rel=1e-5)
