@@ -29,6 +29,18 @@ from trainer.step import user_code
 from trainer.step.loss_scale import state_variable
 
 
+def _ours(error: Exception) -> Exception:
+  """The framework's UserError (a one-line message naming the fix) behind `error`, when the
+  trace raised it inside a custom step's converted code (autograph wraps it in a StagingError
+  of many lines); else `error`."""
+  cause: BaseException | None = error
+  while cause is not None:
+    if isinstance(cause, UserError):
+      return cause
+    cause = cause.__cause__ or cause.__context__
+  return error
+
+
 class Counters(NamedTuple):
   """What a compiled call returns to the host, read once: the global step, the cumulative
   skipped steps and the collapse guard's bad steps in a row."""
@@ -148,7 +160,13 @@ class TrainLoop:
     """Host side: one compiled call of `num_steps` steps; the counters after it."""
     steps = tf.constant(num_steps, tf.int64)
     if self.output_names is None:  # the first call: trace, then size the sums to the names
-      self.compiled.get_concrete_function(iterator, steps)
+      try:
+        self.compiled.get_concrete_function(iterator, steps)
+      except Exception as e:  # pylint: disable=broad-except  (re-raised, maybe unwrapped)
+        ours = _ours(e)
+        if ours is e:
+          raise
+        raise ours from None
       self.sums.assign(tf.zeros([len(cast(list, self.output_names))]))  # set by the trace
     if self._not_scalar:
       shapes = ', '.join(f"'{k}' of shape {v}" for k, v in sorted(self._not_scalar.items()))
