@@ -51,12 +51,12 @@ def ablated(trainer_class, keep_checks: bool):
   class NoCondStep(TrainStep):
     def step(self, iterator):
       outputs, grads, nonfinite, _ = self.strategy.run(self.replica_step, args=(next(iterator),))
-      finite = self.all_replicas_finite(nonfinite)
+      flags = self.groups_finite(nonfinite)
       outputs = {k: self.strategy.reduce(SUM, v, axis=None) for k, v in outputs.items()}
-      self.strategy.run(self.apply_gradients, args=(grads,))  # always: no cond
-      skipped = tf.cast(tf.logical_not(finite), tf.int64)
+      self.strategy.run(lambda g: self.apply_group(0, g), args=(grads,))  # always: no cond
+      skipped = tf.cast(tf.logical_not(tf.reduce_all(tf.stack(flags))), tf.int64)
       self.skipped_steps.assign_add(skipped)
-      self.end_step(finite)
+      self.end_step(flags)
       return self.with_counters(outputs, skipped, tf.math.is_finite(outputs['loss']))
 
   class BareStep(TrainStep):

@@ -209,12 +209,12 @@ def child(spec: dict) -> None:
     if spec.get('breakdown'):
       from trainer.step import low_precision
 
-      trainer.train_step.run(iterator, 1)  # traced here
+      trainer.runner.train_loop.run(iterator, 1)  # traced here
       int(trainer.global_step.numpy())
       times = []
       for _ in range(spec['steps']):
         start = time.perf_counter()
-        trainer.train_step.run(iterator, 1)
+        trainer.runner.train_loop.run(iterator, 1)
         int(trainer.global_step.numpy())
         times.append(time.perf_counter() - start)
       extra.update(
@@ -225,7 +225,7 @@ def child(spec: dict) -> None:
         params=trainer.model.count_params(),
       )
     else:
-      trainer.train_step.run(iterator, spec['steps'])
+      trainer.runner.train_loop.run(iterator, spec['steps'])
       int(trainer.global_step.numpy())
   peak = peak_rss_mib()
   if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # TF's own account of live tensor bytes

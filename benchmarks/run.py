@@ -288,7 +288,7 @@ def host_ops(ours) -> tuple[list[str], list[str]]:
   from trainer.step.train_step import SKIP_SCOPE
 
   t = ours.trainer
-  concrete = t.train_step.train_loop.get_concrete_function(
+  concrete = t.runner.train_loop.compiled.get_concrete_function(
     ours.iterator, tf.constant(ours.steps_per_loop, tf.int64)
   )
   graph_def = concrete.graph.as_graph_def()
@@ -509,7 +509,7 @@ def memory_child(target: str, steps: int) -> None:
     trainer = trainer_class(config, workdir)
     built = peak_rss_mib()
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-    trainer.train_step.run(iterator, steps)
+    trainer.runner.train_loop.run(iterator, steps)
     int(trainer.global_step.numpy())
   peak = peak_rss_mib()
   print(

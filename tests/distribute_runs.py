@@ -80,7 +80,7 @@ def _tf_variable(v):
 def steps(t, n, iterator=None):
   iterator = iterator or iter(t.strategy.experimental_distribute_dataset(t.datasets.train))
   for _ in range(n):
-    t.train_step.run(iterator, 1)
+    t.runner.train_loop.run(iterator, 1)
   return iterator
 
 
@@ -256,8 +256,9 @@ def main(out_dir):
     scale_before = local(t.strategy, [t.loss_scaler.scale])
     from trainer.step.loss_scale import all_finite
 
+    injection = t.train_step.guard.injection  # installed around compute_gradients by the build
     flags = t.strategy.run(  # at step 1, which replicas would the injection poison?
-      lambda: all_finite(t.train_step._maybe_inject([tf.ones([2])]))
+      lambda: all_finite(injection.poison([tf.ones([2])]))
     )
     results[f'inject{bad}/finite_per_replica'] = [
       bool(f) for f in t.strategy.experimental_local_results(flags)
@@ -303,7 +304,7 @@ def main(out_dir):
   results['auc/one'] = one.evaluate()['auc']
   results['auc/mirrored'] = mirrored.evaluate()['auc']
   steps(mirrored, 2)  # the train-side metric sums over both replicas too
-  results['auc/mirrored_train'] = mirrored.train_step.read_outputs().get('auc')
+  results['auc/mirrored_train'] = mirrored.runner.train_loop.read_outputs().get('auc')
 
   # 6. config errors that need two replicas.
   for name, overrides in {

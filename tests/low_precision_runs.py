@@ -72,7 +72,7 @@ def run_steps(trainer, n: int, iterator=None):
   if iterator is None:
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
   for _ in range(n):
-    trainer.train_step.run(iterator, 1)
+    trainer.runner.train_loop.run(iterator, 1)
   return iterator
 
 

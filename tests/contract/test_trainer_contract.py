@@ -180,7 +180,7 @@ def test_stateful_metrics_leave_out_nonfinite_loss_steps(tmp_path):
 
   trainer = Counted(tiny_config(**{'train.steps': 10}), str(tmp_path / 'w'))
   run(trainer, 10)
-  outputs = trainer.train_step.read_outputs()
+  outputs = trainer.runner.train_loop.read_outputs()
   assert outputs['nonfinite_loss'] == 5
   assert outputs['examples'] == 5 * 32  # the 5 steps before the loss became inf
 

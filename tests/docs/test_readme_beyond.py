@@ -78,7 +78,7 @@ def test_gan_step_one_scale_skips_both_updates_together(package, tmp_path):
   assert float(trainer.loss_scaler.scale.numpy()) == scale / 2  # the one scale backed off
   trainer.runner.run_steps(iterator, 1)  # step 3: both apply again
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (3, 3)
-  outputs = step.read_outputs()
+  outputs = trainer.runner.train_loop.read_outputs()
   assert set(outputs) >= {'loss', 'd_loss', 'g_loss', 'steps', 'skipped'}
   assert outputs['steps'] == 4 and outputs['skipped'] == 1
   assert outputs['loss'] == pytest.approx(outputs['d_loss'] + outputs['g_loss'], rel=1e-5)

@@ -106,18 +106,18 @@ class OwnSkipStep(TrainStep):
 
   def step(self, iterator):
     outputs, grads, nonfinite, _ = self.strategy.run(self.replica_step, args=(next(iterator),))
-    finite = self.all_replicas_finite(nonfinite)
+    flags = self.groups_finite(nonfinite)  # one group: one flag
     outputs = {
       k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None) for k, v in outputs.items()
     }
 
     def apply():
-      self.strategy.run(self.apply_gradients, args=(grads,))
+      self.strategy.run(lambda g: self.apply_group(0, g), args=(grads,))
       return tf.constant(0, tf.int64)
 
-    skipped = tf.cond(finite, apply, lambda: tf.constant(1, tf.int64))
+    skipped = tf.cond(flags[0], apply, lambda: tf.constant(1, tf.int64))
     self.skipped_steps.assign_add(skipped)
-    self.end_step(finite)
+    self.end_step(flags)
     return self.with_counters(outputs, skipped, tf.math.is_finite(outputs['loss']))
 
 

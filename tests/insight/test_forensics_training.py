@@ -88,7 +88,7 @@ def test_forensics_off_never_stops_a_call_early(tmp_path, caplog):
     tmp_path / 'w',
     caplog,
   )
-  assert not trainer.train_step.forensics and lines == []
+  assert not trainer.runner.train_loop.forensics and lines == []
   assert not os.path.exists(tmp_path / 'w' / 'forensics')
 
 

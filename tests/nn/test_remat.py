@@ -145,14 +145,14 @@ def train(workdir, steps, remat, start=None, **overrides):
   start = t.model.get_weights()
   iterator = iter(t.strategy.experimental_distribute_dataset(t.datasets.train))
   for _ in range(steps):
-    t.train_step.run(iterator, 1)
+    t.runner.train_loop.run(iterator, 1)
   return (
     start,
     t.model.get_weights(),
     {
       'skipped': int(t.train_step.skipped_steps.numpy()),
       'scale': float(t.loss_scaler.scale.numpy()),
-      'loss': float(t.train_step.read_outputs()['loss']),
+      'loss': float(t.runner.train_loop.read_outputs()['loss']),
       'replicas': t.strategy.num_replicas_in_sync,
     },
   )

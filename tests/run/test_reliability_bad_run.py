@@ -47,10 +47,10 @@ def file_size_limit(nbytes):
 def test_disk_full_during_a_checkpoint_save(tmp_path):
   trainer = TinyTrainer(tiny_config(**{'train.steps': 10}), str(tmp_path))
   trainer.runner.restore()
-  trainer.train_step.run(iter(trainer.datasets.train), 5)
+  trainer.runner.train_loop.run(iter(trainer.datasets.train), 5)
   first = trainer.runner.save()
   saved = weights(trainer)
-  trainer.train_step.run(iter(trainer.datasets.train), 5)
+  trainer.runner.train_loop.run(iter(trainer.datasets.train), 5)
   with file_size_limit(1024), pytest.raises(UserError) as info:  # the data file is larger
     trainer.runner.save()
   message = one_line(info.value)

@@ -91,10 +91,10 @@ def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
   checkpoint, which loads."""
   trainer = TinyTrainer(tiny_config(**{'train.steps': 10}), str(tmp_path))
   iterator = iter(trainer.datasets.train)
-  trainer.train_step.run(iterator, 5)
+  trainer.runner.train_loop.run(iterator, 5)
   trainer.runner.save()
   at_5 = weights(trainer)
-  trainer.train_step.run(iterator, 5)
+  trainer.runner.train_loop.run(iterator, 5)
 
   class Crash(BaseException):
     pass

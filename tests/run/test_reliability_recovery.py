@@ -127,8 +127,9 @@ def test_health_test():
 
 def test_a_network_that_stopped_learning_is_not_healthy():
   """A run at chance from step 50 (warm-up to learning rate 20) was healthy: its running minimum
-  was 1.8. The divergence monitor now calls its training loss diverged (tests/insight/test_divergence.py
-  replays it); an eval back near the loss at the first weights is not healthy either."""
+  was 1.8. The divergence monitor now calls its training loss diverged
+  (tests/insight/test_divergence.py replays it); an eval back near the loss at the first weights
+  is not healthy either."""
   h = health.Health()
   h.observe_eval(0.4, first=2.3)  # learned: best eval 0.4
   assert h.healthy(0)

@@ -50,8 +50,8 @@ def _step(k, weights, batch, *, mode='none', optimizer='sgd', tmp='/tmp'):
   config.precision.initial_scale = 1024.0
   trainer = _AccumTrainer(config, tmp, weights=weights, batch=batch, optimizer=optimizer)
   iterator = iter(trainer.datasets.train)
-  trainer.train_step.run(iterator, 1)
-  metrics = trainer.train_step.read_outputs()
+  trainer.runner.train_loop.run(iterator, 1)
+  metrics = trainer.runner.train_loop.read_outputs()
   return (
     trainer.model.get_weights(),
     int(trainer.train_step.skipped_steps.numpy()),

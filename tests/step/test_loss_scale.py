@@ -146,15 +146,15 @@ def test_a_non_finite_learning_rate_skips_the_step_but_leaves_the_scale(tmp_path
   trainer = InfRate(tiny_config(**{'precision.policy': 'mixed_float16'}), str(tmp_path / 'w'))
   batch = next(iter(trainer.datasets.train))
   iterator = _one_batch_iterator(trainer, batch)
-  trainer.train_step.run(iterator, 1)
+  trainer.runner.train_loop.run(iterator, 1)
   before = [v.numpy().copy() for v in trainer.model.trainable_variables]
-  trainer.train_step.run(iterator, 1)  # step 1: rate inf
+  trainer.runner.train_loop.run(iterator, 1)  # step 1: rate inf
   assert int(trainer.train_step.skipped_steps.numpy()) == 1
   for a, v in zip(before, trainer.model.trainable_variables):
     np.testing.assert_array_equal(a, v.numpy())
   assert float(trainer.loss_scaler.scale.numpy()) == 32768.0  # not backed off to 16384
   assert int(trainer.loss_scaler.good_steps.numpy()) == 1  # nor counted as a good step
-  trainer.train_step.run(iterator, 1)
+  trainer.runner.train_loop.run(iterator, 1)
   assert int(trainer.loss_scaler.good_steps.numpy()) == 2
 
 
@@ -186,6 +186,6 @@ def test_an_optimizers_own_loss_scale_factor_is_reset(tmp_path, caplog):
   dz = p / len(y)
   dh = (dz @ w2.T) * (pre > 0)
   grads = [x.T @ dh, dh.sum(0), h.T @ dz, dz.sum(0)]
-  trainer.train_step.run(_one_batch_iterator(trainer, batch), 1)
+  trainer.runner.train_loop.run(_one_batch_iterator(trainer, batch), 1)
   for w, g, v in zip(weights, grads, trainer.model.trainable_variables):
     np.testing.assert_allclose(v.numpy(), w - 0.5 * g, rtol=1e-5, atol=1e-6)

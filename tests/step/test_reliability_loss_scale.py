@@ -110,7 +110,7 @@ def test_scale_trajectory_under_injection_mixed_float16(tmp_path):
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
   scales, skipped, iterations = [], [], []
   for _ in range(16):
-    trainer.train_step.run(iterator, 1)
+    trainer.runner.train_loop.run(iterator, 1)
     scales.append(float(trainer.loss_scaler.scale.numpy()))
     skipped.append(int(trainer.train_step.skipped_steps.numpy()))
     iterations.append(int(trainer.optimizer.iterations.numpy()))
@@ -127,11 +127,11 @@ def test_injection_in_float32_skips_without_loss_scaling(tmp_path):
   trainer = TinyTrainer(config, str(tmp_path))
   assert trainer.loss_scaler.mode == 'none'
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  trainer.train_step.run(iterator, 2)
+  trainer.runner.train_loop.run(iterator, 2)
   before = [v.numpy() for v in trainer.model.weights + trainer.optimizer.variables]
-  trainer.train_step.run(iterator, 1)  # global step 2: injected
+  trainer.runner.train_loop.run(iterator, 1)  # global step 2: injected
   after = [v.numpy() for v in trainer.model.weights + trainer.optimizer.variables]
   assert all(np.array_equal(a, b) for a, b in zip(before, after))
   assert int(trainer.train_step.skipped_steps.numpy()) == 1
-  trainer.train_step.run(iterator, 1)  # step 3 applies again
+  trainer.runner.train_loop.run(iterator, 1)  # step 3 applies again
   assert not np.array_equal(before[0], trainer.model.weights[0].numpy())

@@ -17,7 +17,7 @@ def snapshot(trainer):
 
 def run_steps(trainer, n):
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  trainer.train_step.run(iterator, n)
+  trainer.runner.train_loop.run(iterator, n)
 
 
 @pytest.mark.parametrize('policy', ['float32', 'mixed_float16'])
@@ -71,10 +71,10 @@ def test_first_call_traces_the_step_once_and_sums_every_output(tiny_trainer):
   run_steps(trainer, 4)
   run_steps(trainer, 2)  # a new iterator of the same type: no new trace either
   assert len(traced) == 1
-  logs = trainer.train_step.read_outputs()
+  logs = trainer.runner.train_loop.read_outputs()
   assert (logs['steps'], logs['skipped'], logs['nonfinite_loss']) == (6, 1, 0)
   assert 0.0 < logs['accuracy'] <= 1.0 and np.isfinite(logs['loss'])
-  assert trainer.train_step.read_outputs()['steps'] == 0  # read resets the sums
+  assert trainer.runner.train_loop.read_outputs()['steps'] == 0  # read resets the sums
 
 
 class RowsAboveZero(keras.metrics.Metric):
@@ -122,7 +122,7 @@ def test_autograph_converts_the_users_code_and_not_the_frameworks(tmp_path):
   assert 'tiny.TinyTrainer.compute_loss' in converted  # its super() call, recursively
   assert 'test_train_step.RowsAboveZero.update_state' in converted
   assert not [name for name in converted if name.startswith('trainer.')]
-  logs = trainer.train_step.read_outputs()
+  logs = trainer.runner.train_loop.read_outputs()
   assert logs['steps'] == 3 and np.isfinite(logs['loss'])
   assert 0 < logs['rows_above_zero'] <= 3 * 32  # rows of 3 batches of 32 random normals
   from trainer.insight import numerics  # the numerics probe's pass converts compute_loss too
@@ -155,7 +155,7 @@ def test_a_custom_steps_hook_may_use_python_control_flow_on_tensors(tmp_path):
 
   trainer = CountingTrainer(tiny_config(), str(tmp_path))
   run_steps(trainer, 2)
-  assert trainer.train_step.read_outputs()['loops'] == 3.0
+  assert trainer.runner.train_loop.read_outputs()['loops'] == 3.0
 
 
 def test_a_custom_step_returning_a_non_scalar_output_is_named(tmp_path):
@@ -409,3 +409,81 @@ def test_a_custom_compute_gradients_mistake_is_one_line_naming_the_step(
   with pytest.raises(UserError) as info:
     trainer.train()
   assert str(info.value).startswith('Mine.compute_gradients ' + expected), str(info.value)
+
+
+# ---- the skip line names its cause ------------------------------------------------------------
+
+
+def _skip_lines(err: str) -> list[str]:
+  return [line for line in err.splitlines() if line.startswith('skipped step ')]
+
+
+def test_the_skip_line_names_injected_gradients(tiny_trainer, capfd):
+  trainer = tiny_trainer(**{'debug.inject_nonfinite_steps': '2'})
+  run_steps(trainer, 3)
+  kernel = trainer.model.trainable_variables[0].path
+  assert _skip_lines(capfd.readouterr().err) == [
+    'skipped step 2 (non-finite gradients injected by config.debug.inject_nonfinite_steps, no '
+    f'update): loss scale 1, non-finite in 1 of 4 variables, first: {kernel}'
+  ]
+
+
+class InfLoss(TinyTrainer):
+  """The loss (and so every gradient) is inf x loss at global step 1: real, not injected."""
+
+  def compute_loss(self, batch, *, training):
+    loss, metrics = super().compute_loss(batch, training=training)
+    return loss * tf.where(tf.equal(self.global_step, 1), float('inf'), 1.0), metrics
+
+
+def test_the_skip_line_names_non_finite_gradients(tmp_path, capfd):
+  trainer = InfLoss(tiny_config(), str(tmp_path / 'w'))
+  run_steps(trainer, 3)
+  lines = _skip_lines(capfd.readouterr().err)
+  assert len(lines) == 1 and int(trainer.train_step.skipped_steps.numpy()) == 1
+  assert lines[0].startswith(
+    'skipped step 1 (non-finite gradients, no update): loss scale 1, non-finite in 4 of 4 '
+    'variables, first: '
+  )
+
+
+class InfRate(TinyTrainer):
+  """A learning rate that is inf at global step 1: the gradients stay finite."""
+
+  def build_optimizer(self, learning_rate):
+    return keras.optimizers.SGD(
+      learning_rate=lambda: tf.where(tf.equal(self.global_step, 1), float('inf'), 0.1)
+    )
+
+
+def test_the_skip_line_names_a_non_finite_learning_rate(tmp_path, capfd):
+  """It read 'non-finite gradients ... non-finite in 0 of 4 variables, first: ' (no name)."""
+  trainer = InfRate(tiny_config(**{'precision.policy': 'mixed_float16'}), str(tmp_path / 'w'))
+  run_steps(trainer, 3)
+  assert _skip_lines(capfd.readouterr().err) == [
+    'skipped step 1 (non-finite learning rate, no update): loss scale 32768'
+  ]
+  assert int(trainer.train_step.skipped_steps.numpy()) == 1
+
+
+def test_apply_or_skip_takes_one_flag_per_group(tmp_path):
+  """One regime: a custom step that passes a single flag gets one line (not autograph's
+  many-line StagingError around it)."""
+  from trainer import TrainStep, UserError
+
+  class OneFlag(TrainStep):
+    def step(self, iterator):
+      outputs, grads, nonfinite, saved = self.strategy.run(
+        self.replica_step, args=(next(iterator),)
+      )
+      skipped = self.apply_or_skip(self.all_replicas_finite(nonfinite), grads, saved)
+      return self.with_counters({}, skipped)
+
+  class OneFlagTrainer(TinyTrainer):
+    def build_train_step(self):
+      return OneFlag(self)
+
+  trainer = OneFlagTrainer(tiny_config(), str(tmp_path / 'w'))
+  with pytest.raises(UserError, match=r'apply_or_skip takes one finite flag per update group') as e:
+    run_steps(trainer, 1)
+  assert '\n' not in str(e.value)

@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import docblocks
 import test_readme_beyond as beyond
@@ -71,7 +72,7 @@ def test_one_group_skips_alone_and_the_forward_state_is_put_back(gan2, tmp_path)
 
   trainer.runner.run_steps(iterator, 1)  # step 3: both apply again
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (3, 4)
-  outputs = step.read_outputs()
+  outputs = trainer.runner.train_loop.read_outputs()
   assert outputs['steps'] == 4 and outputs['skipped'] == 1
   assert 0.0 <= outputs['real_accuracy'] <= 1.0  # the stateful metric was updated and read
   assert outputs['loss'] == pytest.approx(outputs['d_loss'] + outputs['g_loss'], rel=1e-5)
@@ -101,6 +102,123 @@ def test_two_scale_gan_resumes_bit_identically(gan2, tmp_path):
 
   for a, b in zip(state(straight), state(resumed)):
     np.testing.assert_array_equal(a, b)
+
+
+class Ema:
+  """An exponential moving average of some variables, counting its updates."""
+
+  def __init__(self, variables):
+    self.variables = list(variables)
+    self.averages = [tf.Variable(v.numpy(), trainable=False) for v in self.variables]
+    self.updates = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+  def update(self):
+    for average, v in zip(self.averages, self.variables):
+      average.assign(0.9 * average + 0.1 * tf.convert_to_tensor(v))
+    self.updates.assign_add(1)
+
+
+def ema_trainer(gan2, step_body):
+  """The docs' two-scale GAN whose step keeps an EMA of each group's weights, updated by
+  `step_body` (a method added to the step class)."""
+
+  class EmaStep(gan2.TwoScaleGanStep):
+    def __init__(self, trainer):
+      super().__init__(trainer)
+      self.emas = [Ema(group.variables) for group in self.groups]
+
+  for name, body in step_body.items():
+    setattr(EmaStep, name, body)
+
+  class EmaTrainer(gan2.TwoScaleGanTrainer):
+    def build_train_step(self):
+      return EmaStep(self)
+
+  return EmaTrainer
+
+
+def test_an_ema_in_apply_gradients_is_refused_at_build_in_one_line(gan2, tmp_path):
+  """The step applies each group by apply_group and never calls apply_gradients: an EMA written
+  there counted 0 updates over 60 applied steps, without a word."""
+
+  def apply_gradients(self, grads):
+    super(type(self), self).apply_gradients(grads)
+    for ema in self.emas:
+      ema.update()
+
+  with pytest.raises(UserError) as info:
+    ema_trainer(gan2, {'apply_gradients': apply_gradients})(gan_config(), str(tmp_path / 'w'))
+  message = str(info.value)
+  assert '\n' not in message
+  assert message.startswith('EmaStep.apply_gradients is never called') and 'apply_group' in message
+  assert not (tmp_path / 'w').exists()  # refused before anything is written
+
+
+def test_an_ema_in_apply_group_counts_every_applied_step(gan2, tmp_path):
+  """The same EMA in the one apply hook runs on exactly the steps its group applied: the D's
+  group skipped at steps 2 and 5 (injected), the G's never."""
+
+  def apply_group(self, index, grads):
+    super(type(self), self).apply_group(index, grads)
+    self.emas[index].update()
+
+  trainer_class = ema_trainer(gan2, {'apply_group': apply_group})
+  trainer = trainer_class(
+    gan_config(**{'debug.inject_nonfinite_steps': '2,5'}), str(tmp_path / 'w')
+  )
+  step = trainer.train_step
+  averages = [arrays(ema.averages) for ema in step.emas]
+  iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
+  assert trainer.runner.run_steps(iterator, 8) == 8
+  assert int(step.skipped_steps.numpy()) == 2
+  counts = [int(ema.updates.numpy()) for ema in step.emas]
+  assert counts == [int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)]
+  assert counts == [6, 8]
+  for before, ema in zip(averages, step.emas):  # the averages moved, and stayed finite
+    after = arrays(ema.averages)
+    assert all(np.isfinite(a).all() for a in after)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_the_skip_line_names_the_group_skipped_and_its_scale(gan2, tmp_path, capfd):
+  """Only the generator skipped at step 3 (its own overflow) while the discriminator's scale
+  was already backed off (injected at step 1): the line names the generator, its scale (1024,
+  not the D's 512) and the group applied. It printed the D's scale and 'no update'."""
+
+  class NamedStep(gan2.TwoScaleGanStep):
+    @property
+    def groups(self):
+      d, g = super().groups
+      return [d._replace(name='discriminator'), g._replace(name='generator')]
+
+    def compute_gradients(self, batch):
+      outputs, grads = super().compute_gradients(batch)
+      grads, n = list(grads), len(self.model.discriminator.trainable_variables)
+      grads[n] = grads[n] * tf.where(tf.equal(self.global_step, 3), float('inf'), 1.0)
+      return outputs, grads
+
+  class NamedTrainer(gan2.TwoScaleGanTrainer):
+    def build_train_step(self):
+      return NamedStep(self)
+
+  trainer = NamedTrainer(gan_config(**{'debug.inject_nonfinite_steps': '1'}), str(tmp_path / 'w'))
+  step = trainer.train_step
+  assert step.group_names == ['discriminator', 'generator']
+  iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
+  trainer.runner.run_steps(iterator, 4)
+  d_kernel = trainer.model.discriminator.trainable_variables[0].path
+  g_kernel = trainer.model.generator.trainable_variables[0].path
+  lines = [l for l in capfd.readouterr().err.splitlines() if l.startswith('skipped step ')]
+  assert lines == [
+    'skipped step 1, group discriminator (non-finite gradients injected by '
+    'config.debug.inject_nonfinite_steps, no update): loss scale 1024, non-finite in 1 of 6 '
+    f'variables, first: {d_kernel}; applied: group generator',
+    'skipped step 3, group generator (non-finite gradients, no update): loss scale 1024, '
+    f'non-finite in 1 of 4 variables, first: {g_kernel}; applied: group discriminator',
+  ]
+  assert float(trainer.loss_scaler.scale.numpy()) == 512.0  # the D's, backed off at step 1
+  assert float(step.g_scaler.scale.numpy()) == 512.0  # the G's, backed off at step 3
+  assert float(step.guard.last_scale.numpy()) == 1024.0  # the skipped group's, for the replay
 
 
 def test_a_helper_named_save_is_one_line_at_class_definition():

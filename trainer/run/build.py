@@ -23,7 +23,7 @@ from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.data import checks
-from trainer.step import contract, distribute, optimizers, precision
+from trainer.step import contract, distribute, inject, optimizers, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 from trainer.step.train_step import TrainStep
 
@@ -145,6 +145,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     )
     trainer.train_step = trainer.build_train_step()
     _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
+    inject.install(trainer.train_step, c.debug)  # config.debug.inject_*: around the step
   return batch
 
 

@@ -2,7 +2,7 @@
 
 `Trainer.train()` is `trainer.runner.train()`. The runner owns the run folder (trainer/run/
 workdir.py: lock, config record, checkpoint manager, TensorBoard writer), the outer loop around
-the compiled inner loop (`TrainStep.run`), progress lines, evals, checkpoints, preemption, the
+the compiled inner loop (`TrainLoop.run`), progress lines, evals, checkpoints, preemption, the
 numerics recorder, forensics and the collapse report. It reads the trainer's parts (model,
 optimizer, loss scaler, global step, train step) and calls its hooks; it keeps nothing of its
 own on the trainer.
@@ -42,6 +42,7 @@ from trainer.run.workdir import Workdir
 from trainer.data import checks
 from trainer.step import contract
 from trainer.step.eval_step import EvalLoop
+from trainer.step.loop import TrainLoop
 from trainer.step.loss_scale import state_variable
 
 
@@ -59,6 +60,11 @@ class Runner:
         compute_loss=t.compute_loss,
         metric_names=t.metric_names,
         metrics=t.eval_metrics,
+      )
+      self.train_loop = TrainLoop(  # the compiled call of steps_per_loop steps
+        t.train_step,
+        forensics=c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0,
+        element_spec=t.datasets.train.element_spec,
       )
     # The first eval batch (read by build unless given): the start-of-run loss, the probe's.
     self.first_eval_batch = (
@@ -279,22 +285,22 @@ class Runner:
   def run_steps(self, iterator, num_steps: int) -> int:
     """The inner loop: `num_steps` steps from `iterator` (a distributed iterator over
     `datasets.train`) in one compiled call; returns the global step after them. The call
-    returns its counters (TrainStep.run); the host raises CollapseError when the guard stopped
+    returns its counters (TrainLoop.run); the host raises CollapseError when the guard stopped
     the loop. With forensics on, a skipped step that gets forensics ends the compiled call
     early: it is replayed, and a second call runs the rest."""
-    tr = self.trainer
-    ts = tr.train_step
+    tr, loop = self.trainer, self.train_loop
+    guard = tr.train_step.guard
     target = int(tr.global_step.numpy()) + num_steps
-    skipped = int(ts.skipped_steps.numpy()) if ts.forensics else 0
+    skipped = int(tr.train_step.skipped_steps.numpy()) if loop.forensics else 0
     while True:
-      if ts.forensics:  # the compiled loop stops after the next skip that gets forensics
+      if loop.forensics:  # the compiled loop stops after the next skip that gets forensics
         stop_at = self.forensics.next_after(skipped)
-        ts.stop_at_skip.assign(stop_at)
-      counters = ts.run(iterator, num_steps)
+        loop.stop_at_skip.assign(stop_at)
+      counters = loop.run(iterator, num_steps)
       skipped = counters.skipped_steps
       step = counters.global_step
-      if counters.consecutive >= ts.guard.max_consecutive_skips > 0:
-        ts.guard.check(
+      if counters.consecutive >= guard.max_consecutive_skips > 0:
+        guard.check(
           step=step,
           scaler=tr.loss_scaler,
           checkpoint=self.workdir.latest_checkpoint,
@@ -305,7 +311,7 @@ class Runner:
       # Stopped early, right after a skipped step: replay it, then run the rest of the call.
       self.record_forensics(step - 1)
       num_steps = target - step
-    if ts.forensics and skipped == stop_at:
+    if loop.forensics and skipped == stop_at:
       self.record_forensics(step - 1)  # the skip was the call's last step
     return step
 
@@ -318,7 +324,8 @@ class Runner:
     # The step's own batch, kept on the device by the compiled loop when it stopped after the
     # skip (trainer/step/kept_batch.py: re-reading element N of the pipeline gives another
     # batch when it reshuffles, augments at random or is non-deterministic).
-    batch = tr.train_step.kept_batch.read() if tr.train_step.kept_batch is not None else None
+    kept = self.train_loop.kept_batch
+    batch = kept.read() if kept is not None else None
     if batch is None:
       logging.warning(
         "step %d: the skipped step's batch was not kept; replaying element %d of "
@@ -344,7 +351,7 @@ class Runner:
     """Reads and resets the step outputs' sums; writes the progress line and TensorBoard
     scalars; returns the metrics it logged."""
     tr = self.trainer
-    outputs = tr.train_step.read_outputs()
+    outputs = self.train_loop.read_outputs()
     counts = {k: outputs.pop(k) for k in ('steps', 'skipped', 'nonfinite_loss') if k in outputs}
     lr = float(tr.learning_rate(step))
     scale = float(tr.loss_scaler.scale.numpy())

@@ -365,6 +365,29 @@ def _warn_nonfinite_loss(loss: Any) -> None:
     )
 
 
+# Methods a step had and no longer calls: an override would never run (an EMA written in
+# `apply_gradients` once counted 0 updates over 60 applied steps, without a word).
+RETIRED_STEP_METHODS = {
+  'apply_gradients': 'each update group is applied by apply_group(index, grads), under its own '
+  'finite flag: override apply_group (super().apply_group(index, grads) applies the update)',
+  'run': 'the compiled loop (trainer.step.loop.TrainLoop) runs the steps; override step(iterator) '
+  'for what one step does',
+  'read_outputs': 'the compiled loop (trainer.step.loop.TrainLoop) reads the outputs; a step '
+  'returns its outputs from step(iterator)',
+  'train_loop': 'the compiled loop is trainer.step.loop.TrainLoop; override step(iterator) for '
+  'what one step does',
+}
+
+
+def check_step_overrides(cls: type, base: type) -> None:
+  """A TrainStep subclass `cls` defines none of the methods the step no longer calls
+  (RETIRED_STEP_METHODS): one UserError line naming the method and the hook to override."""
+  for name, hint in RETIRED_STEP_METHODS.items():
+    owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+    if owner is not None and owner is not base and not issubclass(base, owner):
+      raise UserError(f'{owner.__name__}.{name} is never called: {hint}')
+
+
 def step_gradients(step: object, result: Any, variables: Sequence[tf.Variable]) -> tuple:
   """What a step's `compute_gradients` returned, checked while it is traced: (outputs, grads),
   a scalar 'loss', one gradient per variable of `variables` (self.variables, in its order) with

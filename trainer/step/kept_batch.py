@@ -8,10 +8,11 @@ iterator gives another batch under any of these. Two ways keep the right one:
   * checkpoint the iterator before each compiled call (tf.train.Checkpoint(iterator=...)) and
     re-read from there: that writes the shuffle buffer every call (the MNIST pipeline's is the
     whole training set, ~190 MB), and a non-deterministic map still gives other elements;
-  * keep the batch the step consumed: chosen. The compiled loop already stops right after a
-    skip that gets forensics (`TrainStep.stop_at_skip`); on that branch only it gathers the
-    step's batch (every local replica's share, in replica order: the global batch on one host)
-    into variables the host reads. A finite step pays nothing; a recorded skip, one copy.
+  * keep the batch the step consumed: chosen. The compiled loop (trainer/step/loop.py) already
+    stops right after a skip that gets forensics (`TrainLoop.stop_at_skip`); on the step's skip
+    branch only (its `on_skip`) it gathers the step's batch (every local replica's share, in
+    replica order: the global batch on one host) into variables the host reads. A finite step
+    pays nothing; a recorded skip, one copy.
 """
 
 from __future__ import annotations

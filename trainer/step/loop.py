@@ -1,14 +1,17 @@
-"""The compiled inner loop of a `TrainStep` (its base class): `steps_per_loop` steps a call.
+"""The compiled train loop: `steps_per_loop` steps of a `TrainStep` in one call.
 
-The compiled loop (`train_loop`, `steps_per_loop` steps a call) adds each step's outputs to a
-float32 vector carried through the loop (one entry per output name, in sorted order), stores it
-in the variable `_sums` at its end and returns the counters (global step, skipped steps, the
-collapse guard's bad steps in a row); nothing else goes back to the host. The loop stops early
-when the guard's limit is reached or, with forensics on, right after the skip the host asked for.
-At log time the host reads `read_outputs()`.
+`TrainLoop(step, forensics=..., element_spec=...)` owns the compiled call and what lives across
+its steps; the step does not know it exists. A call (`run(iterator, n)`) runs `step.step` up to
+`n` times in a `tf.while_loop`, adds each step's outputs to a float32 vector carried through the
+loop (one entry per output name, in sorted order), stores it in the variable `sums` at its end
+and returns the counters (global step, skipped steps, the collapse guard's bad steps in a row);
+nothing else goes back to the host. The loop stops early when the guard's limit is reached or,
+with forensics on, right after the skip the host asked for (`stop_at_skip`), with that step's
+batch kept on the device (`kept_batch`, trainer/step/kept_batch.py). At log time the host reads
+`read_outputs()`.
 
 The step is traced once, inside the loop, and the output names are learned there: the first call
-traces the loop, sizes `_sums` to the names, then runs it. (A variable created during the trace
+traces the loop, sizes `sums` to the names, then runs it. (A variable created during the trace
 would make `tf.function` trace the whole loop again; tracing `step` on its own first, for the
 names, was a second trace of the step too.)
 """
@@ -23,6 +26,19 @@ from trainer.errors import UserError
 from trainer.step import kept_batch
 from trainer.step import outputs as step_outputs
 from trainer.step import user_code
+from trainer.step.loss_scale import state_variable
+
+
+def _ours(error: Exception) -> Exception:
+  """The framework's UserError (a one-line message naming the fix) behind `error`, when the
+  trace raised it inside a custom step's converted code (autograph wraps it in a StagingError
+  of many lines); else `error`."""
+  cause: BaseException | None = error
+  while cause is not None:
+    if isinstance(cause, UserError):
+      return cause
+    cause = cause.__cause__ or cause.__context__
+  return error
 
 
 class Counters(NamedTuple):
@@ -34,33 +50,35 @@ class Counters(NamedTuple):
   consecutive: int
 
 
-class CompiledLoop:
-  """`train_loop` (tf.function of `_train_loop`), `run` and `read_outputs`, mixed into TrainStep
-  (which sets the attributes read here: strategy, trainer, step, guard, global_step,
-  skipped_steps, stop_at_skip, forensics, metrics, kept_batch, _sums, _output_names,
-  _not_scalar, _recording)."""
+class TrainLoop:
+  """Runs `step` (a TrainStep). Create it under the strategy's scope (it owns variables: the
+  output sums, the forensic stop, the kept batch). `element_spec`: the train dataset's, for the
+  kept batch (needed with `forensics` only)."""
 
-  # Set by TrainStep (annotations only).
-  strategy: Any
-  trainer: Any
-  guard: Any
-  step: Any
-  train_loop: Any
-  metrics: dict
-  forensics: bool
-  global_step: tf.Variable
-  skipped_steps: tf.Variable
-  stop_at_skip: tf.Variable
-  kept_batch: Any
-  _sums: tf.Variable
-  _output_names: list | None
-  _not_scalar: dict
-  _recording: Any
-  _batch_kept_on_skip: bool
+  def __init__(self, step, *, forensics: bool = False, element_spec: Any = None):
+    self.step = step
+    self.strategy = step.strategy
+    self.forensics = bool(forensics)
+    # Forensics: the loop stops right after the skip that brings the step's skipped_steps to
+    # this count (the host sets it; 0 = never): the host sees that step's pre-step weights and
+    # its batch.
+    self.stop_at_skip = state_variable(0, tf.int64, 'stop_at_skip')
+    # The sums of the step's outputs, one per name (sized on the first call: `run`).
+    self.sums = state_variable(tf.zeros([0]), tf.float32, 'output_sums', shape=[None])
+    self.output_names: list[str] | None = None  # learned when the loop traces
+    self._not_scalar: dict = {}  # outputs the trace found not to be scalars: run() raises
+    self.kept_batch = kept_batch.KeptBatch(element_spec) if self.forensics else None
+    self._recording: kept_batch.Recording | None = None  # while tracing, with forensics
+    self._kept_on_skip = False  # whether the step's skip branch traced the batch keeping
+    if self.forensics:
+      # The batch is kept on the step's skip branch (its `on_skip`), so a finite step pays
+      # nothing for it: a tf.cond per step costs (benchmarks/ablate_step.py). A custom step
+      # that skips without `apply_or_skip` gets the cond per step instead (`_one_step`).
+      step.on_skip.append(self._keep_at_stop)
+    self.compiled = tf.function(self._loop, autograph=False)  # autograph: user code only
 
-  def _train_loop(self, iterator, num_steps):
+  def _loop(self, iterator, num_steps):
     self._recording = kept_batch.Recording(iterator) if self.forensics else None
-    self._batch_kept_on_skip = False
     batches = self._recording or iterator
     # Stopping early is part of the loop's condition, not a `break`: autograph turns each
     # `if ...: break` into tf.conds that run in every step (benchmarks/ablate_step.py measures
@@ -71,40 +89,61 @@ class CompiledLoop:
       return tf.logical_and(done < num_steps, tf.logical_not(stop))
 
     def one_step(done, stop, sums):
-      outputs = user_code.converted(self.step)(batches)
-      if self._output_names is None:
-        self._output_names = sorted(outputs)
-      sums += self._stacked(outputs)
-      stop = tf.convert_to_tensor(self.guard.collapsed())  # the trainer raises CollapseError
-      if self.forensics:  # the runner replays the skipped step (trainer/insight/forensics.py)
-        at_skip = self.forensic_stop()
-        if not self._batch_kept_on_skip:  # a custom step without apply_or_skip: keep it here
-          tf.cond(at_skip, lambda: self._keep_batch(batches.last), lambda: tf.constant(True))
-        stop = tf.logical_or(stop, at_skip)
-      return done + 1, stop, sums
+      return done + 1, *self._one_step(batches, sums)
 
-    # The sums start from `_sums`, sized to the names after the first trace (`run`).
     _, _, sums = tf.while_loop(
       keep_going,
       one_step,
-      (tf.constant(0, tf.int64), tf.constant(False), self._sums.value()),
+      (tf.constant(0, tf.int64), tf.constant(False), self.sums.value()),
       shape_invariants=(tf.TensorShape([]), tf.TensorShape([]), tf.TensorShape([None])),
     )
-    self._sums.assign(sums)
+    self.sums.assign(sums)
     self._recording = None
+    step = self.step
     return tf.stack(
       [
-        self.global_step.read_value(),
-        self.skipped_steps.read_value(),
-        self.guard.consecutive.read_value(),
+        step.global_step.read_value(),
+        step.skipped_steps.read_value(),
+        step.guard.consecutive.read_value(),
       ]
     )
 
+  def _one_step(self, batches, sums):
+    """One step in the loop's body: (stop, sums + its outputs)."""
+    self._kept_on_skip = False
+    outputs = user_code.converted(self.step.step)(batches)
+    if self.output_names is None:
+      self.output_names = sorted(outputs)
+    sums += self._stacked(outputs)
+    stop = tf.convert_to_tensor(self.step.guard.collapsed())  # the runner raises CollapseError
+    if self.forensics:  # the runner replays the skipped step (trainer/insight/forensics.py)
+      at_skip = self.forensic_stop()
+      if not self._kept_on_skip:  # a custom step without apply_or_skip: keep it here
+        tf.cond(at_skip, lambda: self._keep(batches.last), lambda: tf.constant(True))
+      stop = tf.logical_or(stop, at_skip)
+    return stop, sums
+
+  def _keep_at_stop(self) -> None:
+    """On the step's skip branch: keeps the batch of the skip the host stops at (the step's
+    skipped_steps counts this skip after the branch)."""
+    if self._recording is None or self._recording.last is None:
+      return  # the step was not traced by this loop
+    self._kept_on_skip = True
+    tf.cond(
+      tf.equal(self.step.skipped_steps + 1, self.stop_at_skip),
+      lambda: self._keep(cast(kept_batch.Recording, self._recording).last),
+      lambda: tf.constant(True),
+    )
+
+  def _keep(self, batch) -> tf.Tensor:
+    cast(kept_batch.KeptBatch, self.kept_batch).keep(self.strategy, batch)  # bit for bit
+    return tf.constant(True)
+
   def _stacked(self, outputs) -> tf.Tensor:
-    """The step's outputs as one float32 vector, in the order of `_output_names`. A non-scalar
+    """The step's outputs as one float32 vector, in the order of `output_names`. A non-scalar
     output is noted (`run` raises, naming it, once the trace is done) and traced as 0."""
     values = []
-    for name in cast(list, self._output_names):
+    for name in cast(list, self.output_names):
       value = tf.cast(outputs[name], tf.float32)
       if value.shape.rank != 0:
         self._not_scalar[name] = value.shape
@@ -114,34 +153,34 @@ class CompiledLoop:
 
   def forensic_stop(self) -> tf.Tensor:
     """True right after the skip the host asked to stop at (stop_at_skip; 0 = never)."""
-    return tf.logical_and(self.stop_at_skip > 0, tf.equal(self.skipped_steps, self.stop_at_skip))
+    skipped = self.step.skipped_steps
+    return tf.logical_and(self.stop_at_skip > 0, tf.equal(skipped, self.stop_at_skip))
 
-  def _keep_batch(self, batch) -> tf.Tensor:
-    self.kept_batch.keep(self.strategy, batch)  # the replay's batch, bit for bit
-    return tf.constant(True)
-
-  def run(self, iterator, num_steps) -> Counters:
+  def run(self, iterator, num_steps: int) -> Counters:
     """Host side: one compiled call of `num_steps` steps; the counters after it."""
-    if self.forensics and self.kept_batch is None:
-      with self.strategy.scope():
-        self.kept_batch = kept_batch.KeptBatch(self.trainer.datasets.train.element_spec)
-    num_steps = tf.constant(num_steps, tf.int64)
-    if self._output_names is None:  # the first call: trace, then size the sums to the names
-      self.train_loop.get_concrete_function(iterator, num_steps)
-      self._sums.assign(tf.zeros([len(cast(list, self._output_names))]))  # set by the trace
+    steps = tf.constant(num_steps, tf.int64)
+    if self.output_names is None:  # the first call: trace, then size the sums to the names
+      try:
+        self.compiled.get_concrete_function(iterator, steps)
+      except Exception as e:  # pylint: disable=broad-except  (re-raised, maybe unwrapped)
+        ours = _ours(e)
+        if ours is e:
+          raise
+        raise ours from None
+      self.sums.assign(tf.zeros([len(cast(list, self.output_names))]))  # set by the trace
     if self._not_scalar:
       shapes = ', '.join(f"'{k}' of shape {v}" for k, v in sorted(self._not_scalar.items()))
       raise UserError(
-        f'{type(self).__name__}.step returned {shapes}: the loop adds up each '
+        f'{type(self.step).__name__}.step returned {shapes}: the loop adds up each '
         'output over the steps and logs its mean, so each must be a scalar '
         '(reduce it in the step, e.g. tf.reduce_mean)'
       )
-    return Counters(*(int(v) for v in self.train_loop(iterator, num_steps).numpy()))
+    return Counters(*(int(v) for v in self.compiled(iterator, steps).numpy()))
 
-  def read_outputs(self) -> dict[str, float]:
-    """Host side: the counters as counts, every other output as its mean over the steps whose
+  def read_outputs(self) -> dict[str, Any]:
+    """Host side: the counters as counts (int), every other output as its mean over the steps whose
     loss was finite (NaN when there were none), since the last read; resets the sums. Then
     the stateful metrics' results (reset too)."""
-    if self._output_names is None:
+    if self.output_names is None:
       return {}
-    return step_outputs.read(self._output_names, self._sums, self.metrics)
+    return step_outputs.read(self.output_names, self.sums, self.step.metrics)

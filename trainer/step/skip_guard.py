@@ -5,9 +5,11 @@ loss scaling. Step after step of them is not: the weights stop moving and the ru
 nothing. The guard lives inside the compiled loop:
 
   * on the skip branch of the step's `tf.cond` only, it checks each gradient for non-finite
-    values, keeps the per-variable result in a variable and `tf.print`s one line naming the step,
-    the loss scale and the first variables whose gradients were non-finite; a finite step pays
-    only the reset of one scalar counter;
+    values, keeps the per-variable result in a variable and `tf.print`s one line naming the step
+    and, per update group skipped (named when the step has several, with the groups applied):
+    the cause (non-finite gradients, gradients the debug injection made non-finite, or a
+    non-finite learning rate), that group's loss scale and the first variables whose gradients
+    were non-finite; a finite step pays only the reset of one scalar counter;
   * it counts bad steps in a row (skipped, or applied with a non-finite loss); when
     `max_consecutive_skips` (> 0) is reached the loop
     stops early, and `check()` (host side, between compiled calls) raises `CollapseError` naming
@@ -18,6 +20,7 @@ nothing. The guard lives inside the compiled loop:
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import tensorflow as tf
 
@@ -26,6 +29,32 @@ from trainer.step.loss_scale import state_variable
 
 SUM = tf.distribute.ReduceOp.SUM
 SHOWN = 3  # variables named per line
+
+
+def _group_text(prefix: str, bad, size: int, scale, injected, injection: str) -> tf.Tensor:
+  """One skipped group's part of the skip line: its cause, loss scale and first variables with
+  non-finite gradients (`bad`, of `size`). A group skips for non-finite gradients or a
+  non-finite learning rate: with every gradient finite, the rate was the cause."""
+  found = tf.size(bad)
+  cause = tf.where(
+    found > 0,
+    tf.where(injected, f'non-finite gradients injected by {injection}', 'non-finite gradients'),
+    'non-finite learning rate',
+  )
+  detail = tf.where(
+    found > 0,
+    tf.strings.join(
+      [
+        ', non-finite in ',
+        tf.strings.as_string(found),
+        f' of {size} variables, first: ',
+        tf.strings.reduce_join(bad[:SHOWN], separator=', '),
+      ]
+    ),
+    '',
+  )
+  scale = tf.strings.as_string(scale, shortest=True)
+  return tf.strings.join([prefix, cause, ', no update): loss scale ', scale, detail])
 
 
 def _nonfinite_per_variable(grads):
@@ -42,14 +71,21 @@ def _nonfinite_per_variable(grads):
 
 class SkipGuard(tf.Module):
   """Create it under the strategy's scope. `record` and `count` run in cross-replica context
-  inside the compiled step; `check` runs on the host between calls."""
+  inside the compiled step; `check` runs on the host between calls. `groups`: the step's update
+  groups as (name, number of variables), in the order of `variables`."""
 
   def __init__(
-    self, *, strategy: tf.distribute.Strategy, variables, max_consecutive_skips: int = 0
+    self,
+    *,
+    strategy: tf.distribute.Strategy,
+    variables,
+    max_consecutive_skips: int = 0,
+    groups: list[tuple[str, int]] | None = None,
   ):
     super().__init__(name='skip_guard')
     self.strategy = strategy
     self.names = [getattr(v, 'path', None) or v.name for v in variables]
+    self.groups = list(groups or [('0', len(self.names))])
     self.max_consecutive_skips = int(max_consecutive_skips)
     self.consecutive = state_variable(0, tf.int64, 'consecutive_skips')
     # Replicas on which each variable's gradient was non-finite, at the last skipped step.
@@ -57,29 +93,59 @@ class SkipGuard(tf.Module):
       tf.zeros([len(self.names)], tf.int32), tf.int32, 'nonfinite_per_variable'
     )
     self.last_scale = state_variable(0.0, tf.float32, 'scale_at_last_skip')  # for forensics
+    # config.debug.inject_nonfinite_*, when on (trainer/step/inject.py sets it): the skip line
+    # names an injected skip as such.
+    self.injection: Any = None
 
-  def record(self, grads, step, scale) -> None:
-    """Skip branch only: which gradients are non-finite, kept and printed (one line)."""
+  def record(self, grads, step, flags, scales) -> None:
+    """Skip branch only: which gradients are non-finite, kept, and the skip line printed.
+    `flags`: each group's finite flag (False: skipped); `scales`: each group's loss scale."""
     per_replica = self.strategy.run(_nonfinite_per_variable, args=(grads,))
     counts = self.strategy.reduce(SUM, per_replica, axis=None)
     self.nonfinite.assign(counts)
-    self.last_scale.assign(tf.cast(scale, tf.float32))
-    bad = tf.boolean_mask(tf.constant(self.names), counts > 0)
-    tf.print(
-      tf.strings.join(
-        [
-          'skipped step ',
-          tf.strings.as_string(step),
-          ' (non-finite gradients, no update): loss scale ',
-          tf.strings.as_string(scale, shortest=True),
-          ', non-finite in ',
-          tf.strings.as_string(tf.size(bad)),
-          f' of {len(self.names)} variables, first: ',
-          tf.strings.reduce_join(bad[:SHOWN], separator=', '),
-        ]
-      ),
-      output_stream=sys.stderr,
-    )
+    skipped = tf.logical_not(tf.stack(flags))
+    scales = tf.stack([tf.cast(s, tf.float32) for s in scales])
+    first = tf.argmax(tf.cast(skipped, tf.int32))  # the first skipped group: the replay's scale
+    self.last_scale.assign(tf.gather(scales, first))
+    tf.print(self._line(step, counts, skipped, scales), output_stream=sys.stderr)
+
+  def _line(self, step, counts, skipped, scales) -> tf.Tensor:
+    """'skipped step N (<cause>, no update): loss scale S, non-finite in K of M variables,
+    first: ...'; with several groups, that part per skipped group ('group <name> (...') and the
+    groups applied. The cause: non-finite gradients (or injected ones), or, when the group's
+    gradients were all finite, its non-finite learning rate."""
+    several = len(self.groups) > 1
+    injected = self._injected(step)
+    by = getattr(self.injection, 'key', 'config.debug')
+    parts, start = [], 0
+    for index, (name, size) in enumerate(self.groups):
+      names = tf.constant(self.names[start : start + size], tf.string, shape=[size])
+      bad = tf.boolean_mask(names, counts[start : start + size] > 0)
+      start += size
+      prefix = f'group {name} (' if several else '('
+      parts.append(_group_text(prefix, bad, size, scales[index], injected[index], by))
+    body = tf.strings.reduce_join(tf.boolean_mask(tf.stack(parts), skipped), separator='; ')
+    applied = tf.constant('')
+    if several:
+      names = tf.boolean_mask(tf.constant([n for n, _ in self.groups]), tf.logical_not(skipped))
+      applied = tf.where(
+        tf.size(names) > 0,
+        tf.strings.join(['; applied: group ', tf.strings.reduce_join(names, separator=', ')]),
+        '',
+      )
+    where = ', ' if several else ' '
+    return tf.strings.join(['skipped step ', tf.strings.as_string(step), where, body, applied])
+
+  def _injected(self, step) -> list:
+    """Per group, whether the debug injection poisoned its gradients at `step` (it poisons the
+    first gradient: trainer/step/inject.py)."""
+    if self.injection is None:
+      return [tf.constant(False)] * len(self.groups)
+    hit, variable, start, found = self.injection.hit(step), self.injection.index or 0, 0, []
+    for _, size in self.groups:
+      found.append(tf.logical_and(hit, start <= variable < start + size))
+      start += size
+    return found
 
   def count(self, good) -> None:
     """Every step: the number of bad steps in a row (skipped, or with a non-finite loss)."""

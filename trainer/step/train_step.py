@@ -1,80 +1,95 @@
-"""The compiled inner loop and its public step contract.
+"""The step: per batch, each update group's optimizer update, or that group's skip.
 
 `Trainer.build_train_step()` returns a `TrainStep`; the default one is a loss-scaled optimizer
 update of `Trainer.compute_loss`. A custom step subclasses `TrainStep` and overrides what differs
-(docs/guides/custom-steps.md has a two-optimizer GAN step):
+(docs/guides/custom-steps.md has a GAN step, docs/guides/two-loss-scales.md one with two scales):
 
   variables                   the variables the gradients are for (default: the model's
-                              trainable variables); the optimizers are built over them.
+                              trainable variables; the groups' variables, in order, when
+                              `groups` is overridden).
+  groups                      the update groups, `UpdateGroup(optimizer, variables, loss_scaler,
+                              name='')`; default one: (trainer.optimizer, `variables`,
+                              trainer.loss_scaler). One group is the common case of the same
+                              code, not another path. A step with several (a GAN's discriminator
+                              and generator, each with its own loss scale) lists them here.
+  build_optimizers()          creates each group's optimizer slots (before any restore).
   compute_gradients(batch)    PER REPLICA. Returns (outputs, grads): `grads` one unscaled float32
                               gradient (or None) per entry of `variables`; `outputs` a dict of
                               this replica's share of scalar values the host reads (e.g. 'loss':
                               the sum of per-example losses / global batch), summed over replicas.
                               An entry named like a stateful metric of `Trainer.build_metrics()`
                               holds the tuple of arguments for that metric's `update_state`.
-                              Use `self.loss_scaler.scale_loss` / `.unscale` around the tape.
-  apply_gradients(grads)      PER REPLICA, only when every gradient on every replica is finite.
-                              Keras optimizers sum the replicas' gradients themselves.
+                              Scale each group's loss with its `loss_scaler.scale_loss` and
+                              unscale its gradients with its `.unscale`.
+  apply_group(index, grads)   PER REPLICA: the ONE apply hook. Group `index` applies `grads` (one
+                              per variable of the group), only when every gradient of that group
+                              on every replica and the group's learning rate are finite. Keras
+                              optimizers sum the replicas' gradients themselves.
   step(iterator)              CROSS-REPLICA: one whole step; returns a dict of scalar tensors.
-  groups                      the update groups (`UpdateGroup(optimizer, variables,
-                              loss_scaler)`); default: one, (trainer.optimizer, `variables`,
-                              trainer.loss_scaler). A step with several (a GAN's discriminator
-                              and generator, each with its own loss scale) lists them here:
-                              `variables` is then their variables in order, each group is
-                              applied or skipped on its own gradients' finiteness
-                              (`apply_group`), and each loss scaler updates on its groups' flag.
 
-One `step` (cross-replica context, inside the compiled loop):
+One `step` (cross-replica context; `steps_per_loop` of them run in one compiled call of the loop,
+trainer/step/loop.py, which the step does not know):
   1. `strategy.run(self.replica_step)` (public; a custom `step` calls it): reads the forward-pass
      state (variables a layer assigns in `call`, such as BatchNormalization's moving statistics),
-     `compute_gradients`, the debug injection, the stateful metrics' updates, and this replica's
-     non-finite count of each group's gradients.
-  2. `groups_finite` (one flag per group; `all_replicas_finite` is their AND): the counts are
-     reduced over all replicas (SUM): one non-finite gradient anywhere skips that group's update
-     everywhere; a non-finite learning rate skips it too.
-  3. `apply_or_skip`: `tf.cond` in cross-replica context (a cond around `apply_gradients` inside
-     `strategy.run` fails). apply: `strategy.run(apply_gradients)` (with several groups, one cond
-     and `strategy.run(apply_group)` per group). skip (any group): the forward-pass state is put
-     back, so weights, optimizer slots and that state are bit-identical to before the step; the
-     collapse guard records which variables had non-finite gradients.
-  4. `end_step`: the collapse guard counts, each loss scaler updates once with its all-replica
-     flag (not when the rate was non-finite), the global step advances (skipped or not).
+     `compute_gradients`, the stateful metrics' updates, and this replica's non-finite count of
+     each group's gradients.
+  2. `groups_finite`: one flag per group, the counts reduced over all replicas (SUM): one
+     non-finite gradient anywhere skips that group's update everywhere; a non-finite learning
+     rate skips it too.
+  3. `apply_or_skip(flags, grads, saved)`: each group is applied by `apply_group` under its own
+     flag, in a `tf.cond` in cross-replica context (a cond around the apply inside
+     `strategy.run` fails with merge_call). A step on which any group skipped counts as skipped:
+     the forward-pass state is put back, so weights, optimizer slots and that state of a skipped
+     group are bit-identical to before the step; the collapse guard prints the skip line (the
+     groups skipped, each one's loss scale and the cause) and the `on_skip` callables run.
+  4. `end_step(flags, loss_finite)`: the collapse guard counts, each loss scaler updates once with
+     its groups' flags (not when a rate was non-finite), the global step advances.
   5. the outputs summed over replicas, plus the counters 'steps' (1), 'skipped' (0/1) and
      'nonfinite_loss' (0/1); every other output is zero on a step whose loss is not finite, so
      the host's means are over the steps whose loss was finite. Stateful metrics
      (`build_metrics`) are updated per replica, only when that replica's loss is finite.
 
-The hooks above (and Trainer.compute_loss, a stateful metric's update_state) are converted by
-autograph as in any tf.function; the framework's own pieces are traced as written, without it
-(trainer/step/user_code.py). The compiled loop running `step` (`train_loop`): trainer/step/loop.py.
+A subclass overriding a method the step no longer calls (`apply_gradients`: each group is applied
+by `apply_group`; `run`, `read_outputs`: the loop's) is refused in one line when it is built
+(trainer/step/contract.py). The debug injection (config.debug.inject_nonfinite_*) wraps
+`compute_gradients` from outside (trainer/step/inject.py). The hooks (and Trainer.compute_loss, a
+stateful metric's update_state) are converted by autograph as in any tf.function; the framework's
+own pieces are traced as written, without it (trainer/step/user_code.py).
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import tensorflow as tf
 
-from trainer.steps_text import steps as parse_steps
-from trainer.errors import ConfigError
-from trainer.step.loss_scale import all_finite, overwritten, state_variable, update_scalers
-from trainer.step import contract, inject, low_precision, optimizers
-from trainer.step.loop import CompiledLoop
+from trainer.errors import ConfigError, UserError
+from trainer.step import contract, low_precision, optimizers
 from trainer.step import outputs as step_outputs
 from trainer.step import user_code
-from trainer.step.forward_state import forward_state, forward_state_kept  # noqa: F401
+from trainer.step.forward_state import forward_state
+from trainer.step.loss_scale import all_finite, overwritten, state_variable, update_scalers
 from trainer.step.skip_guard import SkipGuard
 
 SUM = tf.distribute.ReduceOp.SUM
 
 
 class UpdateGroup(NamedTuple):
-  """One optimizer's share of a step: the variables it updates and the loss scaler their
-  gradients were scaled with (`compute_gradients` scales that loss with it and unscales)."""
+  """One optimizer's share of a step: the variables it updates, the loss scaler their gradients
+  were scaled with (`compute_gradients` scales that loss with it and unscales) and a name for
+  the log and TensorBoard (`train/loss_scale/<name>`); an unnamed group is called by its index
+  ('0', '1', ...)."""
 
   optimizer: Any
   variables: list
   loss_scaler: Any
+  name: str = ''
+
+
+def group_names(groups) -> list[str]:
+  """Each group's name: its own, or its index ('0', '1', ...)."""
+  return [group.name or str(index) for index, group in enumerate(groups)]
 
 
 SKIP_SCOPE = 'skipped_step_only'  # name scope of the skip branch (benchmarks/run.py looks for it)
@@ -95,11 +110,12 @@ def global_norm(grads) -> tf.Tensor:
   return tf.sqrt(tf.add_n(squares)) if squares else tf.constant(0.0)
 
 
-class TrainStep(CompiledLoop):
+class TrainStep:
   """The default step and the pieces a custom step reuses. Built by the trainer under the
-  strategy's scope (it owns variables: the skip counter, the collapse guard, the output sums)."""
+  strategy's scope (it owns variables: the skip counter, the collapse guard)."""
 
   def __init__(self, trainer):
+    contract.check_step_overrides(type(self), TrainStep)  # an override never called: one line
     c = trainer.config
     self.trainer = trainer
     self.strategy = trainer.strategy
@@ -111,42 +127,23 @@ class TrainStep(CompiledLoop):
     self.global_step = trainer.global_step
     self.global_batch_size = int(c.train.batch_size)
     self.clip_norm = float(c.optimizer.clip_norm)
-    self.grad_accum_steps = int(c.train.grad_accum_steps)
-    self.inject_every = int(c.debug.inject_nonfinite_every)
-    self.inject_steps = parse_steps(c.debug.inject_nonfinite_steps)
-    self.inject_replica = int(c.debug.inject_nonfinite_replica)
-    replicas = self.strategy.num_replicas_in_sync
-    per_replica = self.global_batch_size // replicas
-    if per_replica % self.grad_accum_steps:
-      raise ConfigError(
-        f'config.train.grad_accum_steps={self.grad_accum_steps} does not divide '
-        f'the per-replica batch {per_replica} (config.train.batch_size='
-        f'{self.global_batch_size} over {replicas} replicas).'
-      )
-
+    self.grad_accum_steps = _accumulation(c, self.strategy.num_replicas_in_sync)
     self.build_optimizers()
     # Keras float8 layers' scale and amax-history variables: their "gradients" are new values the
     # optimizer assigns: never unscaled, clipped or summed; MAX over micro-batches and replicas.
     self.overwritten = overwritten(self.variables)
     self.skipped_steps = state_variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
+    groups = self.groups
     self.guard = SkipGuard(
       strategy=self.strategy,
       variables=self.variables,
       max_consecutive_skips=c.precision.max_consecutive_skips,
+      groups=[(name, len(g.variables)) for name, g in zip(group_names(groups), groups)],
     )
     self._forward_state = forward_state(self.model)
-    # Forensics: the loop stops right after the skip that brings skipped_steps to this count
-    # (the host sets it; 0 = never): the host sees that step's pre-step weights and its batch.
-    self.forensics = c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0
-    self.stop_at_skip = state_variable(0, tf.int64, 'stop_at_skip')
-    # The loop's sums of the step's outputs, one per name (sized on the first call: loop.py).
-    self._sums = state_variable(tf.zeros([0]), tf.float32, 'output_sums', shape=[None])
-    self._output_names = None  # the names of the step's outputs, learned when the loop traces
-    self._not_scalar: dict = {}  # outputs the trace found not to be scalars: run() raises
-    self.kept_batch = None  # with forensics: the skipped step's batch (trainer/step/kept_batch.py)
-    self._recording = None  # while the loop traces, with forensics: its iterator, recording
-    self._batch_kept_on_skip = False  # ... and whether apply_or_skip's skip branch keeps it
-
+    # Callables traced into the skip branch only (no cost on a finite step): the compiled loop
+    # adds forensics' batch keeping here (trainer/step/loop.py).
+    self.on_skip: list[Callable[[], Any]] = []
     replica_core = self._replica_core
     if trainer.jit_compile:
       compiled = tf.function(replica_core, jit_compile=True, autograph=False)
@@ -155,8 +152,6 @@ class TrainStep(CompiledLoop):
       # fails on other devices (a replica's variables read from another device).
       replica_core = lambda batch: compiled(batch)  # pylint: disable=unnecessary-lambda
     self._replica_core_fn = replica_core
-    # autograph only for the user's hooks (trainer/step/user_code.py)
-    self.train_loop = tf.function(self._train_loop, autograph=False)
 
   def replica_share(self, batch):
     """The first examples of a global batch, as many as one replica's (first) micro-batch has in
@@ -194,6 +189,11 @@ class TrainStep(CompiledLoop):
     """The update groups; default one: (the trainer's optimizer, `variables`, its loss scaler)."""
     return [UpdateGroup(self.optimizer, self.variables, self.loss_scaler)]
 
+  @property
+  def group_names(self) -> list[str]:
+    """Each update group's name (its index when unnamed): the log's and TensorBoard's."""
+    return group_names(self.groups)
+
   def build_optimizers(self) -> None:
     """Creates each group's optimizer slots for its variables (before any restore), and gives
     each group's low-precision optimizer its own random bits (its `stream`: the group's index)."""
@@ -217,32 +217,9 @@ class TrainStep(CompiledLoop):
     if k == 1:
       return self._micro_gradients(batch)
     flat = [tf.split(t, k, axis=0) for t in tf.nest.flatten(batch)]
-    outputs, grads = None, None
-    for i in range(k):
-      micro = tf.nest.pack_sequence_as(batch, [parts[i] for parts in flat])
-      micro_outputs, micro_grads = self._micro_gradients(micro)
-      micro_grads = [None if g is None else tf.convert_to_tensor(g) for g in micro_grads]
-      if grads is None:
-        outputs, grads = micro_outputs, micro_grads
-        outputs = {n: [v] if n in self.metrics else v for n, v in outputs.items()}
-        continue
-      for name, value in micro_outputs.items():  # stateful metrics see every micro-batch
-        outputs[name] = outputs[name] + ([value] if name in self.metrics else value)
-      grads = [
-        a if b is None else b if a is None else tf.maximum(a, b) if new_value else a + b
-        for a, b, new_value in zip(grads, micro_grads, self.overwritten)
-      ]
-    return {
-      n: tuple(tf.concat(parts, 0) for parts in zip(*v)) if n in self.metrics else v
-      for n, v in outputs.items()
-    }, grads
-
-  def apply_gradients(self, grads) -> None:
-    """Replica context, finite steps only (one group): `apply_group` for each group's share of
-    `grads`. With several groups the step calls `apply_group` per group instead, each under its
-    own finiteness flag; override `apply_group` then."""
-    for index, part in enumerate(self._split(grads)):
-      user_code.converted(self.apply_group)(index, part)
+    micro = (tf.nest.pack_sequence_as(batch, [parts[i] for parts in flat]) for i in range(k))
+    # A generator: each micro-batch's gradients are added as they come, in the graph's order.
+    return _accumulated((self._micro_gradients(m) for m in micro), self.metrics, self.overwritten)
 
   def apply_group(self, index: int, grads) -> None:
     """Replica context: group `index`'s optimizer applies `grads` (one per group variable).
@@ -250,21 +227,8 @@ class TrainStep(CompiledLoop):
     here and identical on every replica. The new values of `overwritten` variables (float8
     scales and histories) are combined with MAX over replicas and left out of the norm."""
     group = self.groups[index]
-    grads = list(grads)
     overwritten = self._split(self.overwritten)[index]
-    context = tf.distribute.get_replica_context()
-    stepped = [i for i, g in enumerate(grads) if g is not None and not overwritten[i]]
-    if self.strategy.num_replicas_in_sync > 1:
-      for i, g in enumerate(grads):
-        if g is not None and overwritten[i]:
-          grads[i] = tf.reduce_max(context.all_gather(g[None], axis=0), axis=0)
-    if self.clip_norm > 0:
-      norm = global_norm(context.all_reduce(SUM, [grads[i] for i in stepped]))
-      # min(1, c / norm) is finite for every finite c and norm (a norm that overflows float32
-      # gives 0, not NaN; a zero norm gives 1).
-      factor = tf.where(norm > self.clip_norm, self.clip_norm / norm, 1.0)
-      for i in stepped:
-        grads[i] = grads[i] * tf.cast(factor, grads[i].dtype)
+    grads = _combined(list(grads), overwritten, self.strategy.num_replicas_in_sync, self.clip_norm)
     group.optimizer.apply_gradients(zip(grads, group.variables))
 
   def _split(self, values) -> list[list]:
@@ -291,54 +255,48 @@ class TrainStep(CompiledLoop):
     """Cross-replica: True when every group is finite on every replica (`groups_finite`)."""
     return tf.reduce_all(tf.stack(self.groups_finite(nonfinite_counts)))
 
-  def apply_or_skip(self, finite, grads, saved_state=None) -> tf.Tensor:
-    """Cross-replica: applies `grads` (PerReplica) when `finite` (a flag, or one per group);
-    otherwise restores the forward-pass state read before the forward pass and records the
-    skip. With one flag per group, each group applies or skips on its own, and the step counts
-    as skipped (the forward state put back) when any group skipped. Returns 1 when skipped,
-    else 0 (int64)."""
+  def apply_or_skip(self, flags, grads, saved_state=None) -> tf.Tensor:
+    """Cross-replica: each group applies its share of `grads` (PerReplica) by `apply_group`
+    when its flag of `flags` (`groups_finite`) is set. When any group skipped, the forward-pass
+    state read before the forward pass is put back, the skip is recorded (the skip line) and
+    `on_skip` runs. Returns 1 when any group skipped, else 0 (int64)."""
+    flags = _flag_list(flags, len(self.groups), 'apply_or_skip')
+    apply = user_code.converted(self.apply_group)
+
+    def apply_groups(indices):
+      def replica(g):
+        parts = self._split(g)
+        for index in indices:
+          apply(index, parts[index])
+
+      self.strategy.run(replica, args=(grads,))
+      return tf.constant(0, tf.int64)
 
     def skip():
+      # A step some group skipped: the groups that were finite still apply, each under its own
+      # flag (a cond per group in this branch only: a finite step pays the one cond below,
+      # whatever the number of groups). With one group, none was: nothing is traced here.
+      partial = enumerate(flags) if len(flags) > 1 else ()
+      for index, flag in partial:
+        tf.cond(flag, lambda i=index: apply_groups([i]), lambda: tf.constant(1, tf.int64))
       with tf.name_scope(SKIP_SCOPE):  # ops here run on skipped steps only
-        if saved_state:
-          for variable, value in zip(self._forward_state, saved_state):
-            self.strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,))
-        self.guard.record(grads, self.global_step, self.groups[0].loss_scaler.scale)
-        if self._recording is not None and self._recording.last is not None:
-          # The skip the host stops at (skipped_steps counts it after this branch): its batch
-          # is kept here, on the skip branch only, so a finite step pays nothing.
-          self._batch_kept_on_skip = True
-          tf.cond(
-            tf.equal(self.skipped_steps + 1, self.stop_at_skip),
-            lambda: self._keep_batch(self._recording.last),
-            lambda: tf.constant(True),
-          )
+        for variable, value in zip(self._forward_state, saved_state or []):
+          self.strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,))
+        scales = [group.loss_scaler.scale for group in self.groups]
+        self.guard.record(grads, self.global_step, flags, scales)
+        for action in self.on_skip:
+          action()
         return tf.constant(1, tf.int64)
 
-    if not isinstance(finite, (list, tuple)):
-
-      def apply():
-        self.strategy.run(user_code.converted(self.apply_gradients), args=(grads,))
-        return tf.constant(0, tf.int64)
-
-      skipped = tf.cond(finite, apply, skip)
-    else:
-      for index, flag in enumerate(finite):
-
-        def apply_group(index=index):
-          apply = user_code.converted(self.apply_group)
-          self.strategy.run(lambda g: apply(index, self._split(g)[index]), args=(grads,))
-          return tf.constant(0, tf.int64)
-
-        tf.cond(flag, apply_group, lambda: tf.constant(1, tf.int64))
-      skipped = tf.cond(tf.reduce_all(tf.stack(finite)), lambda: tf.constant(0, tf.int64), skip)
+    every = range(len(flags))
+    skipped = tf.cond(tf.reduce_all(tf.stack(flags)), lambda: apply_groups(every), skip)
     self.skipped_steps.assign_add(skipped)
     return skipped
 
-  def end_step(self, finite, loss_finite=True) -> None:
+  def end_step(self, flags, loss_finite=True) -> None:
     """Cross-replica, once per step: collapse-guard count, each loss scaler's update with its
-    groups' flag (`finite`: one flag, or one per group), global step + 1."""
-    flags = list(finite) if isinstance(finite, (list, tuple)) else [finite] * len(self.groups)
+    groups' flags (`flags`: `groups_finite`'s, one per group), global step + 1."""
+    flags = _flag_list(flags, len(self.groups), 'end_step')
     self.guard.count(tf.logical_and(tf.reduce_all(tf.stack(flags)), loss_finite))
     update_scalers(self.groups, flags)
     self.global_step.assign_add(1)
@@ -346,13 +304,11 @@ class TrainStep(CompiledLoop):
   # ---- one step -----------------------------------------------------------------------------
   def _replica_core(self, batch):
     """Per replica (the part jit_compile compiles): forward state read first, then the
-    gradients, the debug injection and this replica's non-finite count per group ([groups]
-    int32, 0 or 1 each)."""
+    gradients and this replica's non-finite count per group ([groups] int32, 0 or 1 each)."""
     saved = [v.read_value() for v in self._forward_state]
     outputs, grads = contract.step_gradients(
       self, user_code.converted(self.compute_gradients)(batch), self.variables
     )
-    grads = self._maybe_inject(grads)
     nonfinite = tf.stack(
       [tf.cast(tf.logical_not(all_finite(part)), tf.int32) for part in self._split(grads)]
     )
@@ -361,60 +317,30 @@ class TrainStep(CompiledLoop):
   def replica_step(self, batch):
     """PER REPLICA: the per-replica half of a step, for `strategy.run` (a custom `step` calls
     it rather than `compute_gradients`, so it keeps what the default step does): reads the
-    forward-pass state, `compute_gradients`, the debug injection (config.debug.inject_*),
-    updates the stateful metrics from their outputs (only when this replica's loss is finite).
-    Returns (outputs without the metrics' entries, grads, non-finite count per group [groups]
-    int32, the forward state read before the pass) for `groups_finite` and `apply_or_skip`."""
+    forward-pass state, `compute_gradients`, updates the stateful metrics from their outputs
+    (only when this replica's loss is finite). Returns (outputs without the metrics' entries,
+    grads, non-finite count per group [groups] int32, the forward state read before the pass)
+    for `groups_finite` and `apply_or_skip`."""
     outputs, grads, nonfinite, saved = self._replica_core_fn(batch)
     outputs = dict(outputs)
-    updates = [
-      (metric, outputs.pop(name)) for name, metric in self.metrics.items() if name in outputs
-    ]
-    if updates:  # outside XLA: metric variables sync on read
-
-      def update():
-        for metric, args in updates:
-          user_code.converted(metric.update_state)(*args)
-        return tf.constant(True)
-
-      # As the summed outputs leave out steps whose loss is not finite, the stateful metrics
-      # leave out this replica's non-finite-loss steps (a NaN logit would corrupt an AUC).
-      loss_finite = (
-        tf.reduce_all(tf.math.is_finite(outputs['loss']))
-        if 'loss' in outputs
-        else tf.constant(True)
-      )
-      tf.cond(loss_finite, update, lambda: tf.constant(False))
+    _update_metrics(outputs, self.metrics)  # their entries popped
     return outputs, grads, nonfinite, saved
 
   def step(self, iterator) -> dict[str, tf.Tensor]:
     """Cross-replica: one step on the next batch of `iterator`; the outputs the loop sums."""
     batch = next(iterator)
     outputs, grads, nonfinite, saved = self.strategy.run(self.replica_step, args=(batch,))
-    finite = self.groups_finite(nonfinite)
-    finite = finite[0] if len(finite) == 1 else finite  # one group: the step as before
+    flags = self.groups_finite(nonfinite)
     outputs = {k: self.strategy.reduce(SUM, v, axis=None) for k, v in outputs.items()}
-    skipped = self.apply_or_skip(finite, grads, saved)
+    skipped = self.apply_or_skip(flags, grads, saved)
     loss_finite = tf.math.is_finite(outputs['loss']) if 'loss' in outputs else True
-    self.end_step(finite, loss_finite)
+    self.end_step(flags, loss_finite)
     return self.with_counters(outputs, skipped, loss_finite)
 
   @staticmethod
   def with_counters(outputs, skipped, loss_finite=True) -> dict[str, tf.Tensor]:
     """`outputs` as float32, zeroed when the loss is not finite, plus the three counters."""
     return step_outputs.with_counters(outputs, skipped, loss_finite)
-
-  def _maybe_inject(self, grads):
-    """debug.inject_nonfinite_*: the gradients of chosen global steps made non-finite."""
-    if not (self.inject_every or self.inject_steps):
-      return grads
-    return inject.nonfinite(
-      grads,
-      self.global_step.read_value(),
-      every=self.inject_every,
-      steps=self.inject_steps,
-      replica=self.inject_replica,
-    )
 
   def _micro_gradients(self, batch):
     with tf.GradientTape() as tape:
@@ -430,3 +356,87 @@ class TrainStep(CompiledLoop):
         else tf.reduce_sum(tf.cast(value, tf.float32)) / self.global_batch_size
       )
     return outputs, grads
+
+
+def _combined(grads: list, overwritten: list, replicas: int, clip_norm: float) -> list:
+  """Replica context: one group's gradients as its optimizer applies them: an overwritten
+  variable's new value the MAX over replicas, the others clipped to `clip_norm` (> 0) by the
+  norm of their sum over replicas."""
+  context = tf.distribute.get_replica_context()
+  stepped = [i for i, g in enumerate(grads) if g is not None and not overwritten[i]]
+  if replicas > 1:
+    for i, g in enumerate(grads):
+      if g is not None and overwritten[i]:
+        grads[i] = tf.reduce_max(context.all_gather(g[None], axis=0), axis=0)
+  if clip_norm > 0:
+    norm = global_norm(context.all_reduce(SUM, [grads[i] for i in stepped]))
+    # min(1, c / norm) is finite for every finite c and norm (a norm that overflows float32
+    # gives 0, not NaN; a zero norm gives 1).
+    factor = tf.where(norm > clip_norm, clip_norm / norm, 1.0)
+    for i in stepped:
+      grads[i] = grads[i] * tf.cast(factor, grads[i].dtype)
+  return grads
+
+
+def _update_metrics(outputs: dict, metrics: dict) -> None:
+  """Replica context: each stateful metric's entry popped from `outputs` and, when this
+  replica's loss is finite, given to its update_state. As the summed outputs leave out steps
+  whose loss is not finite, the metrics leave out this replica's (a NaN logit would corrupt an
+  AUC). Outside XLA: metric variables sync on read."""
+  updates = [(metric, outputs.pop(name)) for name, metric in metrics.items() if name in outputs]
+  if not updates:
+    return
+
+  def update():
+    for metric, args in updates:
+      user_code.converted(metric.update_state)(*args)
+    return tf.constant(True)
+
+  loss = outputs.get('loss')
+  loss_finite = tf.reduce_all(tf.math.is_finite(loss)) if loss is not None else tf.constant(True)
+  tf.cond(loss_finite, update, lambda: tf.constant(False))
+
+
+def _accumulation(c, replicas: int) -> int:
+  """config.train.grad_accum_steps, checked to divide the per-replica batch."""
+  k, batch = int(c.train.grad_accum_steps), int(c.train.batch_size)
+  if (batch // replicas) % k:
+    raise ConfigError(
+      f'config.train.grad_accum_steps={k} does not divide the per-replica batch '
+      f'{batch // replicas} (config.train.batch_size={batch} over {replicas} replicas).'
+    )
+  return k
+
+
+def _accumulated(micro, metrics: dict, overwritten: list) -> tuple:
+  """The (outputs, grads) of micro-batches as one batch's: the gradients summed (an overwritten
+  variable's new values combined with MAX), the outputs summed, a stateful metric's arguments
+  concatenated (the metric sees every micro-batch)."""
+  outputs: dict = {}
+  grads = None
+  for micro_outputs, micro_grads in micro:
+    micro_grads = [None if g is None else tf.convert_to_tensor(g) for g in micro_grads]
+    if grads is None:
+      outputs = {n: [v] if n in metrics else v for n, v in micro_outputs.items()}
+      grads = micro_grads
+      continue
+    for name, value in micro_outputs.items():
+      outputs[name] = outputs[name] + ([value] if name in metrics else value)
+    grads = [
+      a if b is None else b if a is None else tf.maximum(a, b) if new_value else a + b
+      for a, b, new_value in zip(grads, micro_grads, overwritten)
+    ]
+  return {
+    n: tuple(tf.concat(parts, 0) for parts in zip(*v)) if n in metrics else v
+    for n, v in outputs.items()
+  }, grads
+
+
+def _flag_list(flags, groups: int, method: str) -> list:
+  """`flags` as a list of one flag per group; anything else is one UserError line."""
+  if not isinstance(flags, (list, tuple)) or len(flags) != groups:
+    raise UserError(
+      f'TrainStep.{method} takes one finite flag per update group ({groups}), as '
+      f'groups_finite(nonfinite_counts) returns them; got {type(flags).__name__}'
+    )
+  return list(flags)
