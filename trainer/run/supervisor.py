@@ -112,6 +112,8 @@ def run(commands: list[list[str]], env: dict, timeout: float, newest_checkpoint)
   previous = {s: signal.signal(s, sup.forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
     sup.start()
+    pids = ', '.join(f'worker {i} pid {p.pid}' for i, p in enumerate(sup.procs))
+    print(f'[launcher] started {pids}', flush=True)
     codes = sup.wait()
   finally:
     for s, handler in previous.items():
