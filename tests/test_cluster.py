@@ -75,8 +75,8 @@ def test_a_port_held_by_another_process_is_named():
     held.listen()
     port = held.getsockname()[1]
     with pytest.raises(UserError, match=f'port {port} of 127.0.0.1:{port} is in use'):
-      cluster.check_port_free(f'127.0.0.1:{port}', 1)
-  cluster.check_port_free(f'127.0.0.1:{port}', 1)  # released: free again
+      cluster.check_port_free(f'127.0.0.1:{port}', '--task_index=1')
+  cluster.check_port_free(f'127.0.0.1:{port}', '--task_index=1')  # released: free again
 
 
 def test_the_cluster_record_refuses_another_worker_count(tmp_path):
@@ -148,7 +148,7 @@ def test_a_second_process_with_the_same_index_is_refused(tmp_path):
     proc = launch(
       f'--cluster=127.0.0.1:{port},127.0.0.1:2', '--task_index=0', f'--workdir={tmp_path / "run"}'
     )
-  assert 'the same command with the same --task_index started twice?' in one_error_line(proc)
+  assert 'the same command with the same task index started twice?' in one_error_line(proc)
   assert not os.path.exists(tmp_path / 'run')
 
 
@@ -212,3 +212,18 @@ def test_the_k8s_manifest_loads_and_gives_each_pod_its_tf_config(tmp_path):
       'cluster': {'worker': [f'mnist-4-{i}.mnist-4:2222' for i in range(4)]},
       'task': {'type': 'worker', 'index': index},
     }
+
+
+def test_a_tf_config_already_set_is_used_as_it_is(tmp_path):
+  """Not rebuilt from flags: its task's address is the one checked (here, held)."""
+  with socket.socket() as held:
+    held.bind(('127.0.0.1', 0))
+    held.listen()
+    port = held.getsockname()[1]
+    tf_config = cluster.tf_config(['127.0.0.1:2001', f'127.0.0.1:{port}'], 1)
+    env = {**ENV, 'TF_CONFIG': json.dumps(tf_config)}
+    proc = launch(
+      '--config.distribute.strategy=multi_worker', f'--workdir={tmp_path / "run"}', env=env
+    )
+  assert f'TF_CONFIG (task 1): port {port} of 127.0.0.1:{port} is in use' in one_error_line(proc)
+  assert not os.path.exists(tmp_path / 'run')

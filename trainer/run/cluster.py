@@ -57,6 +57,11 @@ def is_address(address) -> bool:
   return bool(host.strip('[]')) and port.isdigit() and 0 < int(port) < 65536
 
 
+def is_usable(addresses: list[str], index: int) -> bool:
+  """Every address valid and the index in range (a TF_CONFIG's; distribute.py names faults)."""
+  return all(map(is_address, addresses)) and 0 <= index < len(addresses)
+
+
 def check_index(index: int, addresses: list[str]) -> None:
   if not 0 <= index < len(addresses):
     raise UserError(
@@ -83,9 +88,10 @@ def from_tf_config(text: str) -> tuple[list[str], int] | None:
     return None
 
 
-def check_port_free(address: str, index: int) -> None:
-  """UserError when this task's port is taken on this host. TensorFlow's server listens on
-  every interface at that port; a loopback address is tried on loopback only."""
+def check_port_free(address: str, who: str) -> None:
+  """UserError naming `who` (e.g. '--task_index=1') when this task's port is taken here.
+  TensorFlow's server listens on every interface at that port; a loopback address is tried on
+  loopback only."""
   host, _, port = address.rpartition(':')
   bind_host = host if _is_loopback(host) else ''
   with socket.socket(socket.AF_INET6 if ':' in bind_host else socket.AF_INET) as s:
@@ -95,8 +101,8 @@ def check_port_free(address: str, index: int) -> None:
       if e.errno != errno.EADDRINUSE:
         return  # e.g. the host is not one of this machine's: TensorFlow will say so
       raise UserError(
-        f'--task_index={index}: port {port} of {address} is in use on this host; another '
-        'process holds it (the same command with the same --task_index started twice?). '
+        f'{who}: port {port} of {address} is in use on this host; another '
+        'process holds it (the same command with the same task index started twice?). '
         'Stop it, or give this worker a free port in --cluster'
       ) from None
 

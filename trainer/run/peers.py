@@ -21,6 +21,7 @@ the run folder once the run has written its config record (trainer/run/cluster.p
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import socket
@@ -45,6 +46,7 @@ class Watch:
     self.seen_up: set[int] = set()
     self.down_since: dict[int, float] = {}
     self.recorded = index != 0 or workdir is None  # only the chief records the cluster
+    self.done = False  # set at exit: a worker that finished first is not lost
 
   def lost(self) -> list[int]:
     """Workers seen up once and unreachable now."""
@@ -86,14 +88,17 @@ def install(addresses: list[str], index: int, workdir: str | None, timeout: floa
   """Starts the watchdog thread and the exception handler for worker `index`."""
   watch = Watch(addresses, index, workdir, timeout)
   app.install_exception_handler(_Handler(watch))
+  # Registered after TensorFlow's exit handlers, so run before them: the workers' runtimes may
+  # take a minute to shut down after a run that ended well, and no peer is lost then.
+  atexit.register(setattr, watch, 'done', True)
   threading.Thread(target=_run, args=(watch,), name='peer-watchdog', daemon=True).start()
   return watch
 
 
 def _run(watch: Watch) -> None:
-  while True:
+  while not watch.done:
     lost = watch.tick(time.monotonic())
-    if lost is not None:
+    if lost is not None and not watch.done:
       stop(
         watch,
         lost,

@@ -98,9 +98,10 @@ def _join(flag_values, config) -> None:
     if config is None or config.distribute.strategy != 'multi_worker' or not text:
       return  # not a worker; or TF_CONFIG missing, which distribute.py names
     parsed = cluster.from_tf_config(text)
-    if parsed is None:
+    if parsed is None or not cluster.is_usable(*parsed):
       return  # distribute.py names what is wrong with it
     addresses, index = parsed
+    who = f'TF_CONFIG (task {index})'
   else:
     if flag_values.cluster is None or flag_values.task_index is None:
       raise UserError('--cluster and --task_index go together: pass both (or a TF_CONFIG)')
@@ -108,9 +109,10 @@ def _join(flag_values, config) -> None:
       raise UserError('--cluster builds TF_CONFIG, and TF_CONFIG is set here: pass one of them')
     _check_train_only(flag_values, '--cluster')
     addresses, index = cluster.parse(flag_values.cluster), flag_values.task_index
+    who = f'--task_index={index}'
     cluster.check_index(index, addresses)
     _use_multi_worker(config, '--cluster')
-  cluster.check_port_free(addresses[index], index)
+  cluster.check_port_free(addresses[index], who)
   workdir = os.path.abspath(flag_values.workdir) if flag_values.workdir else None
   if workdir:
     cluster.check_record(workdir, addresses, config.train.accept_config_change)
