@@ -96,12 +96,14 @@ def accuracy(r: Run, prefix: str = '') -> float:
 
 
 def final_state(workdir) -> dict[str, np.ndarray]:
-  """Every tensor of the run's final checkpoint but save_counter (how often it saved)."""
+  """Every variable of the run's final checkpoint (the weights, the optimizer's slots, the loss
+  scaler, the counters) but save_counter (how often it saved)."""
   import tensorflow as tf
 
   reader = tf.train.load_checkpoint(os.path.join(workdir, 'checkpoints', f'ckpt-{STEPS}'))
-  names = [n for n in reader.get_variable_to_shape_map() if 'save_counter' not in n]
-  assert any('model' in n for n in names), names
+  names = [n for n in reader.get_variable_to_shape_map() if n.endswith('/VARIABLE_VALUE')]
+  names = [n for n in names if not n.startswith('save_counter/')]
+  assert any(n.startswith('optimizer/_trainable_variables/') for n in names), names
   return {n: reader.get_tensor(n) for n in names}
 
 

@@ -17,7 +17,8 @@ touched:
     chief once the run folder is set up), unless config.train.accept_config_change is set: each
     worker's shard of every batch, and so the run, would change under the resume.
 The same index on two *different* hosts cannot be seen from either host before the rendezvous;
-TensorFlow's coordination service then refuses the second registration of that task.
+there TensorFlow's coordination service fails the run ("... unexpectedly tried to connect with a
+different incarnation"), an AbortedError that trainer/run/peers.py reports in one line.
 """
 
 from __future__ import annotations
