@@ -84,6 +84,37 @@ _ADVISE_VALIDATE = flags.DEFINE_integer(
   'fraction; 0 = no validation.',
   lower_bound=0,
 )
+flags.DEFINE_integer(
+  'workers',
+  0,
+  'Train with N worker processes on this host (loopback ports, a TF_CONFIG each); their lines '
+  'are prefixed with [worker i]; see docs/guides/distribution.md.',
+  lower_bound=0,
+)
+flags.DEFINE_string(
+  'cluster',
+  None,
+  'host1:port,host2:port,...: this process is worker --task_index of that cluster (worker 0 '
+  'is the chief); builds TF_CONFIG. A TF_CONFIG already set is used as it is.',
+)
+flags.DEFINE_integer('task_index', None, "With --cluster: this worker's position in it.")
+flags.DEFINE_float(
+  'worker_timeout',
+  60.0,
+  'Multi-worker: a worker unreachable this many seconds ends the others (exit code 3).',
+  lower_bound=1.0,
+)
+flags.DEFINE_integer(
+  'k8s_manifest',
+  0,
+  'Print a Kubernetes manifest (an Indexed Job and a headless Service) that runs this command '
+  'on N pods, and exit.',
+  lower_bound=0,
+)
+flags.DEFINE_string('k8s_image', 'mpt-trainer:latest', 'With --k8s_manifest: the image.')
+flags.DEFINE_string(
+  'k8s_claim', 'mpt-runs', 'With --k8s_manifest: the shared volume claim mounted at /runs.'
+)
 flags.register_multi_flags_validator(
   ['config', 'mode', 'forensics'],
   lambda f: f['config'] is not None or (f['mode'] == 'diagnose' and bool(f['forensics'])),
@@ -245,6 +276,9 @@ def main(argv):
     _fail(f'unexpected arguments {argv[1:]}; overrides look like --config.train.steps=100')
   if not _TF_LOGS.value:  # TensorFlow's own Python INFO lines (e.g. checkpoint sharding)
     logging.get_absl_handler().addFilter(_hide_tensorflow_info)
+  from trainer.run import workers  # --workers, --cluster, --k8s_manifest: may exit here
+
+  workers.dispatch(flags.FLAGS, sys.argv, _CONFIG.value, _default_workdir)
   # Imported here so that --help and flag errors do not wait for TensorFlow.
   import models
   from trainer.errors import UserError

@@ -1,0 +1,194 @@
+"""End to end, `launch.py --workers=2` on this machine (issue 38): the docs' one-line command
+trains MNIST to the accuracy of one process; Ctrl-C to the launcher, then the same command,
+ends bit-identical to an uninterrupted run; kill -9 of worker 1 or of the chief at a random step
+ends the survivor by itself (exit code 3, one line naming the lost worker and the checkpoint),
+and the same command then ends bit-identical too. Each run is 2 TensorFlow processes on the 2
+shared cores: all slow."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import docblocks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {k: v for k, v in os.environ.items() if k != 'TF_CONFIG'}
+ENV.update(TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT)
+STEPS = 60
+# Short: a save every 10 steps, so a kill loses at most one loop.
+SHORT = [
+  f'--config.train.steps={STEPS}',
+  '--config.train.steps_per_loop=10',
+  '--config.train.log_every=10',
+  '--config.train.checkpoint_every=10',
+  '--config.numerics.every=0',
+]
+pytestmark = pytest.mark.slow
+
+
+def doc_command() -> list[str]:
+  """distribution.md's one-line command, without its run length and workdir (set per test)."""
+  words = shlex.split(docblocks.block('runs this block as workers.sh').replace('\\\n', ' '))
+  assert words[:2] == ['python', 'launch.py'] and '--workers=2' in words
+  return [a for a in words[2:] if not a.startswith(('--config.train.steps=', '--workdir='))]
+
+
+class Run:
+  """launch.py in the background; its lines collected as they come."""
+
+  def __init__(self, workdir, *args):
+    self.lines: list[str] = []
+    self.proc = subprocess.Popen(
+      [sys.executable, 'launch.py', *args, *SHORT, f'--workdir={workdir}'],
+      env=ENV,
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    self.reader = threading.Thread(target=self._read, daemon=True)
+    self.reader.start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      self.lines.append(line)
+
+  def wait_for(self, pattern: str, timeout: float = 900) -> re.Match:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+      for line in list(self.lines):
+        match = re.search(pattern, line)
+        if match:
+          return match
+      assert self.proc.poll() is None, self.text[-4000:]
+      time.sleep(0.2)
+    raise AssertionError(f'no line matching {pattern!r}:\n{self.text[-4000:]}')
+
+  def finish(self, timeout: float = 900) -> int:
+    code = self.proc.wait(timeout=timeout)
+    self.reader.join(timeout=10)
+    return code
+
+  @property
+  def text(self) -> str:
+    return ''.join(self.lines)
+
+
+def run(workdir, *args) -> Run:
+  r = Run(workdir, *args)
+  assert r.finish() == 0, r.text[-4000:]
+  return r
+
+
+def accuracy(r: Run, prefix: str = '') -> float:
+  return float(re.search(rf'^{re.escape(prefix)}accuracy: ([0-9.]+)$', r.text, re.M).group(1))
+
+
+def final_state(workdir) -> dict[str, np.ndarray]:
+  """Every variable of the run's final checkpoint (the weights, the optimizer's slots, the loss
+  scaler, the counters) but save_counter (how often it saved)."""
+  import tensorflow as tf
+
+  reader = tf.train.load_checkpoint(os.path.join(workdir, 'checkpoints', f'ckpt-{STEPS}'))
+  names = [n for n in reader.get_variable_to_shape_map() if n.endswith('/VARIABLE_VALUE')]
+  names = [n for n in names if not n.startswith('save_counter/')]
+  assert any(n.startswith('optimizer/_trainable_variables/') for n in names), names
+  return {n: reader.get_tensor(n) for n in names}
+
+
+def assert_bit_identical(a, b):
+  sa, sb = final_state(a), final_state(b)
+  assert sorted(sa) == sorted(sb)
+  different = [n for n in sa if not np.array_equal(sa[n], sb[n])]
+  assert different == [], different
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  """The docs' command with --workers=2, never interrupted."""
+  workdir = tmp_path_factory.mktemp('uninterrupted') / 'run'
+  r = run(workdir, *doc_command())
+  assert '[launcher] 2 workers on 127.0.0.1:' in r.text
+  assert '[worker 1] ' in r.text and f'step {STEPS}/{STEPS} (100%)' in r.text
+  assert accuracy(r, '[worker 0] ') == accuracy(r, '[worker 1] ')
+  return workdir, r
+
+
+def test_two_workers_reach_the_accuracy_of_one_process(uninterrupted, tmp_path):
+  workdir, two = uninterrupted
+  words = [a for a in doc_command() if a != '--workers=2']
+  one = run(tmp_path / 'one', *words)
+  assert abs(accuracy(two, '[worker 0] ') - accuracy(one)) <= 0.003, (
+    accuracy(two, '[worker 0] '),
+    accuracy(one),
+  )
+  assert sorted(os.listdir(workdir)) == [
+    'checkpoints',
+    'cluster.json',
+    'config.json',
+    'tensorboard',
+  ]
+
+
+def test_ctrl_c_then_the_same_command_resumes_bit_identically(uninterrupted, tmp_path):
+  workdir = tmp_path / 'run'
+  r = Run(workdir, *doc_command())
+  r.wait_for(r'\[worker 0\] .*step 20/')
+  r.proc.send_signal(signal.SIGINT)
+  assert r.finish() == 0, r.text[-4000:]
+  stopped = re.findall(r'\[worker (\d)\] stopped by (\S+) at step (\d+)/', r.text)
+  assert sorted(w for w, _, _ in stopped) == ['0', '1'], r.text[-4000:]
+  assert len({step for _, _, step in stopped}) == 1  # the same step on both
+  assert '[launcher] received SIGINT: sending SIGTERM to every worker' in r.text
+  again = run(workdir, *doc_command())
+  assert f'resumed from {workdir}/checkpoints/ckpt-{stopped[0][2]}' in again.text
+  assert_bit_identical(uninterrupted[0], workdir)
+
+
+@pytest.mark.parametrize('victim', [1, 0])
+def test_kill_9_of_a_worker_ends_the_other_and_the_rerun_is_bit_identical(
+  uninterrupted, tmp_path, victim
+):
+  workdir = tmp_path / 'run'
+  r = Run(workdir, *doc_command())
+  pids = {
+    int(w): int(p)
+    for w, p in re.findall(
+      r'worker (\d) pid (\d+)', r.wait_for(r'\[launcher\] started .*').group(0)
+    )
+  }
+  at = random.choice([10, 20, 30, 40])
+  r.wait_for(rf'\[worker {victim}\] .*step {at}/')
+  os.kill(pids[victim], signal.SIGKILL)
+  killed = time.monotonic()
+  code = r.finish(timeout=300)
+  elapsed = time.monotonic() - killed
+  survivor = 1 - victim
+  assert code == 128 + signal.SIGKILL, r.text[-4000:]  # the worst code: the victim's
+  lines = [l for l in r.text.splitlines() if 'error: ' in l]
+  # The survivor ended by itself (code 3, its own line), not killed by the launcher's backstop.
+  assert any(
+    l.startswith(f'[worker {survivor}] error: worker {survivor}: worker {victim} was lost')
+    for l in lines
+  ), (elapsed, r.text[-4000:])
+  (last,) = [l for l in lines if l.startswith('error: ')]
+  assert last.startswith(f'error: worker {victim} was lost (killed by SIGKILL)'), last
+  newest = re.search(r'The newest checkpoint is (.+?); run the same command', last).group(1)
+  again = run(workdir, *doc_command())
+  if newest == 'none (nothing saved yet)':  # killed at step 10 before its save
+    assert at == 10 and 'resumed from' not in again.text, last
+  else:
+    assert re.fullmatch(rf'{re.escape(str(workdir))}/checkpoints/ckpt-\d+', newest), last
+    assert f'resumed from {newest}' in again.text
+  assert_bit_identical(uninterrupted[0], workdir)

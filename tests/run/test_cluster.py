@@ -1,0 +1,229 @@
+"""Multi-worker launch without hand-written TF_CONFIG (issue 38): --cluster/--task_index build
+TF_CONFIG; each bad cluster input is one line and exit code 2 with nothing written; the Kubernetes
+manifest loads into the kubernetes client's models and gives every pod its own TF_CONFIG."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from trainer.errors import UserError
+from trainer.run import cluster, k8s, peers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
+ENV = {k: v for k, v in os.environ.items() if k != 'TF_CONFIG'}
+ENV.update(TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT)
+
+
+def launch(*args, env=None):
+  return subprocess.run(
+    [sys.executable, 'launch.py', '--config=configs/mnist.py', f'--config.data.dir={DATA}', *args],
+    env=env or ENV,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+def one_error_line(proc) -> str:
+  lines = [l for l in proc.stderr.splitlines() if l.startswith('error: ')]
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert len(lines) == 1, proc.stderr[-3000:]
+  assert 'Traceback' not in proc.stderr
+  return lines[0]
+
+
+# ---- TF_CONFIG from --cluster ---------------------------------------------------------------
+def test_cluster_and_index_build_tf_config():
+  addresses = cluster.parse('host1:2222,host2:2223')
+  assert cluster.tf_config(addresses, 1) == {
+    'cluster': {'worker': ['host1:2222', 'host2:2223']},
+    'task': {'type': 'worker', 'index': 1},
+  }
+  text = json.dumps(
+    {
+      'cluster': {'chief': ['a:1'], 'worker': ['b:2', 'c:3']},
+      'task': {'type': 'worker', 'index': 1},
+    }
+  )
+  assert cluster.from_tf_config(text) == (['a:1', 'b:2', 'c:3'], 2)
+
+
+@pytest.mark.parametrize(
+  'bad', ['host1', 'host1:0', 'host1:70000', ':2222', 'host 1:2222', 'host1:22a']
+)
+def test_a_malformed_address_is_named(bad):
+  with pytest.raises(UserError, match=f"'{bad}' is not an address"):
+    cluster.parse(f'good:1,{bad}')
+
+
+def test_the_same_address_twice_is_refused():
+  with pytest.raises(UserError, match='127.0.0.1:5 is listed twice'):
+    cluster.parse('127.0.0.1:5,127.0.0.1:5')
+
+
+def test_a_port_held_by_another_process_is_named():
+  with socket.socket() as held:
+    held.bind(('127.0.0.1', 0))
+    held.listen()
+    port = held.getsockname()[1]
+    with pytest.raises(UserError, match=f'port {port} of 127.0.0.1:{port} is in use'):
+      cluster.check_port_free(f'127.0.0.1:{port}', '--task_index=1')
+  cluster.check_port_free(f'127.0.0.1:{port}', '--task_index=1')  # released: free again
+
+
+def test_the_cluster_record_refuses_another_worker_count(tmp_path):
+  cluster.write_record(str(tmp_path), ['127.0.0.1:1', '127.0.0.1:2'])
+  cluster.check_record(str(tmp_path), ['127.0.0.1:7', '127.0.0.1:8'], accept_change=False)  # ports
+  with pytest.raises(UserError, match='trained by 2 worker.*this command starts 3'):
+    cluster.check_record(str(tmp_path), ['h:1', 'h:2', 'h:3'], accept_change=False)
+  cluster.check_record(str(tmp_path), ['h:1', 'h:2', 'h:3'], accept_change=True)
+
+
+def test_the_watchdog_names_a_worker_lost_for_the_timeout(tmp_path):
+  """A peer seen up, then unreachable: lost after `timeout` seconds, not before; one never seen
+  up (still starting) is not lost. The chief records the cluster once config.json exists."""
+  up = socket.socket()
+  up.bind(('127.0.0.1', 0))
+  up.listen()
+  never = cluster.free_ports(1)[0]
+  addresses = ['127.0.0.1:1', f'127.0.0.1:{up.getsockname()[1]}', f'127.0.0.1:{never}']
+  watch = peers.Watch(addresses, 0, str(tmp_path), timeout=60)
+  assert watch.tick(0.0) is None and watch.seen_up == {1}
+  assert not (tmp_path / 'cluster.json').exists()  # the run folder is not set up yet
+  (tmp_path / 'config.json').write_text('{}')
+  up.close()
+  assert watch.tick(1.0) is None and watch.lost() == [1]
+  assert watch.tick(60.0) is None
+  assert watch.tick(61.0) == 1
+  assert json.loads((tmp_path / 'cluster.json').read_text())['workers'] == 3
+
+
+# ---- bad cluster input through launch.py: one line, exit 2, nothing written -------------------
+def _bad_inputs(port_held):
+  return {
+    'index_out_of_range': (
+      ['--cluster=127.0.0.1:2001,127.0.0.1:2002', '--task_index=2'],
+      '--task_index=2 is not in the cluster: --cluster lists 2 worker(s)',
+    ),
+    'malformed_address': (
+      ['--cluster=127.0.0.1:2001,127.0.0.1', '--task_index=0'],
+      "'127.0.0.1' is not an address",
+    ),
+    'port_in_use': (
+      [f'--cluster=127.0.0.1:2001,127.0.0.1:{port_held}', '--task_index=1'],
+      f'--task_index=1: port {port_held} of 127.0.0.1:{port_held} is in use on this host',
+    ),
+    'index_without_cluster': (['--task_index=0'], '--cluster and --task_index go together'),
+  }
+
+
+@pytest.mark.parametrize(
+  'case', ['index_out_of_range', 'malformed_address', 'port_in_use', 'index_without_cluster']
+)
+def test_bad_cluster_input_is_one_line_and_exit_2(tmp_path, case):
+  with socket.socket() as held:
+    held.bind(('127.0.0.1', 0))
+    held.listen()
+    args, expected = _bad_inputs(held.getsockname()[1])[case]
+    proc = launch(*args, f'--workdir={tmp_path / "run"}')
+  assert expected in one_error_line(proc)
+  assert not os.path.exists(tmp_path / 'run')
+
+
+def test_a_second_process_with_the_same_index_is_refused(tmp_path):
+  """The same --task_index started twice on one host: the second finds the first's port taken
+  (here held by a socket standing for the first worker's TensorFlow server)."""
+  with socket.socket() as first:
+    first.bind(('127.0.0.1', 0))
+    first.listen()
+    port = first.getsockname()[1]
+    proc = launch(
+      f'--cluster=127.0.0.1:{port},127.0.0.1:2', '--task_index=0', f'--workdir={tmp_path / "run"}'
+    )
+  assert 'the same command with the same task index started twice?' in one_error_line(proc)
+  assert not os.path.exists(tmp_path / 'run')
+
+
+def test_a_cluster_of_another_size_than_the_run_folders_is_refused(tmp_path):
+  run = tmp_path / 'run'
+  run.mkdir()
+  cluster.write_record(str(run), ['127.0.0.1:1', '127.0.0.1:2'])
+  before = sorted(os.listdir(run))
+  proc = launch('--workers=3', f'--workdir={run}')
+  assert 'this run was trained by 2 worker(s), this command starts 3' in one_error_line(proc)
+  assert sorted(os.listdir(run)) == before  # nothing written
+
+
+def test_cluster_and_tf_config_together_are_refused(tmp_path):
+  env = {**ENV, 'TF_CONFIG': json.dumps(cluster.tf_config(['127.0.0.1:1'], 0))}
+  proc = launch(
+    '--cluster=127.0.0.1:2001', '--task_index=0', f'--workdir={tmp_path / "run"}', env=env
+  )
+  assert 'TF_CONFIG is set here: pass one of them' in one_error_line(proc)
+  assert not os.path.exists(tmp_path / 'run')
+
+
+# ---- Kubernetes ------------------------------------------------------------------------------
+def test_the_k8s_manifest_loads_and_gives_each_pod_its_tf_config(tmp_path):
+  kubernetes = pytest.importorskip('kubernetes')
+  yaml = pytest.importorskip('yaml')
+  proc = launch(
+    '--config.train.steps=500',
+    '--workdir=runs/MNIST_4',
+    '--k8s_manifest=4',
+    '--k8s_image=registry/mpt:1',
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert not os.path.exists(os.path.join(ROOT, 'runs', 'MNIST_4'))  # nothing written
+  service_doc, job_doc = list(yaml.safe_load_all(proc.stdout))
+  api = kubernetes.client.ApiClient()
+  service = api._ApiClient__deserialize(service_doc, 'V1Service')
+  job = api._ApiClient__deserialize(job_doc, 'V1Job')
+  assert isinstance(service, kubernetes.client.V1Service) and isinstance(
+    job, kubernetes.client.V1Job
+  )
+  assert service.spec.cluster_ip == 'None' and service.spec.publish_not_ready_addresses
+  assert job.spec.completion_mode == 'Indexed' and job.spec.completions == job.spec.parallelism == 4
+  pod = job.spec.template
+  assert pod.spec.subdomain == service.metadata.name == job.metadata.name == 'mnist-4'
+  assert service.spec.selector == pod.metadata.labels  # the Service finds the Job's pods
+  assert pod.spec.volumes[0].persistent_volume_claim.claim_name == 'mpt-runs'
+  container = pod.spec.containers[0]
+  assert container.image == 'registry/mpt:1'
+  assert container.volume_mounts[0].mount_path == '/runs'
+  (env,) = [e for e in container.env if e.name == 'JOB_COMPLETION_INDEX']
+  assert env.value_from.field_ref.field_path == k8s.INDEX_ANNOTATION
+  for index in range(4):  # what Kubernetes runs in pod `index` ($(VAR) expanded from its env)
+    command = [a.replace('$(JOB_COMPLETION_INDEX)', str(index)) for a in container.command]
+    assert command[:3] == ['python', 'launch.py', '--config=configs/mnist.py']
+    assert '--config.train.steps=500' in command and '--workdir=/runs/mnist-4' in command
+    assert not any(a.startswith(('--k8s', '--workdir=runs')) for a in command)
+    flags = dict(a[2:].split('=', 1) for a in command[2:])
+    tf_config = cluster.tf_config(cluster.parse(flags['cluster']), int(flags['task_index']))
+    assert tf_config == {
+      'cluster': {'worker': [f'mnist-4-{i}.mnist-4:2222' for i in range(4)]},
+      'task': {'type': 'worker', 'index': index},
+    }
+
+
+def test_a_tf_config_already_set_is_used_as_it_is(tmp_path):
+  """Not rebuilt from flags: its task's address is the one checked (here, held)."""
+  with socket.socket() as held:
+    held.bind(('127.0.0.1', 0))
+    held.listen()
+    port = held.getsockname()[1]
+    tf_config = cluster.tf_config(['127.0.0.1:2001', f'127.0.0.1:{port}'], 1)
+    env = {**ENV, 'TF_CONFIG': json.dumps(tf_config)}
+    proc = launch(
+      '--config.distribute.strategy=multi_worker', f'--workdir={tmp_path / "run"}', env=env
+    )
+  assert f'TF_CONFIG (task 1): port {port} of 127.0.0.1:{port} is in use' in one_error_line(proc)
+  assert not os.path.exists(tmp_path / 'run')

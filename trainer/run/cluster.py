@@ -1,0 +1,163 @@
+"""The cluster of a multi-worker run: TF_CONFIG from `--cluster` and `--task_index`, the checks
+made before anything is written, free loopback ports, and the record in the run folder.
+
+  --cluster=host1:2222,host2:2222 --task_index=1
+    -> TF_CONFIG {"cluster": {"worker": ["host1:2222", "host2:2222"]},
+                  "task": {"type": "worker", "index": 1}}
+
+Worker 0 is the chief (MultiWorkerMirroredStrategy's rule for a cluster without a 'chief' task).
+Every check here raises a UserError whose message names the flag and the culprit; the launcher
+prints it as one line and exits with code 2 before TensorFlow starts and before the run folder is
+touched:
+  * an address that is not host:port (port in [1, 65535]), or the same address twice;
+  * a task index outside [0, number of workers);
+  * this task's port already taken on this host: another process (often the same command with
+    the same --task_index, started twice on this host) holds it;
+  * a worker count that differs from the run folder's record (cluster.json, written by the
+    chief once the run folder is set up), unless config.train.accept_config_change is set: each
+    worker's shard of every batch, and so the run, would change under the resume.
+The same index on two *different* hosts cannot be seen from either host before the rendezvous;
+there TensorFlow's coordination service fails the run ("... unexpectedly tried to connect with a
+different incarnation"), an AbortedError that trainer/run/peers.py reports in one line.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import json
+import os
+import socket
+
+from trainer.errors import UserError
+
+RECORD = 'cluster.json'  # in the workdir: {"workers": N, "addresses": [...]}
+LOOPBACK = '127.0.0.1'
+
+
+def parse(text: str, flag: str = '--cluster') -> list[str]:
+  """'host1:port,host2:port' -> the addresses, in task order; UserError naming the bad one."""
+  addresses = [a.strip() for a in text.split(',')]
+  for address in addresses:
+    if not is_address(address):
+      raise UserError(
+        f'{flag}={text}: {address!r} is not an address; each is host:port with a port in '
+        '[1, 65535], e.g. 10.0.0.2:2222 (comma-separated, worker 0 first)'
+      )
+  repeated = next((a for i, a in enumerate(addresses) if a in addresses[:i]), None)
+  if repeated:
+    raise UserError(f'{flag}={text}: {repeated} is listed twice; each worker needs its own port')
+  return addresses
+
+
+def is_address(address) -> bool:
+  """'host:port' (an IPv6 host in brackets) with a port in [1, 65535] and no spaces."""
+  if not isinstance(address, str) or any(c.isspace() for c in address):
+    return False
+  host, _, port = address.rpartition(':')
+  return bool(host.strip('[]')) and port.isdigit() and 0 < int(port) < 65536
+
+
+def is_usable(addresses: list[str], index: int) -> bool:
+  """Every address valid and the index in range (a TF_CONFIG's; distribute.py names faults)."""
+  return all(map(is_address, addresses)) and 0 <= index < len(addresses)
+
+
+def check_index(index: int, addresses: list[str]) -> None:
+  if not 0 <= index < len(addresses):
+    raise UserError(
+      f'--task_index={index} is not in the cluster: --cluster lists {len(addresses)} '
+      f'worker(s), so the index is in [0, {len(addresses) - 1}]'
+    )
+
+
+def tf_config(addresses: list[str], index: int) -> dict:
+  """The TF_CONFIG of worker `index` (worker 0 is the chief)."""
+  return {'cluster': {'worker': list(addresses)}, 'task': {'type': 'worker', 'index': index}}
+
+
+def from_tf_config(text: str) -> tuple[list[str], int] | None:
+  """(the addresses of the chief and workers, in task order, this task's position) of a
+  TF_CONFIG; None when it is not one this module can read (distribute.py names the problem)."""
+  try:
+    value = json.loads(text)
+    spec, task = value['cluster'], value['task']
+    chief, workers = list(spec.get('chief', [])), list(spec.get('worker', []))
+    offset = len(chief) if task['type'] == 'worker' else 0
+    return chief + workers, offset + int(task['index'])
+  except (ValueError, KeyError, TypeError, AttributeError):
+    return None
+
+
+def check_port_free(address: str, who: str) -> None:
+  """UserError naming `who` (e.g. '--task_index=1') when this task's port is taken here.
+  TensorFlow's server listens on every interface at that port; a loopback address is tried on
+  loopback only."""
+  host, _, port = address.rpartition(':')
+  bind_host = host if _is_loopback(host) else ''
+  with socket.socket(socket.AF_INET6 if ':' in bind_host else socket.AF_INET) as s:
+    try:
+      s.bind((bind_host.strip('[]'), int(port)))
+    except OSError as e:
+      if e.errno != errno.EADDRINUSE:
+        return  # e.g. the host is not one of this machine's: TensorFlow will say so
+      raise UserError(
+        f'{who}: port {port} of {address} is in use on this host; another '
+        'process holds it (the same command with the same task index started twice?). '
+        'Stop it, or give this worker a free port in --cluster'
+      ) from None
+
+
+def _is_loopback(host: str) -> bool:
+  if host == 'localhost':
+    return True
+  try:
+    return ipaddress.ip_address(host.strip('[]')).is_loopback
+  except ValueError:
+    return False
+
+
+def free_ports(n: int) -> list[int]:
+  """n distinct ports free on 127.0.0.1 right now (the kernel's choice; held open together so
+  that no two are the same, then released for the workers to take)."""
+  sockets = [socket.socket() for _ in range(n)]
+  try:
+    for s in sockets:
+      s.bind((LOOPBACK, 0))
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
+
+
+# ---- the record in the run folder ------------------------------------------------------------
+def read_record(workdir: str) -> dict | None:
+  path = os.path.join(workdir, RECORD)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError) as e:
+    raise UserError(f'{path}: unreadable ({e}); remove it if the run folder is yours') from None
+
+
+def check_record(workdir: str, addresses: list[str], accept_change: bool) -> None:
+  """UserError when the run folder was trained by a cluster of another size (see the module
+  docstring). Other addresses with the same count are fine: a host replaced, new free ports."""
+  record = read_record(workdir)
+  if record is None or record.get('workers') == len(addresses) or accept_change:
+    return
+  raise UserError(
+    f'{os.path.join(workdir, RECORD)}: this run was trained by {record.get("workers")} '
+    f'worker(s), this command starts {len(addresses)}: the data each worker reads would '
+    f'change under the resume. Start {record.get("workers")} workers, or pass '
+    '--config.train.accept_config_change=true to resume with this cluster'
+  )
+
+
+def write_record(workdir: str, addresses: list[str]) -> None:
+  """Records the cluster atomically (the chief, once the run folder is set up)."""
+  from trainer.run.workdir import write_json  # TensorFlow: not on the checks' path
+
+  write_json(os.path.join(workdir, RECORD), {'workers': len(addresses), 'addresses': addresses})

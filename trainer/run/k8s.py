@@ -1,0 +1,130 @@
+"""A Kubernetes manifest for N workers without TFJob: a headless Service and an Indexed Job.
+
+  python launch.py --config=configs/mnist.py --workdir=mnist-4 --k8s_manifest=4 > job.yaml
+
+The pattern Kubernetes documents for indexed workloads: the Job (completionMode: Indexed) runs N
+pods, pod i with hostname `<name>-i`; the headless Service `<name>` gives each the DNS name
+`<name>-i.<name>`, so the cluster list is known before any pod starts. Each pod runs launch.py
+with the same arguments plus `--cluster=<name>-0.<name>:2222,...` and
+`--task_index=$(JOB_COMPLETION_INDEX)` (Kubernetes expands the variable, set from the pod's
+completion-index annotation), so each builds its own TF_CONFIG (trainer/run/cluster.py). The run
+folder is /runs/<name> on a volume every pod mounts (a ReadWriteMany PersistentVolumeClaim).
+
+A lost worker ends the others with exit code 3 (trainer/run/peers.py); restartPolicy OnFailure
+restarts every container, and each resumes from the chief's newest checkpoint. SIGTERM (a pod
+evicted or deleted) saves at the same step on every worker within the grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+PORT = 2222
+MOUNT = '/runs'
+INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+GRACE_SECONDS = 300  # SIGTERM to exit: the current loop, one checkpoint and the exit
+
+
+def name_for(text: str) -> str:
+  """A DNS-1123 label from a workdir or config name, short enough for `<name>-<index>`."""
+  name = re.sub(r'[^a-z0-9-]+', '-', text.lower()).strip('-')[:50].strip('-')
+  return name or 'mpt-workers'
+
+
+def manifest(workers: int, name: str, args: list[str], image: str, claim: str) -> str:
+  """The YAML stream (Service, then Job) for `workers` pods running launch.py `args`."""
+  return '---\n'.join(to_yaml(doc) for doc in documents(workers, name, args, image, claim))
+
+
+def documents(workers: int, name: str, args: list[str], image: str, claim: str) -> list[dict]:
+  labels = {'app.kubernetes.io/name': 'mpt-trainer', 'mpt-trainer/run': name}
+  service = {
+    'apiVersion': 'v1',
+    'kind': 'Service',
+    'metadata': {'name': name, 'labels': labels},
+    'spec': {
+      'clusterIP': 'None',  # headless: one DNS record per pod, no load balancing
+      'publishNotReadyAddresses': True,  # the rendezvous happens before any pod is ready
+      'selector': labels,
+      'ports': [{'name': 'grpc', 'port': PORT, 'targetPort': PORT}],
+    },
+  }
+  addresses = ','.join(f'{name}-{i}.{name}:{PORT}' for i in range(workers))
+  command = ['python', 'launch.py', *args, f'--workdir={MOUNT}/{name}']
+  command += [f'--cluster={addresses}', '--task_index=$(JOB_COMPLETION_INDEX)']
+  container = {
+    'name': 'worker',
+    'image': image,
+    'command': command,
+    'env': [
+      {'name': 'JOB_COMPLETION_INDEX', 'valueFrom': {'fieldRef': {'fieldPath': INDEX_ANNOTATION}}}
+    ],
+    'ports': [{'name': 'grpc', 'containerPort': PORT}],
+    'volumeMounts': [{'name': 'runs', 'mountPath': MOUNT}],
+  }
+  job = {
+    'apiVersion': 'batch/v1',
+    'kind': 'Job',
+    'metadata': {'name': name, 'labels': labels},
+    'spec': {
+      'completionMode': 'Indexed',
+      'completions': workers,
+      'parallelism': workers,
+      'backoffLimit': 6 * workers,
+      'template': {
+        'metadata': {'labels': labels},
+        'spec': {
+          'subdomain': name,  # with the Service of the same name: <name>-i.<name> resolves
+          'restartPolicy': 'OnFailure',
+          'terminationGracePeriodSeconds': GRACE_SECONDS,
+          'containers': [container],
+          'volumes': [{'name': 'runs', 'persistentVolumeClaim': {'claimName': claim}}],
+        },
+      },
+    },
+  }
+  return [service, job]
+
+
+def to_yaml(value, indent: int = 0) -> str:
+  """Block-style YAML of dicts, lists, strings, numbers and booleans (strings JSON-quoted,
+  which YAML reads as double-quoted scalars)."""
+  pad = ' ' * indent
+  if isinstance(value, dict):
+    lines = []
+    for key, item in value.items():
+      if isinstance(item, (dict, list)) and item:
+        lines.append(f'{pad}{key}:\n{to_yaml(item, indent + 2)}')
+      else:
+        lines.append(f'{pad}{key}: {_scalar(item)}\n')
+    return ''.join(lines)
+  lines = []
+  for item in value:
+    if isinstance(item, (dict, list)) and item:
+      body = to_yaml(item, indent + 2)
+      lines.append(f'{pad}- {body[indent + 2 :]}')
+    else:
+      lines.append(f'{pad}- {_scalar(item)}\n')
+  return ''.join(lines)
+
+
+def _scalar(value) -> str:
+  if isinstance(value, (dict, list)):
+    return '{}' if isinstance(value, dict) else '[]'
+  return json.dumps(value)
+
+
+def pod_args(argv: list[str], dropped: tuple[str, ...]) -> list[str]:
+  """launch.py's arguments without the flags the manifest sets or that only apply here."""
+  out, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+      continue
+    flag = arg.split('=', 1)[0].lstrip('-')
+    if arg.startswith('-') and flag in dropped:  # each takes a value: --flag=v or --flag v
+      skip = '=' not in arg
+      continue
+    out.append(arg)
+  return out

@@ -1,0 +1,146 @@
+"""launch.py's multi-worker flags: what this process does before it trains, if it trains at all.
+
+  --workers=N                 supervise N workers on this host (trainer/run/supervisor.py) and
+                              exit with the worst of their codes; this process does not train
+  --cluster=... --task_index  be worker i of that cluster: TF_CONFIG is built here
+  TF_CONFIG (already set)     used as it is (with config.distribute.strategy='multi_worker')
+  --k8s_manifest=N            print a Kubernetes manifest for N workers (trainer/run/k8s.py)
+
+A worker (--cluster, or TF_CONFIG under multi_worker) is checked before TensorFlow starts and
+before the run folder is touched (trainer/run/cluster.py), then watches the other workers
+(trainer/run/peers.py). A mistake is one line and exit code 2, with nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from trainer.errors import UserError
+from trainer.run import cluster
+
+# launch.py flags the manifest and the workers' commands set themselves.
+OWN_FLAGS = (
+  'workdir',
+  'workers',
+  'cluster',
+  'task_index',
+  'k8s_manifest',
+  'k8s_image',
+  'k8s_claim',
+)
+
+
+def dispatch(flag_values, argv: list[str], config, default_workdir) -> None:
+  """Returns when this process should go on to train (or run its mode); otherwise exits."""
+  try:
+    if flag_values.k8s_manifest:
+      print(_manifest(flag_values, argv, config), end='')
+      sys.exit(0)
+    if flag_values.workers:
+      sys.exit(_supervise(flag_values, argv, config, default_workdir))
+    _join(flag_values, config)
+  except UserError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
+def _check_train_only(flag_values, flag: str) -> None:
+  if flag_values.mode != 'train' or flag_values.audit or flag_values.advise:
+    other = f'--mode={flag_values.mode}' if flag_values.mode != 'train' else '--audit/--advise'
+    raise UserError(f'{flag} trains; {other} runs in one process: leave {flag} out')
+
+
+def _use_multi_worker(config, flag: str) -> None:
+  """Sets config.distribute.strategy to multi_worker ('default' becomes it; others refused)."""
+  strategy = config.distribute.strategy
+  if strategy == 'default':
+    config.distribute.strategy = 'multi_worker'
+  elif strategy != 'multi_worker':
+    raise UserError(
+      f'{flag} runs MultiWorkerMirroredStrategy (each worker uses all its GPUs); '
+      f"config.distribute.strategy={strategy!r} is another: set it to 'multi_worker'"
+    )
+
+
+def _supervise(flag_values, argv: list[str], config, default_workdir) -> int:
+  from trainer.run import supervisor
+
+  n = flag_values.workers
+  if flag_values.cluster or flag_values.task_index is not None:
+    raise UserError(f'--workers={n} makes its own --cluster and --task_index: leave them out')
+  if os.environ.get('TF_CONFIG'):
+    raise UserError(f'--workers={n} makes a TF_CONFIG per worker; unset the TF_CONFIG set here')
+  _check_train_only(flag_values, f'--workers={n}')
+  _use_multi_worker(config, f'--workers={n}')
+  workdir = os.path.abspath(flag_values.workdir or default_workdir())
+  addresses = [f'{cluster.LOOPBACK}:{p}' for p in cluster.free_ports(n)]
+  cluster.check_record(workdir, addresses, config.train.accept_config_change)
+  base = [sys.executable, argv[0], *argv[1:], '--workers=0', f'--workdir={workdir}']
+  commands = [base + [f'--cluster={",".join(addresses)}', f'--task_index={i}'] for i in range(n)]
+  print(f'[launcher] {n} workers on {", ".join(addresses)}; run folder {workdir}', flush=True)
+  return supervisor.run(
+    commands, supervisor.child_env(), flag_values.worker_timeout, lambda: _newest(workdir)
+  )
+
+
+def _newest(workdir: str) -> str | None:
+  from trainer.run import checkpoint_files
+
+  return next(iter(checkpoint_files.find(os.path.join(workdir, 'checkpoints'))), None)
+
+
+def _join(flag_values, config) -> None:
+  """A worker: TF_CONFIG from --cluster (or the one set), the checks, the peers' watchdog."""
+  text = os.environ.get('TF_CONFIG', '')
+  if flag_values.cluster is None and flag_values.task_index is None:
+    if config is None or config.distribute.strategy != 'multi_worker' or not text:
+      return  # not a worker; or TF_CONFIG missing, which distribute.py names
+    parsed = cluster.from_tf_config(text)
+    if parsed is None or not cluster.is_usable(*parsed):
+      return  # distribute.py names what is wrong with it
+    addresses, index = parsed
+    who = f'TF_CONFIG (task {index})'
+  else:
+    if flag_values.cluster is None or flag_values.task_index is None:
+      raise UserError('--cluster and --task_index go together: pass both (or a TF_CONFIG)')
+    if text:
+      raise UserError('--cluster builds TF_CONFIG, and TF_CONFIG is set here: pass one of them')
+    _check_train_only(flag_values, '--cluster')
+    addresses, index = cluster.parse(flag_values.cluster), flag_values.task_index
+    who = f'--task_index={index}'
+    cluster.check_index(index, addresses)
+    _use_multi_worker(config, '--cluster')
+  cluster.check_port_free(addresses[index], who)
+  workdir = os.path.abspath(flag_values.workdir) if flag_values.workdir else None
+  if workdir:
+    cluster.check_record(workdir, addresses, config.train.accept_config_change)
+  if not text:
+    os.environ['TF_CONFIG'] = json.dumps(cluster.tf_config(addresses, index))
+  from trainer.run import peers
+
+  peers.install(addresses, index, workdir, flag_values.worker_timeout)
+
+
+def _manifest(flag_values, argv: list[str], config) -> str:
+  from trainer.run import k8s
+
+  n = flag_values.k8s_manifest
+  if flag_values.workers or flag_values.cluster or flag_values.task_index is not None:
+    raise UserError(f'--k8s_manifest={n} writes its own --cluster: leave out --workers/--cluster')
+  _check_train_only(flag_values, f'--k8s_manifest={n}')
+  _use_multi_worker(config, f'--k8s_manifest={n}')  # checked here; the pods set it themselves
+  source = flag_values.workdir or os.path.splitext(os.path.basename(argv_config(argv)))[0]
+  name = k8s.name_for(os.path.basename(os.path.normpath(source)))
+  args = k8s.pod_args(argv[1:], OWN_FLAGS)
+  return k8s.manifest(n, name, args, flag_values.k8s_image, flag_values.k8s_claim)
+
+
+def argv_config(argv: list[str]) -> str:
+  for i, arg in enumerate(argv):
+    if arg.startswith('--config='):
+      return arg.split('=', 1)[1].split(':', 1)[0]
+    if arg == '--config' and i + 1 < len(argv):
+      return argv[i + 1]
+  return 'run'
