@@ -22,7 +22,8 @@ import pytest
 
 import docblocks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 ENV = {k: v for k, v in os.environ.items() if k != 'TF_CONFIG'}
 ENV.update(TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT)
 STEPS = 60

@@ -15,7 +15,8 @@ import pytest
 from trainer.errors import UserError
 from trainer.run import cluster, k8s, peers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 DATA = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
 ENV = {k: v for k, v in os.environ.items() if k != 'TF_CONFIG'}
 ENV.update(TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT)
