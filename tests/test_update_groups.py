@@ -14,6 +14,7 @@ import test_readme_beyond as beyond
 from test_readme_beyond import package  # noqa: F401  (the fixture)
 from tiny import TinyTrainer, tiny_config
 from trainer import UserError
+from trainer.run import build
 
 
 @pytest.fixture
@@ -103,31 +104,46 @@ def test_two_scale_gan_resumes_bit_identically(gan2, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
-def test_a_helper_named_save_is_one_line_at_class_definition():
+def test_a_helper_named_evaluate_is_one_line_at_class_definition():
   with pytest.raises(UserError) as info:
 
     class Mine(TinyTrainer):  # pylint: disable=unused-variable
-      def save(self, folder):
+      def evaluate(self, folder):
         del folder
 
   message = str(info.value)
-  assert '\n' not in message and 'Mine.save' in message and 'build_model' in message
+  assert '\n' not in message and 'Mine.evaluate' in message and 'build_model' in message
 
 
 def test_an_attribute_named_like_the_framework_is_one_line():
-  with pytest.raises(UserError, match=r'Mine\.numerics'):
+  with pytest.raises(UserError, match=r'Mine\.loss_scaler'):
 
     class Mine(TinyTrainer):  # pylint: disable=unused-variable
-      numerics = None
+      loss_scaler = None
+
+
+def test_the_guard_lists_only_names_a_trainer_has(tmp_path):
+  """Issue 34: the guard refused `save`, `checkpoint`, `actions` and 9 more names no Trainer had
+  any more; every name it lists is an attribute or method of a built Trainer, and a name that
+  moved to the Runner is free."""
+  trainer = TinyTrainer(tiny_config(), str(tmp_path / 'w'))
+  missing = sorted(n for n in build.FRAMEWORK_NAMES if not hasattr(trainer, n))
+  assert not missing, missing
+
+  class Mine(TinyTrainer):  # a helper named like a Runner method: the user's own
+    def save(self, folder):
+      return folder
+
+  assert Mine.save(None, 'x') == 'x'
 
 
 def test_an_instance_attribute_set_before_init_is_caught_at_build(tmp_path):
 
   class Mine(TinyTrainer):
     def __init__(self, config, workdir):
-      self.checkpoint = 'mine'  # set before super().__init__()
+      self.runner = 'mine'  # set before super().__init__()
       super().__init__(config, workdir)
 
-  with pytest.raises(UserError, match=r"Mine\.checkpoint: 'checkpoint' is a name the framework"):
+  with pytest.raises(UserError, match=r"Mine\.runner: 'runner' is a name the framework"):
     Mine(tiny_config(), str(tmp_path / 'w'))
   assert not (tmp_path / 'w').exists()  # nothing written
