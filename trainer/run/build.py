@@ -5,7 +5,8 @@
 device), `policy`, `datasets` and `total_steps`, then under the strategy's scope `model`,
 `train_metrics` and `eval_metrics`, `global_step`, `metric_names` (from one eager forward pass on
 the first eval batch that checks the hooks' contract: one-line errors before anything is
-written), `loss_scaler`, `learning_rate`, `optimizer` and `train_step`. Nothing here touches the
+written), `loss_scaler`, `learning_rate` (build_learning_rate(), with the recovery factor),
+`optimizer` and `train_step`. Nothing here touches the
 run folder; the Runner (trainer/run/runner.py) does.
 """
 
@@ -127,10 +128,14 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     if c.precision.float8:  # after the probe: quantize needs a built model
       precision.quantize_float8(trainer.model)
     trainer.loss_scaler = LossScaler.from_config(c.precision, trainer.policy)
-    trainer.learning_rate = optimizers.schedule(c.optimizer, trainer.total_steps)
-    step = trainer.global_step
+    # The schedule, built once: the hook's, times the recovery factor (a variable each
+    # recovery lowers). The optimizer reads it at the global step (optimizers.AtGlobalStep),
+    # whatever optimizer build_optimizer makes, so a custom one follows recovery too.
+    trainer.learning_rate = optimizers.recoverable(
+      trainer.build_learning_rate(), c.train.recover_lr_factor
+    )
     trainer.optimizer = trainer.build_optimizer(
-      optimizers.once_per_trace(lambda: trainer.learning_rate(step))
+      optimizers.AtGlobalStep(trainer.learning_rate, trainer.global_step)
     )
     trainer.train_step = trainer.build_train_step()
     _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)

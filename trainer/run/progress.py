@@ -26,26 +26,73 @@ def _eta(remaining_steps: int, steps_per_sec: float) -> str:
   return str(datetime.timedelta(seconds=round(remaining_steps / steps_per_sec)))
 
 
+def _named(label: str, values: float | dict[str, float], text) -> str:
+  """'lr 1.00e-03' for one value (or several equal ones), 'lr d=1.00e-03 g=2.00e-04' else."""
+  if not isinstance(values, dict):
+    return f'{label} {text(values)}'
+  if len(set(values.values())) <= 1:
+    return f'{label} {text(next(iter(values.values()), float("nan")))}'
+  return f'{label} ' + ' '.join(f'{name}={text(v)}' for name, v in values.items())
+
+
 def line(
   *,
   step: int,
   total: int,
   metrics: dict[str, float],
-  learning_rate: float,
-  scale: float,
+  learning_rate: float | dict[str, float],
+  scale: float | dict[str, float],
   skipped: int,
   steps_per_sec: float,
   nonfinite_loss: int = 0,
 ) -> str:
+  """The progress line. `learning_rate` and `scale` are one value, or one per update group
+  ({group name: value}, `learning_rates` and `loss_scales`): each shown when they differ."""
+  first = next(iter(scale.values())) if isinstance(scale, dict) else scale
   _last_values.clear()
-  _last_values.update({'loss': metrics.get('loss', float('nan')), 'scale': scale, 'step': step})
+  _last_values.update({'loss': metrics.get('loss', float('nan')), 'scale': first, 'step': step})
   shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items())
   return (
     f'step {step}/{total} ({100.0 * step / max(total, 1):.0f}%) | {shown} | '
-    f'lr {learning_rate:.2e} | scale {scale:g} | skipped {skipped} | '
+    f'{_named("lr", learning_rate, lambda v: f"{v:.2e}")} | '
+    f'{_named("scale", scale, lambda v: f"{v:g}")} | skipped {skipped} | '
     + (f'non-finite loss in {nonfinite_loss} steps | ' if nonfinite_loss else '')
     + f'{steps_per_sec:.1f} steps/s | ETA {_eta(total - step, steps_per_sec)}'
   )
+
+
+def group_name(group, index: int) -> str:
+  """An update group's name: its own `name`, else its index in the step's groups."""
+  return getattr(group, 'name', '') or str(index)
+
+
+def learning_rates(groups) -> dict[str, float]:
+  """{group name: the learning rate its optimizer uses at its next update}, read from each
+  distinct optimizer of the update groups (`TrainStep.groups`): a schedule of the optimizer's
+  own is what it reports, not config.optimizer's."""
+  return _per_distinct(groups, lambda g: g.optimizer, lambda o: float(o.learning_rate))
+
+
+def loss_scales(groups) -> dict[str, float]:
+  """{group name: its loss scale}, one entry per distinct loss scaler of the update groups."""
+  return _per_distinct(groups, lambda g: g.loss_scaler, lambda s: float(s.scale.numpy()))
+
+
+def _per_distinct(groups, part, read) -> dict[str, float]:
+  values: dict[str, float] = {}
+  seen: set[int] = set()
+  for index, group in enumerate(groups):
+    if id(part(group)) not in seen:
+      seen.add(id(part(group)))
+      values[group_name(group, index)] = read(part(group))
+  return values
+
+
+def scalars(name: str, values: dict[str, float]) -> dict[str, float]:
+  """TensorBoard scalars of per-group `values`: `name` is the first group's (the only one's),
+  and with several, `name/<group>` each."""
+  first = {name: next(iter(values.values()))} if values else {}
+  return first if len(values) < 2 else {**first, **{f'{name}/{k}': v for k, v in values.items()}}
 
 
 class Progress:
@@ -72,6 +119,16 @@ class Progress:
     self._last_line = clock()
     self._start = (first_step, self._last_line)  # for the bar's steps/s over the whole run
     self._drawn = False
+    self._timed = (0.0, 0)  # seconds and steps of the calls since the last line
+
+  def timed(self, seconds: float, steps: int) -> None:
+    """A compiled call of `steps` steps took `seconds`: counted in the next line's steps/s."""
+    self._timed = (self._timed[0] + seconds, self._timed[1] + steps)
+
+  def steps_per_sec(self) -> float:
+    """Steps per second of the calls since the last line (then counted from zero again)."""
+    (seconds, steps), self._timed = self._timed, (0.0, 0)
+    return steps / seconds if seconds > 0 else 0.0
 
   def due(self, step: int, now: float | None = None) -> bool:
     """Whether the call that reached `step` gets a progress line; records it when it does."""
