@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 import warnings
 
 import ml_collections
@@ -247,6 +248,7 @@ def main(argv):
   from trainer.run.preemption import Preempted
 
   config = _CONFIG.value
+  trainer = None
   if _MODE.value == 'diagnose':
     if not _FORENSICS.value and not _WORKDIR.value:
       _fail(
@@ -289,16 +291,29 @@ def main(argv):
       metrics = lifecycle.evaluate_checkpoint(trainer)
     else:
       metrics = trainer.train()
-  except UserError as e:
-    _fail(str(e))
+  except UserError as e:  # during training: with what is on disk
+    _fail('; '.join(filter(None, (str(e).rstrip('.'), _on_disk(trainer)))))
   except Preempted as e:  # SIGTERM/SIGINT: a checkpoint was saved; not a failure
     print(str(e), file=sys.stderr)
     exit_now(0, config)
-  logging.info('workdir: %s', trainer.workdir)
+  except Exception:  # a bug in the model's code, say: its traceback, then what is on disk
+    if not _on_disk(trainer):
+      raise
+    traceback.print_exc()
+    print(f'error: the run failed; {_on_disk(trainer)}', file=sys.stderr)
+    exit_now(1, config)
+  logging.info(
+    'workdir: %s%s', trainer.workdir, '; ' + _on_disk(trainer) if _on_disk(trainer) else ''
+  )
   print('final eval: ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
   if 'accuracy' in metrics:
     print(f'accuracy: {metrics["accuracy"]:.4f}')
   exit_now(0, config)
+
+
+def _on_disk(trainer) -> str:
+  """What is on disk once training began (Runner.on_disk), else ''."""
+  return trainer.runner.on_disk() if trainer is not None else ''
 
 
 def _tf_logs_requested(argv) -> bool:

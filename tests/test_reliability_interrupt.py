@@ -59,9 +59,9 @@ def test_second_ctrl_c_interrupts_a_long_compiled_call_at_once(tmp_path):
   assert code == 130, log[-3000:]
   assert 'Traceback' not in log
   lines = [l for l in log.splitlines() if l.strip()]
-  assert lines[-1] == (
-    'interrupted by a second SIGINT: exiting at once without saving; the '
-    'newest checkpoint on disk is intact and the same command resumes from it'
+  assert lines[-1] == (  # what is on disk: nothing, the call never finished
+    'interrupted by a second SIGINT: exiting at once without saving; no checkpoint is on '
+    'disk: the same command starts again from step 0'
   )
   assert f'step {STEPS}/' not in log and 'stopped by' not in log
   assert not (workdir / 'train.lock').exists()  # released before os._exit

@@ -27,11 +27,11 @@ def _eta(remaining_steps: int, steps_per_sec: float) -> str:
 
 
 def _named(label: str, values: float | dict[str, float], text) -> str:
-  """'lr 1.00e-03' for one value (or several equal ones), 'lr d=1.00e-03 g=2.00e-04' else."""
+  """'lr 1.00e-03' for one value, 'lr d=1.00e-03 g=2.00e-04' for one per group."""
   if not isinstance(values, dict):
     return f'{label} {text(values)}'
-  if len(set(values.values())) <= 1:
-    return f'{label} {text(next(iter(values.values()), float("nan")))}'
+  if len(values) == 1:
+    return f'{label} {text(next(iter(values.values())))}'
   return f'{label} ' + ' '.join(f'{name}={text(v)}' for name, v in values.items())
 
 
@@ -47,7 +47,8 @@ def line(
   nonfinite_loss: int = 0,
 ) -> str:
   """The progress line. `learning_rate` and `scale` are one value, or one per update group
-  ({group name: value}, `learning_rates` and `loss_scales`): each shown when they differ."""
+  ({group name: value}, `learning_rates` and `loss_scales`): each group's shown when there are
+  several."""
   first = next(iter(scale.values())) if isinstance(scale, dict) else scale
   _last_values.clear()
   _last_values.update({'loss': metrics.get('loss', float('nan')), 'scale': first, 'step': step})

@@ -101,6 +101,7 @@ class Runner:
       write_scalars=self.write_scalars,
     )
     self._train_iterator = None
+    self.training = False  # the run folder is open for training (restore ran)
     self.step = 0  # the global step at the last loop boundary (what the exit lines count)
     self.saved_at: int | None = None  # the step of this run's newest save
     self.last_eval: dict[str, float] | None = None  # with '_step'
@@ -153,15 +154,18 @@ class Runner:
 
   def on_disk(self) -> str:
     """What an exit line says is on disk: the newest checkpoint and its step, or that there is
-    none, and how many of the steps trained (to the last loop boundary) a restart redoes."""
+    none, and how many of the steps trained (to the last loop boundary) the same command redoes;
+    '' before training opened the run folder."""
+    if not self.training:
+      return ''
     newest = self.workdir.latest_checkpoint
+    at = int(newest.rsplit('-', 1)[-1]) if newest else 0
+    redo = f', redoing {self.step - at} steps' if self.step > at else ''
     if newest is None:
-      return 'no checkpoint is on disk: the same command starts again from step 0' + (
-        f' and redoes the {self.step} steps trained' if self.step else ''
-      )
-    at = int(newest.rsplit('-', 1)[-1])
-    return f'the newest checkpoint on disk is {newest} (step {at}): the same command resumes ' + (
-      f'from it and redoes the {self.step - at} steps after it' if self.step > at else 'from it'
+      return 'no checkpoint is on disk: the same command starts again from step 0' + redo
+    return (
+      f'the newest checkpoint on disk is {newest} (step {at}): the same command resumes from it'
+      + redo
     )
 
   def write_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
@@ -226,6 +230,7 @@ class Runner:
       audit.forward(tr),
     )
     self.step = step = self.restore()
+    self.training = True
     self.clock.skipped_from = int(tr.train_step.skipped_steps.numpy())  # this process's skips
     total = tr.total_steps
     logging.info(
