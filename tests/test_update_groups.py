@@ -147,3 +147,38 @@ def test_an_instance_attribute_set_before_init_is_caught_at_build(tmp_path):
   with pytest.raises(UserError, match=r"Mine\.runner: 'runner' is a name the framework"):
     Mine(tiny_config(), str(tmp_path / 'w'))
   assert not (tmp_path / 'w').exists()  # nothing written
+
+
+def test_every_loss_scale_and_rate_is_logged(gan2, tmp_path, caplog):
+  """Issue 34: with two scalers the generator's scale was in no log line and no TensorBoard tag,
+  and the generator's learning rate (its own Adam at 2e-4) nowhere."""
+  from tensorboard.backend.event_processing import event_accumulator
+  import logging as py_logging
+  import tensorflow as tf
+
+  workdir = tmp_path / 'w'
+  config = gan_config(**{'train.steps': 4, 'debug.inject_nonfinite_steps': '1'})
+  trainer = gan2.TwoScaleGanTrainer(config, str(workdir))
+  with caplog.at_level(py_logging.INFO):
+    trainer.train()
+  d_scale, g_scale = (
+    float(trainer.loss_scaler.scale.numpy()),
+    float(trainer.train_step.g_scaler.scale.numpy()),
+  )
+  assert (d_scale, g_scale) == (512.0, 1024.0)  # step 1 poisoned the D's group only
+  line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith('step 4/4 '))
+  assert '| scale 0=512 1=1024 |' in line, line
+  d_rate = float(trainer.optimizer.learning_rate)
+  assert f'| lr 0={d_rate:.2e} 1={2e-4:.2e} |' in line, line
+  events = event_accumulator.EventAccumulator(
+    str(workdir / 'tensorboard'), size_guidance={'tensors': 0}
+  )
+  events.Reload()
+
+  def last(tag):
+    return float(tf.make_ndarray(events.Tensors(tag)[-1].tensor_proto))
+
+  assert (last('train/loss_scale/0'), last('train/loss_scale/1')) == (512.0, 1024.0)
+  assert last('train/loss_scale') == 512.0  # the first group's, as with one group
+  assert last('train/learning_rate/1') == pytest.approx(2e-4)
+  assert last('train/learning_rate') == pytest.approx(d_rate)
