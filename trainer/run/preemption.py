@@ -94,9 +94,10 @@ class Watcher:
       self._any_worker[key] = any_worker
     return float(self._any_worker[key](tf.constant(1.0 if flag else 0.0)).numpy()) > 0
 
-  def call(self, fn, *args, **kwargs):
+  def call(self, fn, *args, on_wait=None, **kwargs):
     """fn(*args, **kwargs), run in a worker thread while this (main) thread waits in short
-    waits, so that signal handlers run during a long compiled call; re-raises fn's exception."""
+    waits, so that signal handlers run during a long compiled call; re-raises fn's exception.
+    `on_wait()`, when given, runs after each short wait (the runner's heartbeat line)."""
     if self._executor is None:
       return fn(*args, **kwargs)
     future = self._executor.submit(fn, *args, **kwargs)
@@ -104,7 +105,8 @@ class Watcher:
       try:
         return future.result(timeout=_POLL_SECONDS)
       except concurrent.futures.TimeoutError:
-        continue
+        if on_wait is not None:
+          on_wait()
 
   def _handle(self, signum, frame):
     del frame

@@ -3,11 +3,12 @@
 `Progress.due(step, now)` is True after the first compiled call of a run (a resumed run too),
 every `log_every` steps, at the last step, and whenever `max_interval` seconds of wall time
 passed since the last line, so a slow run (float16 emulated on a CPU, a large model) still
-shows progress however far `log_every` is. Each due line also writes TensorBoard points (the
-trainer's log_progress). On a terminal (stderr is a tty) `draw(step, now)` redraws a one-line
-bar between calls (steps, the last line's loss and scale: reading fresh ones would cost a host
-read per call; steps/s, ETA); elsewhere it does
-nothing, and logs stay plain lines. The clock is injectable for tests.
+shows progress however far `log_every` is; while one compiled call runs longer than that,
+`heartbeat` gives a line ('in steps 100-200, 35 s') every `max_interval` seconds. Each due line
+also writes TensorBoard points (the trainer's log_progress). On a terminal (stderr is a tty)
+`draw(step, now)` redraws a one-line bar between calls (steps, the last line's loss and scale:
+reading fresh ones would cost a host read per call; steps/s, ETA); elsewhere it does nothing,
+and logs stay plain lines. The clock is injectable for tests.
 """
 
 from __future__ import annotations
@@ -121,6 +122,18 @@ class Progress:
     self._start = (first_step, self._last_line)  # for the bar's steps/s over the whole run
     self._drawn = False
     self._timed = (0.0, 0)  # seconds and steps of the calls since the last line
+    self._last_beat = -float('inf')  # the last heartbeat line
+
+  def heartbeat(self, first: int, last: int, started: float, now: float | None = None):
+    """While a compiled call of steps `first` to `last` runs (since `started`, on this clock):
+    a line when `max_interval` seconds passed since the last line of either kind, so that no
+    gap between lines passes it and a slow call is told from a stuck one; else None."""
+    now = self.clock() if now is None else now
+    if now - max(self._last_line, self._last_beat) < self.max_interval:
+      return None
+    self.clear()
+    self._last_beat = now
+    return f'in steps {first}-{last}, {now - started:.0f} s'
 
   def timed(self, seconds: float, steps: int) -> None:
     """A compiled call of `steps` steps took `seconds`: counted in the next line's steps/s."""

@@ -263,7 +263,12 @@ class Runner:
     train_ds = tr.datasets.train.skip(step) if step else tr.datasets.train
     iterator = iter(tr.strategy.experimental_distribute_dataset(train_ds))
     self._train_iterator = iterator  # kept past train(): tearing it down waits for tf.data
-    self.ticker = progress.Progress(total=tr.total_steps, log_every=t.log_every, first_step=step)
+    self.ticker = progress.Progress(
+      total=tr.total_steps,
+      log_every=t.log_every,
+      first_step=step,
+      max_interval=progress.MAX_INTERVAL,
+    )
     self.profiler = profiling.StepProfiler(t.profile_steps, os.path.join(tr.workdir, 'tensorboard'))
     with preemption.Watcher(on_disk=self.on_disk) as watcher, epochs.end_of_data(self):
       try:
@@ -280,9 +285,14 @@ class Runner:
     event and the recovery policy's look at it. Returns (the step to go on from, whether it is
     the call's end: False after a recovery went back to an earlier step)."""
     self.profiler.before(step, step + n)
+    if self.clock.first_call is None:  # nothing is printed while the step is traced
+      logging.info(
+        'tracing and compiling the train step (the first call: steps %d-%d)', step, step + n
+      )
     start = time.perf_counter()
+    beat = self._heartbeat(step, step + n)
     try:
-      self.step = step = watcher.call(self.run_steps, iterator, n)  # Ctrl-C twice: at once
+      self.step = step = watcher.call(self.run_steps, iterator, n, on_wait=beat)  # Ctrl-C twice
     except CollapseError as e:  # its steps ran (all skipped): train time, not start-up
       ran = max(int(self.trainer.global_step.numpy()) - step, 1)
       self.clock.steps(time.perf_counter() - start, ran, start)
@@ -298,6 +308,17 @@ class Runner:
     rate = next(iter(progress.learning_rates(self.trainer.train_step.groups).values()), None)
     self.step = self.recovery.after_log(step, logged, rate)  # before this step's save
     return self.step, self.step == step
+
+  def _heartbeat(self, first: int, last: int):
+    """`on_wait` for a compiled call of steps `first` to `last`: the ticker's heartbeat line."""
+    started = self.ticker.clock()
+
+    def beat() -> None:
+      line = self.ticker.heartbeat(first, last, started)
+      if line is not None:
+        logging.info(line)
+
+    return beat
 
   def eval_at(self, watcher, step: int) -> None:
     """The eval at `step` (Ctrl-C honoured between its batches), then a save when the eval
