@@ -139,3 +139,48 @@ def test_an_eval_stops_between_batches(tmp_path):
   assert len(asked) == 3  # after each of the 3 batches it read, of 16
   means, count = trainer.runner.eval_loop.run(dataset)
   assert int(count) == 512 and np.isfinite(float(means['loss']))
+
+
+COLLAPSING = """
+from tiny import tiny_config
+
+
+def get_config():
+  return tiny_config(**{
+    'model': 'tinypkg.model',
+    'train.steps': 20,
+    'debug.inject_nonfinite_steps': '10,11,12,13,14',
+    'precision.max_consecutive_skips': 3,
+  })
+"""
+
+
+def test_an_error_during_training_says_what_is_on_disk(tmp_path):
+  """Issue 35: every exit line says what is on disk. A collapse at step 15 (ckpt-10 saved)."""
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  (tmp_path / 'tinypkg').mkdir()
+  (tmp_path / 'tinypkg' / '__init__.py').write_text('')
+  (tmp_path / 'tinypkg' / 'model.py').write_text(
+    'from tiny import TinyTrainer\n\n\nclass Tiny(TinyTrainer):\n  pass\n'
+  )
+  (tmp_path / 'config.py').write_text(COLLAPSING)
+  path = os.pathsep.join([root, os.path.join(root, 'tests'), str(tmp_path)])
+  workdir = tmp_path / 'w'
+  result = subprocess.run(
+    [sys.executable, 'launch.py', f'--config={tmp_path / "config.py"}', f'--workdir={workdir}'],
+    cwd=root,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=path),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  last = result.stderr.strip().splitlines()[-1]
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert last.startswith('error: training collapsed at step'), last
+  assert last.endswith(
+    f'the newest checkpoint on disk is {workdir / "checkpoints" / "ckpt-10"} (step 10): '
+    'the same command resumes from it'
+  ), last
