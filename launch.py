@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 import warnings
 
 import ml_collections
@@ -285,6 +286,7 @@ def main(argv):
   from trainer.run.preemption import Preempted
 
   config = _CONFIG.value
+  trainer = None
   if _MODE.value == 'diagnose':
     if not _FORENSICS.value and not _WORKDIR.value:
       _fail(
@@ -328,15 +330,28 @@ def main(argv):
     else:
       metrics = trainer.train()
   except UserError as e:  # 2: bad input; 3: the run failed numerically (TrainingFailed)
-    _fail(str(e), e.exit_status)
+    _fail('; '.join(filter(None, (str(e).rstrip('.'), _on_disk(trainer)))), e.exit_status)
   except Preempted as e:  # SIGTERM/SIGINT: a checkpoint was saved; not a failure
     print(str(e), file=sys.stderr)
     exit_now(0, config)
-  logging.info('workdir: %s', trainer.workdir)
+  except Exception:  # a bug in the model's code, say: its traceback, then what is on disk
+    if not _on_disk(trainer):
+      raise
+    traceback.print_exc()
+    print(f'error: the run failed; {_on_disk(trainer)}', file=sys.stderr)
+    exit_now(1, config)
+  logging.info(
+    'workdir: %s%s', trainer.workdir, '; ' + _on_disk(trainer) if _on_disk(trainer) else ''
+  )
   print('final eval: ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
   if 'accuracy' in metrics:
     print(f'accuracy: {metrics["accuracy"]:.4f}')
   exit_now(0, config)
+
+
+def _on_disk(trainer) -> str:
+  """What is on disk once training began (Runner.on_disk), else ''."""
+  return trainer.runner.on_disk() if trainer is not None else ''
 
 
 def _tf_logs_requested(argv) -> bool:

@@ -7,6 +7,8 @@
 
 and, beyond them, overrides any of these (each has a working default):
 
+  build_learning_rate() -> a keras LearningRateSchedule of the global step (default from
+                        config.optimizer)
   build_optimizer(learning_rate)   -> the optimizer (default from config.optimizer)
   build_metrics()    -> {name: stateful Keras metric} updated from compute_loss's entry `name`
                         (a tuple of update_state arguments); default {}
@@ -57,7 +59,7 @@ class Trainer:
   global_step: tf.Variable  # int64; advances on every step, skipped or not
   metric_names: tuple[str, ...]  # compute_loss's metric names
   loss_scaler: Any  # a trainer.LossScaler (trainer/step/loss_scale.py)
-  learning_rate: Any  # step -> rate: the schedule of config.optimizer
+  learning_rate: Any  # step -> rate: build_learning_rate() times the recovery factor
   optimizer: keras.optimizers.Optimizer
   train_step: TrainStep
   runner: Runner
@@ -99,8 +101,18 @@ class Trainer:
     metrics `[B]` (or a stateful metric's `update_state` arguments, see `build_metrics`)."""
     raise NotImplementedError('a Trainer subclass must define compute_loss()')
 
+  def build_learning_rate(self) -> keras.optimizers.schedules.LearningRateSchedule:
+    """The learning rate as a function of the global step (which advances on every step,
+    skipped or not), built once; default: config.optimizer's warm-up, then constant or cosine.
+    The trainer multiplies it by the recovery factor (config.train.recover_lr_factor) and keeps
+    the product as `learning_rate`; `build_optimizer` gets it at the global step."""
+    return optimizers.schedule(self.config.optimizer, self.total_steps)
+
   def build_optimizer(self, learning_rate) -> keras.optimizers.Optimizer:
-    """`learning_rate` is a no-argument callable (the schedule at the global step)."""
+    """`learning_rate` is a Keras LearningRateSchedule: `learning_rate` (the hook's schedule
+    with the recovery factor) at the global step, whatever step Keras passes. Pass it to any
+    Keras optimizer (`keras.optimizers.Lion(learning_rate=learning_rate)`); an optimizer given a
+    schedule of its own follows that one, and the progress line logs what it uses."""
     c = self.config
     return optimizers.build(
       c.optimizer,
@@ -149,7 +161,9 @@ class Trainer:
 
   def evaluate(self) -> dict[str, float]:
     """One pass over the whole eval set at the current weights; {'loss': ..., <metric>: ...}."""
-    return self.runner.evaluate()
+    metrics = self.runner.evaluate()
+    assert metrics is not None  # nothing stops it
+    return metrics
 
   def request_stop(self, reason: str) -> None:
     """Asks the outer loop to end after the current boundary (with a checkpoint)."""

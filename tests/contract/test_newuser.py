@@ -89,6 +89,20 @@ def test_empty_eval_set(tmp_path):
   assert message.startswith('build_datasets returned an empty Datasets.eval')
 
 
+def test_a_repeated_eval_set_is_one_line_before_training(tmp_path):
+  """Issue 35: an eval set with .repeat() passed the hook check, trained, then the final eval
+  never ended. Its cardinality is INFINITE before training: one line, nothing written."""
+
+  class Repeated(TinyTrainer):
+    def build_datasets(self):
+      datasets = super().build_datasets()
+      return datasets._replace(eval=datasets.eval.repeat())
+
+  message = rejected(Repeated, tmp_path)
+  assert message.startswith('build_datasets returned an infinite Datasets.eval')
+  assert '.repeat()' in message
+
+
 # ---- compute_loss ---------------------------------------------------------------------------
 def test_metrics_as_a_list(tmp_path):
   """It said 'compute_loss returned a tuple of 2', which is what the README asks for."""

@@ -115,8 +115,8 @@ LONG = {
   'trainer.run.checkpoints:restore_newest_readable': 'the fallback over damaged checkpoints',
   'trainer.step.contract:check_outputs': "one check per way a step's outputs can be wrong",
   'trainer.insight.audit:audit': 'one row per layer, one rule per hazard',
-  'trainer.run.runner:Runner.train': "to be cut to Orbit's shape (issue 34)",
-  'trainer.run.runner:Runner': 'to be split: the recovery policy (issue 34)',
+  'trainer.run.runner:Runner': 'the run folder, the outer loop and its boundaries (save, eval, '
+  'preemption), one short method each; the forensic replay still here (issue 34)',
   'trainer.run.workdir:Workdir': 'the run folder: lock, record, checkpoints and summaries',
 }
 

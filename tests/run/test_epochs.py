@@ -47,7 +47,8 @@ def test_prepare_unknown_cardinality_uses_train_examples():
 def test_prepare_leaves_an_endless_dataset_alone():
   x, y = arrays()
   train = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
-  datasets, steps = epochs.prepare(Datasets(train, train, 128), 32)
+  eval_ = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)  # an eval set must end
+  datasets, steps = epochs.prepare(Datasets(train, eval_, 128), 32)
   assert datasets.train is train and steps == 4
 
 

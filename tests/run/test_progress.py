@@ -93,3 +93,35 @@ def test_resumed_run_writes_a_tensorboard_point_at_its_first_call(tiny_trainer):
   resumed.train()
   steps = [s for s, _ in events.read_scalars(resumed.workdir)['train/loss']]
   assert steps == [5, 10, 20, 40]
+
+
+def test_a_long_compiled_call_gets_a_heartbeat_line():
+  """Issue 35: one 100-step call of a float16 run took 37.6 s with no line in between."""
+  clock = FakeClock()
+  p = progress.Progress(total=10_000, log_every=1000, clock=clock, live=False)
+  assert p.due(100)  # a progress line at 1000.0
+  started = clock.now
+  clock.now += 29.0
+  assert p.heartbeat(100, 200, started) is None
+  clock.now += 1.5
+  assert p.heartbeat(100, 200, started) == 'in steps 100-200, 30 s'
+  clock.now += 20.0
+  assert p.heartbeat(100, 200, started) is None  # 20 s since the heartbeat
+  clock.now += 10.0
+  assert p.heartbeat(100, 200, started) == 'in steps 100-200, 60 s'
+  clock.now += 5.0
+  assert p.due(200)  # the call ended 65.5 s after the last progress line: a line with the loss
+
+
+def test_a_run_says_it_traces_and_beats_during_a_call(tmp_path, caplog, monkeypatch):
+  import logging
+
+  from tiny import TinyTrainer, tiny_config
+
+  monkeypatch.setattr(progress, 'MAX_INTERVAL', 0.0)  # a heartbeat at every wait of the host
+  trainer = TinyTrainer(tiny_config(**{'train.steps': 5}), str(tmp_path / 'w'))
+  with caplog.at_level(logging.INFO):
+    trainer.train()
+  lines = [r.getMessage() for r in caplog.records]
+  first = lines.index('tracing and compiling the train step (the first call: steps 0-5)')
+  assert any(l.startswith('in steps 0-5, ') for l in lines[first:]), lines

@@ -83,7 +83,7 @@ def test_with_recovery_the_run_finishes(tmp_path, caplog):
   assert len(recoveries) == 2, recoveries
   assert all('last healthy: ckpt-20, step 20' in r for r in recoveries)
   assert 'learning rate x1e-40' in recoveries[1]
-  assert float(trainer.runner.lr_factor.numpy()) == pytest.approx(1e-40)
+  assert float(trainer.learning_rate.factor.numpy()) == pytest.approx(1e-40)  # the schedule's
   assert all(np.isfinite(w).all() for w in weights(trainer))
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('goodput ')]
   assert len(lines) == 2  # the healthy run's and this one's
@@ -109,7 +109,7 @@ def test_recovery_gives_up_after_its_tries(tmp_path):
   with pytest.raises(CollapseError) as info:  # the learning rate stays 1e38: it fails again
     trainer.train()
   assert '(1 recoveries of config.train.recover_tries=1 done)' in str(info.value)
-  assert trainer.runner.recoveries == 1
+  assert trainer.runner.recovery.recoveries == 1
 
 
 def test_health_test():

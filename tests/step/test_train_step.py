@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tiny import TinyTrainer, tiny_config
 from trainer import Datasets
+from trainer.step import optimizers
 
 
 def snapshot(trainer):
@@ -177,27 +178,33 @@ def test_a_custom_step_returning_a_non_scalar_output_is_named(tmp_path):
     run_steps(trainer, 2)
 
 
-def test_the_schedule_is_traced_once_per_graph_not_once_per_read(tiny_trainer):
+def test_the_schedule_is_traced_once_per_graph_not_once_per_read(tmp_path):
   """Keras reads an optimizer's learning-rate callable at every use, AdamW's weight decay once
   per variable; each read put the schedule's ops into the step again. Now the step's graph
   computes it once where the finite check reads it and once in the update's branch."""
-  trainer = tiny_trainer(
-    **{
-      'optimizer.name': 'adamw',
-      'optimizer.weight_decay': 0.1,
-      'optimizer.schedule': 'cosine',
-      'train.steps': 10,
-    }
-  )
-  schedule, calls = trainer.learning_rate, []
+  calls = []
 
-  def counted(step):
-    calls.append(1)
-    return schedule(step)
+  class Counted(TinyTrainer):
+    def build_learning_rate(self):  # the schedule the optimizer's reads go through
+      schedule = super().build_learning_rate()
 
-  trainer.learning_rate = counted  # what the optimizer's callable calls
+      class Counting(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+          calls.append(1)
+          return schedule(step)
+
+      return Counting()
+
+  config = {
+    'optimizer.name': 'adamw',
+    'optimizer.weight_decay': 0.1,
+    'optimizer.schedule': 'cosine',
+    'train.steps': 10,
+  }
+  trainer = Counted(tiny_config(**config), str(tmp_path / 'work'))
   run_steps(trainer, 3)
   assert len(trainer.model.trainable_variables) == 4 and len(calls) == 2
+  schedule = optimizers.schedule(trainer.config.optimizer, trainer.total_steps)  # not counted
   expected = float(schedule(3))  # the rate the next update uses, read eagerly
   assert float(trainer.optimizer.learning_rate) == pytest.approx(expected)
   assert len(calls) == 3  # eager reads compute it every time

@@ -15,6 +15,7 @@ import test_readme_beyond as beyond
 from test_readme_beyond import package  # noqa: F401  (the fixture)
 from tiny import TinyTrainer, tiny_config
 from trainer import UserError
+from trainer.run import build
 
 
 @pytest.fixture
@@ -221,31 +222,81 @@ def test_the_skip_line_names_the_group_skipped_and_its_scale(gan2, tmp_path, cap
   assert float(step.guard.last_scale.numpy()) == 1024.0  # the skipped group's, for the replay
 
 
-def test_a_helper_named_save_is_one_line_at_class_definition():
+def test_a_helper_named_evaluate_is_one_line_at_class_definition():
   with pytest.raises(UserError) as info:
 
     class Mine(TinyTrainer):  # pylint: disable=unused-variable
-      def save(self, folder):
+      def evaluate(self, folder):
         del folder
 
   message = str(info.value)
-  assert '\n' not in message and 'Mine.save' in message and 'build_model' in message
+  assert '\n' not in message and 'Mine.evaluate' in message and 'build_model' in message
 
 
 def test_an_attribute_named_like_the_framework_is_one_line():
-  with pytest.raises(UserError, match=r'Mine\.numerics'):
+  with pytest.raises(UserError, match=r'Mine\.loss_scaler'):
 
     class Mine(TinyTrainer):  # pylint: disable=unused-variable
-      numerics = None
+      loss_scaler = None
+
+
+def test_the_guard_lists_only_names_a_trainer_has(tmp_path):
+  """Issue 34: the guard refused `save`, `checkpoint`, `actions` and 9 more names no Trainer had
+  any more; every name it lists is an attribute or method of a built Trainer, and a name that
+  moved to the Runner is free."""
+  trainer = TinyTrainer(tiny_config(), str(tmp_path / 'w'))
+  missing = sorted(n for n in build.FRAMEWORK_NAMES if not hasattr(trainer, n))
+  assert not missing, missing
+
+  class Mine(TinyTrainer):  # a helper named like a Runner method: the user's own
+    def save(self, folder):
+      return folder
+
+  assert Mine.save(None, 'x') == 'x'
 
 
 def test_an_instance_attribute_set_before_init_is_caught_at_build(tmp_path):
 
   class Mine(TinyTrainer):
     def __init__(self, config, workdir):
-      self.checkpoint = 'mine'  # set before super().__init__()
+      self.runner = 'mine'  # set before super().__init__()
       super().__init__(config, workdir)
 
-  with pytest.raises(UserError, match=r"Mine\.checkpoint: 'checkpoint' is a name the framework"):
+  with pytest.raises(UserError, match=r"Mine\.runner: 'runner' is a name the framework"):
     Mine(tiny_config(), str(tmp_path / 'w'))
   assert not (tmp_path / 'w').exists()  # nothing written
+
+
+def test_every_loss_scale_and_rate_is_logged(gan2, tmp_path, caplog):
+  """Issue 34: with two scalers the generator's scale was in no log line and no TensorBoard tag,
+  and the generator's learning rate (its own Adam at 2e-4) nowhere."""
+  from tensorboard.backend.event_processing import event_accumulator
+  import logging as py_logging
+  import tensorflow as tf
+
+  workdir = tmp_path / 'w'
+  config = gan_config(**{'train.steps': 4, 'debug.inject_nonfinite_steps': '1'})
+  trainer = gan2.TwoScaleGanTrainer(config, str(workdir))
+  with caplog.at_level(py_logging.INFO):
+    trainer.train()
+  d_scale, g_scale = (
+    float(trainer.loss_scaler.scale.numpy()),
+    float(trainer.train_step.g_scaler.scale.numpy()),
+  )
+  assert (d_scale, g_scale) == (512.0, 1024.0)  # step 1 poisoned the D's group only
+  line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith('step 4/4 '))
+  assert '| scale 0=512 1=1024 |' in line, line
+  d_rate = float(trainer.optimizer.learning_rate)
+  assert f'| lr 0={d_rate:.2e} 1={2e-4:.2e} |' in line, line
+  events = event_accumulator.EventAccumulator(
+    str(workdir / 'tensorboard'), size_guidance={'tensors': 0}
+  )
+  events.Reload()
+
+  def last(tag):
+    return float(tf.make_ndarray(events.Tensors(tag)[-1].tensor_proto))
+
+  assert (last('train/loss_scale/0'), last('train/loss_scale/1')) == (512.0, 1024.0)
+  assert last('train/loss_scale') == 512.0  # the first group's, as with one group
+  assert last('train/learning_rate/1') == pytest.approx(2e-4)
+  assert last('train/learning_rate') == pytest.approx(d_rate)

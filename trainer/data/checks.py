@@ -95,8 +95,21 @@ def check_datasets(datasets, batch_size: int | None = None) -> None:
           f'({_spec_summary(getattr(datasets, other).element_spec)}); add {batch} '
           f'to the {short} dataset'
         )
+  _check_eval_ends(datasets.eval)
   if batch_size:
     _check_train_batch(datasets.train, batch_size)
+
+
+def _check_eval_ends(eval_set) -> None:
+  """An eval is one pass over Datasets.eval: a set tf.data knows to be infinite (a `.repeat()`)
+  would make every eval, the final one included, run for ever. A set of unknown length (a
+  filter, a generator) is trusted; a long eval prints its progress (Runner.evaluate)."""
+  if int(eval_set.cardinality()) == tf.data.INFINITE_CARDINALITY:
+    raise UserError(
+      'build_datasets returned an infinite Datasets.eval (its cardinality is INFINITE: a '
+      '.repeat()): an eval is one pass over it and would never end; drop the .repeat() '
+      'from the eval dataset (only Datasets.train may repeat)'
+    )
 
 
 def _check_train_batch(train, batch_size: int) -> None:

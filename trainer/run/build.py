@@ -5,7 +5,8 @@
 device), `policy`, `datasets` and `total_steps`, then under the strategy's scope `model`,
 `train_metrics` and `eval_metrics`, `global_step`, `metric_names` (from one eager forward pass on
 the first eval batch that checks the hooks' contract: one-line errors before anything is
-written), `loss_scaler`, `learning_rate`, `optimizer` and `train_step`. Nothing here touches the
+written), `loss_scaler`, `learning_rate` (build_learning_rate(), with the recovery factor),
+`optimizer` and `train_step`. Nothing here touches the
 run folder; the Runner (trainer/run/runner.py) does.
 """
 
@@ -28,8 +29,9 @@ from trainer.step.loss_scale import LossScaler, state_variable
 from trainer.step.train_step import TrainStep
 
 HOOKS = tuple(contract.HOOK_CALLS)  # the hooks the contract checks, the one list of them
-# What the framework sets on a Trainer and the methods it owns. The last line holds names that
-# moved to the Runner: a subclass defining one would read as overriding the framework.
+# What the framework sets on a Trainer (build below, Trainer.__init__) and the methods a user
+# calls on it: a subclass defining one would read as overriding the framework. Only names a
+# built Trainer has (tests/test_update_groups.py checks each); the hooks are meant to be defined.
 FRAMEWORK_NAMES = frozenset(
   (
     'config',
@@ -52,18 +54,6 @@ FRAMEWORK_NAMES = frozenset(
     'train',
     'evaluate',
     'request_stop',
-    'save',
-    'restore',
-    'numerics',
-    'actions',
-    'checkpoint',
-    'run_dir',
-    'eval_loop',
-    'run_steps',
-    'log_progress',
-    'check_finite_state',
-    'checkpoint_variables',
-    'is_chief',
   )
 )
 
@@ -138,10 +128,14 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     if c.precision.float8:  # after the probe: quantize needs a built model
       precision.quantize_float8(trainer.model)
     trainer.loss_scaler = LossScaler.from_config(c.precision, trainer.policy)
-    trainer.learning_rate = optimizers.schedule(c.optimizer, trainer.total_steps)
-    step = trainer.global_step
+    # The schedule, built once: the hook's, times the recovery factor (a variable each
+    # recovery lowers). The optimizer reads it at the global step (optimizers.AtGlobalStep),
+    # whatever optimizer build_optimizer makes, so a custom one follows recovery too.
+    trainer.learning_rate = optimizers.recoverable(
+      trainer.build_learning_rate(), c.train.recover_lr_factor
+    )
     trainer.optimizer = trainer.build_optimizer(
-      optimizers.once_per_trace(lambda: trainer.learning_rate(step))
+      optimizers.AtGlobalStep(trainer.learning_rate, trainer.global_step)
     )
     trainer.train_step = trainer.build_train_step()
     _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)

@@ -55,8 +55,9 @@ class Watcher:
   save and raise Preempted(w.reason, ...)`. Handlers are restored on exit. Outside the main
   thread (where Python cannot install handlers) it watches nothing and `call` runs inline."""
 
-  def __init__(self, signals=SIGNALS):
+  def __init__(self, signals=SIGNALS, on_disk=None):
     self.signals = tuple(signals)
+    self.on_disk = on_disk  # () -> what is on disk, for the second Ctrl-C's line
     self.received: signal.Signals | None = None
     self.reason: str | None = None  # set by should_stop: e.g. 'SIGTERM on another worker'
     self._previous = {}
@@ -73,7 +74,7 @@ class Watcher:
     signal. Every worker must call it at the same loop boundaries: with several workers it is a
     collective (an all-reduce of the flags)."""
     stop = self.requested
-    if _workers(strategy) > 1:
+    if workers(strategy) > 1:
       stop = self._all_reduce(strategy, stop)
     if stop and self.reason is None:
       self.reason = self.received.name if self.received else 'a signal on another worker'
@@ -93,9 +94,10 @@ class Watcher:
       self._any_worker[key] = any_worker
     return float(self._any_worker[key](tf.constant(1.0 if flag else 0.0)).numpy()) > 0
 
-  def call(self, fn, *args, **kwargs):
+  def call(self, fn, *args, on_wait=None, **kwargs):
     """fn(*args, **kwargs), run in a worker thread while this (main) thread waits in short
-    waits, so that signal handlers run during a long compiled call; re-raises fn's exception."""
+    waits, so that signal handlers run during a long compiled call; re-raises fn's exception.
+    `on_wait()`, when given, runs after each short wait (the runner's heartbeat line)."""
     if self._executor is None:
       return fn(*args, **kwargs)
     future = self._executor.submit(fn, *args, **kwargs)
@@ -103,7 +105,8 @@ class Watcher:
       try:
         return future.result(timeout=_POLL_SECONDS)
       except concurrent.futures.TimeoutError:
-        continue
+        if on_wait is not None:
+          on_wait()
 
   def _handle(self, signum, frame):
     del frame
@@ -117,9 +120,10 @@ class Watcher:
     )
 
   def _exit_now(self):
-    message = (
-      'interrupted by a second SIGINT: exiting at once without saving; the newest '
-      'checkpoint on disk is intact and the same command resumes from it'
+    message = 'interrupted by a second SIGINT: exiting at once without saving; ' + (
+      self.on_disk()
+      if self.on_disk is not None
+      else 'the newest checkpoint on disk is intact and the same command resumes from it'
     )
     logging.warning(message)
     logging.flush()
@@ -155,7 +159,7 @@ class Watcher:
     return False
 
 
-def _workers(strategy) -> int:
+def workers(strategy) -> int:
   """How many worker processes take part in `strategy` (1 without multi_worker)."""
   resolver = getattr(strategy, 'cluster_resolver', None)
   if resolver is None:

@@ -3,11 +3,12 @@
 `Progress.due(step, now)` is True after the first compiled call of a run (a resumed run too),
 every `log_every` steps, at the last step, and whenever `max_interval` seconds of wall time
 passed since the last line, so a slow run (float16 emulated on a CPU, a large model) still
-shows progress however far `log_every` is. Each due line also writes TensorBoard points (the
-trainer's log_progress). On a terminal (stderr is a tty) `draw(step, now)` redraws a one-line
-bar between calls (steps, the last line's loss and scale: reading fresh ones would cost a host
-read per call; steps/s, ETA); elsewhere it does
-nothing, and logs stay plain lines. The clock is injectable for tests.
+shows progress however far `log_every` is; while one compiled call runs longer than that,
+`heartbeat` gives a line ('in steps 100-200, 35 s') every `max_interval` seconds. Each due line
+also writes TensorBoard points (the trainer's log_progress). On a terminal (stderr is a tty)
+`draw(step, now)` redraws a one-line bar between calls (steps, the last line's loss and scale:
+reading fresh ones would cost a host read per call; steps/s, ETA); elsewhere it does nothing,
+and logs stay plain lines. The clock is injectable for tests.
 """
 
 from __future__ import annotations
@@ -26,26 +27,74 @@ def _eta(remaining_steps: int, steps_per_sec: float) -> str:
   return str(datetime.timedelta(seconds=round(remaining_steps / steps_per_sec)))
 
 
+def _named(label: str, values: float | dict[str, float], text) -> str:
+  """'lr 1.00e-03' for one value, 'lr d=1.00e-03 g=2.00e-04' for one per group."""
+  if not isinstance(values, dict):
+    return f'{label} {text(values)}'
+  if len(values) == 1:
+    return f'{label} {text(next(iter(values.values())))}'
+  return f'{label} ' + ' '.join(f'{name}={text(v)}' for name, v in values.items())
+
+
 def line(
   *,
   step: int,
   total: int,
   metrics: dict[str, float],
-  learning_rate: float,
-  scale: float,
+  learning_rate: float | dict[str, float],
+  scale: float | dict[str, float],
   skipped: int,
   steps_per_sec: float,
   nonfinite_loss: int = 0,
 ) -> str:
+  """The progress line. `learning_rate` and `scale` are one value, or one per update group
+  ({group name: value}, `learning_rates` and `loss_scales`): each group's shown when there are
+  several."""
+  first = next(iter(scale.values())) if isinstance(scale, dict) else scale
   _last_values.clear()
-  _last_values.update({'loss': metrics.get('loss', float('nan')), 'scale': scale, 'step': step})
+  _last_values.update({'loss': metrics.get('loss', float('nan')), 'scale': first, 'step': step})
   shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items())
   return (
     f'step {step}/{total} ({100.0 * step / max(total, 1):.0f}%) | {shown} | '
-    f'lr {learning_rate:.2e} | scale {scale:g} | skipped {skipped} | '
+    f'{_named("lr", learning_rate, lambda v: f"{v:.2e}")} | '
+    f'{_named("scale", scale, lambda v: f"{v:g}")} | skipped {skipped} | '
     + (f'non-finite loss in {nonfinite_loss} steps | ' if nonfinite_loss else '')
     + f'{steps_per_sec:.1f} steps/s | ETA {_eta(total - step, steps_per_sec)}'
   )
+
+
+def group_name(group, index: int) -> str:
+  """An update group's name: its own `name`, else its index in the step's groups."""
+  return getattr(group, 'name', '') or str(index)
+
+
+def learning_rates(groups) -> dict[str, float]:
+  """{group name: the learning rate its optimizer uses at its next update}, read from each
+  distinct optimizer of the update groups (`TrainStep.groups`): a schedule of the optimizer's
+  own is what it reports, not config.optimizer's."""
+  return _per_distinct(groups, lambda g: g.optimizer, lambda o: float(o.learning_rate))
+
+
+def loss_scales(groups) -> dict[str, float]:
+  """{group name: its loss scale}, one entry per distinct loss scaler of the update groups."""
+  return _per_distinct(groups, lambda g: g.loss_scaler, lambda s: float(s.scale.numpy()))
+
+
+def _per_distinct(groups, part, read) -> dict[str, float]:
+  values: dict[str, float] = {}
+  seen: set[int] = set()
+  for index, group in enumerate(groups):
+    if id(part(group)) not in seen:
+      seen.add(id(part(group)))
+      values[group_name(group, index)] = read(part(group))
+  return values
+
+
+def scalars(name: str, values: dict[str, float]) -> dict[str, float]:
+  """TensorBoard scalars of per-group `values`: `name` is the first group's (the only one's),
+  and with several, `name/<group>` each."""
+  first = {name: next(iter(values.values()))} if values else {}
+  return first if len(values) < 2 else {**first, **{f'{name}/{k}': v for k, v in values.items()}}
 
 
 class Progress:
@@ -72,6 +121,28 @@ class Progress:
     self._last_line = clock()
     self._start = (first_step, self._last_line)  # for the bar's steps/s over the whole run
     self._drawn = False
+    self._timed = (0.0, 0)  # seconds and steps of the calls since the last line
+    self._last_beat = -float('inf')  # the last heartbeat line
+
+  def heartbeat(self, first: int, last: int, started: float, now: float | None = None):
+    """While a compiled call of steps `first` to `last` runs (since `started`, on this clock):
+    a line when `max_interval` seconds passed since the last line of either kind, so that no
+    gap between lines passes it and a slow call is told from a stuck one; else None."""
+    now = self.clock() if now is None else now
+    if now - max(self._last_line, self._last_beat) < self.max_interval:
+      return None
+    self.clear()
+    self._last_beat = now
+    return f'in steps {first}-{last}, {now - started:.0f} s'
+
+  def timed(self, seconds: float, steps: int) -> None:
+    """A compiled call of `steps` steps took `seconds`: counted in the next line's steps/s."""
+    self._timed = (self._timed[0] + seconds, self._timed[1] + steps)
+
+  def steps_per_sec(self) -> float:
+    """Steps per second of the calls since the last line (then counted from zero again)."""
+    (seconds, steps), self._timed = self._timed, (0.0, 0)
+    return steps / seconds if seconds > 0 else 0.0
 
   def due(self, step: int, now: float | None = None) -> bool:
     """Whether the call that reached `step` gets a progress line; records it when it does."""

@@ -3,30 +3,35 @@
 `Trainer.train()` is `trainer.runner.train()`. The runner owns the run folder (trainer/run/
 workdir.py: lock, config record, checkpoint manager, TensorBoard writer), the outer loop around
 the compiled inner loop (`TrainLoop.run`), progress lines, evals, checkpoints, preemption, the
-numerics recorder, forensics and the collapse report. It reads the trainer's parts (model,
-optimizer, loss scaler, global step, train step) and calls its hooks; it keeps nothing of its
-own on the trainer.
+numerics recorder, forensics and the collapse report; what it does when training goes wrong is
+one policy (trainer/run/recovery.py). It reads the trainer's parts (model, optimizer, update
+groups, global step, train step) and calls its hooks; it keeps nothing of its own on the
+trainer and rebinds none of its attributes.
 
 The outer loop, per compiled call of `steps_per_loop` steps: at a log step, the progress line
-and a 'log' event; at an eval step (and the last step) an eval and an 'eval' event; at a
-checkpoint step (the last step, a requested stop) a finite-checked save and a 'save' event; a
-preemption notice saves and raises `Preempted`. Every event goes to the built-in actions first
-(the numerics line, the config's early stopping and best checkpoint), then to the trainer's
-`build_actions()`, all through the same API (trainer/run/actions.py).
+and a 'log' event (and the recovery policy's look at the loss); at a checkpoint step (the last
+step, a requested stop) a finite-checked save and a 'save' event; at an eval step (and the last
+step) an eval and an 'eval' event, after the save, so that an eval that fails or hangs loses no
+trained step; when the eval changed the actions' checkpointed state (best eval, evals without
+improvement) the step is saved again with it. A preemption notice saves and raises `Preempted`.
+Every event goes to the built-in actions first (the numerics line, the config's early stopping
+and best checkpoint), then to the trainer's `build_actions()`, all through the same API
+(trainer/run/actions.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 
+import numpy as np
 import tensorflow as tf
 from absl import flags, logging
 
-from trainer.errors import CollapseError, DivergenceError, NonFiniteError, UserError
+from trainer.errors import CollapseError, NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
-from trainer.insight.divergence import DivergenceMonitor
 from trainer.run import (
   actions,
   checkpoints,
@@ -37,13 +42,15 @@ from trainer.run import (
   preemption,
   profiling,
   progress,
+  recovery,
 )
 from trainer.run.workdir import Workdir
 from trainer.data import checks
-from trainer.step import contract
+from trainer.step import contract, optimizers
 from trainer.step.eval_step import EvalLoop
 from trainer.step.loop import TrainLoop
-from trainer.step.loss_scale import state_variable
+
+EVAL_REPORT_SECONDS = 30.0  # a long eval prints its progress this often
 
 
 class Runner:
@@ -79,28 +86,31 @@ class Runner:
     self.actions = [numerics.NumericsLine(self.numerics), *config_actions, *user_actions]
     self.actions_state = actions.state(config_actions + user_actions)  # checkpointed
     self.items = {**t.checkpoint_items(), 'actions': self.actions_state}
-    # Recovery (train.recover_tries): the learning rate's factor, lowered by each recovery and
-    # checkpointed; the optimizer reads the schedule through it (traced at the first step).
-    self.lr_factor = None
-    if c.train.recover_lr_factor != 1.0:
-      with t.strategy.scope():
-        self.lr_factor = state_variable(1.0, tf.float64, 'lr_factor')
-      schedule, factor = t.learning_rate, self.lr_factor
-      # In float64: factors such as 1e-40 (taming a learning rate of 1e38) are no float32.
-      t.learning_rate = lambda step: tf.cast(
-        tf.cast(schedule(step), tf.float64) * factor, tf.float32
-      )
-      self.items['lr_factor'] = self.lr_factor
-    self.recoveries = 0
-    self.health = health.Health()
+    # The schedule's recovery factor (train.recover_lr_factor != 1), checkpointed.
+    rate = t.learning_rate
+    factor = rate.factor if isinstance(rate, optimizers.Recoverable) else None
+    if factor is not None:
+      self.items['lr_factor'] = factor
     self.clock = goodput.Clock(started)
     self.checkpoint = tf.train.Checkpoint(**self.items)
     self.forensics = forensics.RateLimiter(c.numerics.forensics_first, c.numerics.forensics_every)
-    self.divergence = DivergenceMonitor(c.numerics.divergence_factor)
     self.stop_reason: str | None = None
     self.workdir = Workdir(t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items)
     self.is_chief = self.workdir.is_chief  # writes the run folder (multi_worker)
+    self.recovery = recovery.Recovery(
+      c,
+      workdir=self.workdir,
+      items=self.items,
+      factor=factor,
+      global_step=t.global_step,
+      clock=self.clock,
+      write_scalars=self.write_scalars,
+    )
     self._train_iterator = None
+    self.training = False  # the run folder is open for training (restore ran)
+    self.step = 0  # the global step at the last loop boundary (what the exit lines count)
+    self.saved_at: int | None = None  # the step of this run's newest save
+    self.last_eval: dict[str, float] | None = None  # with '_step'
 
   # ---- the run folder --------------------------------------------------------------------
   def restore(self) -> int:
@@ -123,9 +133,11 @@ class Runner:
     variables), so every checkpoint on disk, and the newest one rotation keeps, is finite."""
     step = int(self.trainer.global_step.numpy())
     self.check_finite_state()  # before anything is written for this save
-    healthy = self.health.healthy(int(self.trainer.train_step.guard.consecutive.numpy()))
+    healthy = self.recovery.healthy(int(self.trainer.train_step.guard.consecutive.numpy()))
     with self.clock.timing('checkpoint'):
-      return self.workdir.save(step, healthy=healthy, loss=self.health.loss)
+      path = self.workdir.save(step, healthy=healthy, loss=self.recovery.health.loss)
+    self.saved_at = step
+    return path
 
   def check_finite_state(self) -> None:
     """Raises NonFiniteError when a variable of the checkpoint items (model, optimizer, loss
@@ -146,6 +158,22 @@ class Runner:
     """Every variable a checkpoint saves (what check_finite_state checks)."""
     return checkpoints.variables(self.items)
 
+  def on_disk(self) -> str:
+    """What an exit line says is on disk: the newest checkpoint and its step, or that there is
+    none, and how many of the steps trained (to the last loop boundary) the same command redoes;
+    '' before training opened the run folder."""
+    if not self.training:
+      return ''
+    newest = self.workdir.latest_checkpoint
+    at = int(newest.rsplit('-', 1)[-1]) if newest else 0
+    redo = f', redoing {self.step - at} steps' if self.step > at else ''
+    if newest is None:
+      return 'no checkpoint is on disk: the same command starts again from step 0' + redo
+    return (
+      f'the newest checkpoint on disk is {newest} (step {at}): the same command resumes from it'
+      + redo
+    )
+
   def write_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
     """TensorBoard scalars `<prefix>/<name>` at `step` (the chief's run folder)."""
     self.workdir.write_scalars(prefix, values, step)
@@ -155,10 +183,12 @@ class Runner:
     self.stop_reason = reason
 
   # ---- the outer loop --------------------------------------------------------------------
-  def evaluate(self) -> dict[str, float]:
-    """One pass over the whole eval set; returns {'loss': ..., <metric>: ...}."""
+  def evaluate(self, stop=None, step: int | None = None) -> dict[str, float] | None:
+    """One pass over the whole eval set; returns {'loss': ..., <metric>: ...}, or None when
+    `stop()` (asked between batches) ended it. A long pass logs its progress."""
     t = self.trainer
-    return self.eval_loop.evaluate(t.strategy.experimental_distribute_dataset(t.datasets.eval))
+    dataset = t.strategy.experimental_distribute_dataset(t.datasets.eval)
+    return self.eval_loop.evaluate(dataset, stop=stop, batch_done=self._eval_progress(step))
 
   def act(self, kind: str, step: int, metrics=None, checkpoint=None) -> None:
     """Calls every action with one Event."""
@@ -167,8 +197,35 @@ class Runner:
       action(event)
 
   def train(self) -> dict[str, float]:
-    """Trains to `total_steps` (resuming from the run folder), evaluates; returns the eval
-    metrics. Ends early, with a checkpoint, when an action calls `request_stop`."""
+    """Trains to `total_steps` (resuming from the run folder), saves, evaluates; returns the
+    eval metrics. Ends early, with a checkpoint, when an action calls `request_stop`."""
+    t, total = self.config.train, self.trainer.total_steps
+    step = self.start()
+    with self.running(step) as (watcher, iterator):
+      while step < total and self.stop_reason is None:
+        # Calls end on multiples of steps_per_loop (eval_every and checkpoint_every are
+        # multiples of it): a resume from another step (a longer train.steps, a changed
+        # steps_per_loop, an early-stop or end-of-data save) comes back onto that grid.
+        n = min(t.steps_per_loop - step % t.steps_per_loop, total - step)
+        step, boundary = self.advance(watcher, iterator, step, n)
+        if not boundary:  # a recovery went back to the last healthy checkpoint's step
+          continue
+        if step % t.checkpoint_every == 0 or step == total or self.stop_reason is not None:
+          self.act('save', step, checkpoint=self.save())  # before the eval: nothing lost
+        if step == total or (t.eval_every and step % t.eval_every == 0):
+          self.eval_at(watcher, step)
+        self.maybe_preempt(watcher, step)
+        self.ticker.draw(step)  # the live bar, on a terminal
+      if not self.evaluated(step):  # an early stop off the eval grid; a finished run again
+        self.eval_at(watcher, step)
+        self.maybe_preempt(watcher, step)
+    if self.stop_reason is not None:
+      logging.info('%s; stopped at step %d/%d', self.stop_reason, step, total)
+    return self.final_metrics(step)
+
+  def start(self) -> int:
+    """Before the loop: the precision audit's warnings, the restore, the start line, the
+    numerics recorder and the recovery policy; returns the global step."""
     tr, t = self.trainer, self.config.train
     p = self.config.precision  # precision hazards: one warning line each
     audit.check_at_start(
@@ -178,7 +235,8 @@ class Runner:
       p.master_weights != 'float32',
       audit.forward(tr),
     )
-    step = self.restore()
+    self.step = step = self.restore()
+    self.training = True
     self.clock.skipped_from = int(tr.train_step.skipped_steps.numpy())  # this process's skips
     total = tr.total_steps
     logging.info(
@@ -197,89 +255,123 @@ class Runner:
         step,
         total,
       )
+    self.numerics.start(step)
+    if step < total:  # a resumed or warm-started run has no untrained loss to compare with
+      self.recovery.start(self.first_loss, resumed=step > 0 or bool(t.init_from))
+    return step
+
+  @contextlib.contextmanager
+  def running(self, step: int):
+    """Around the loop: the data iterator, the progress ticker, the profiler, the signal
+    watcher (`preemption.Watcher`) and the end-of-data save; at the end the last background
+    checkpoint write completes, and the goodput line is logged (after an error too)."""
+    tr, t = self.trainer, self.config.train
     train_ds = tr.datasets.train.skip(step) if step else tr.datasets.train
     iterator = iter(tr.strategy.experimental_distribute_dataset(train_ds))
     self._train_iterator = iterator  # kept past train(): tearing it down waits for tf.data
-    ticker = progress.Progress(total=total, log_every=t.log_every, first_step=step)
-    self.numerics.start(step)
-    if self.divergence.factor > 0 and step < total:
-      self.divergence.start(self.first_loss(), resumed=step > 0 or bool(t.init_from))
-    elapsed, steps_timed = 0.0, 0
-    last_eval = None
-    profiler = profiling.StepProfiler(t.profile_steps, os.path.join(tr.workdir, 'tensorboard'))
-    with preemption.Watcher() as watcher, epochs.end_of_data(self):
+    self.ticker = progress.Progress(
+      total=tr.total_steps,
+      log_every=t.log_every,
+      first_step=step,
+      max_interval=progress.MAX_INTERVAL,
+    )
+    self.profiler = profiling.StepProfiler(t.profile_steps, os.path.join(tr.workdir, 'tensorboard'))
+    with preemption.Watcher(on_disk=self.on_disk) as watcher, epochs.end_of_data(self):
       try:
-        while step < total and self.stop_reason is None:
-          # Calls end on multiples of steps_per_loop (eval_every and checkpoint_every are
-          # multiples of it): a resume from another step (a longer train.steps, a changed
-          # steps_per_loop, an early-stop or end-of-data save) comes back onto that grid.
-          n = min(t.steps_per_loop - step % t.steps_per_loop, total - step)
-          profiler.before(step, step + n)
-          start = time.perf_counter()
-          try:
-            step = watcher.call(self.run_steps, iterator, n)  # Ctrl-C twice: at once
-          except CollapseError as e:  # its steps ran (all skipped): train time, not start-up
-            ran = max(int(tr.global_step.numpy()) - step, 1)
-            self.clock.steps(time.perf_counter() - start, ran, start)
-            step = self.recover(str(e), error=e)  # or raises e: no recovery left
-            continue
-          elapsed += time.perf_counter() - start
-          self.clock.steps(time.perf_counter() - start, n, start)
-          profiler.after(step)
-          steps_timed += n
-          if ticker.due(step):  # the first call, log_every, the last step, or 30 s passed
-            logged = self.log_progress(step, steps_timed / elapsed)
-            line = self.check_divergence(step, logged)  # before this step's save
-            self.act('log', step, logged)
-            elapsed, steps_timed = 0.0, 0
-            self.health.observe(logged.get('loss'), diverged=line is not None)
-            if line is not None:
-              if t.recover_tries:  # the last healthy checkpoint, unless no try is left
-                restored = self.recover(line)
-                if restored != step:
-                  step = restored
-                  continue
-              self.stop_on_divergence(line)  # with config.numerics.divergence_stop
-          # The final eval too, before the last save: what its actions record (best eval,
-          # evals without improvement) is in the checkpoint a longer run resumes from.
-          if step == total or (t.eval_every and step % t.eval_every == 0):
-            with self.clock.timing('eval'):
-              last_eval = watcher.call(self.log_eval, step)
-          saved = step % t.checkpoint_every == 0 or step == total or self.stop_reason is not None
-          if saved:
-            self.act('save', step, checkpoint=self.save())
-          if watcher.should_stop(tr.strategy):  # a collective under multi_worker
-            path = self.save() if not saved else None
-            with self.clock.timing('checkpoint'):
-              self.workdir.sync()  # a background write completes before the process ends
-            raise preemption.Preempted(
-              watcher.reason, step, total, path or self.workdir.latest_checkpoint
-            )
-          ticker.draw(step)  # the live bar, on a terminal
+        yield watcher, iterator
         with self.clock.timing('checkpoint'):
           self.workdir.sync()  # the last background write, complete and recorded
       finally:
-        profiler.stop()
+        self.profiler.stop()
         self._sync_quietly()  # after an error too: never leave a background write running
-        self.log_goodput(step)
-    if self.stop_reason is not None:
-      logging.info('%s; stopped at step %d/%d', self.stop_reason, step, total)
-      if last_eval is not None and last_eval['_step'] == step:
-        return {k: v for k, v in last_eval.items() if k != '_step'}
-    if last_eval is not None and last_eval['_step'] == step:
-      metrics = dict(last_eval)
-    else:  # a finished run started again: nothing to train, evaluate its checkpoint
-      metrics = self.log_eval(step)
-    metrics.pop('_step')
-    if not math.isfinite(metrics['loss']):
+        self.log_goodput(int(tr.global_step.numpy()))
+
+  def advance(self, watcher, iterator, step: int, n: int) -> tuple[int, bool]:
+    """One compiled call of `n` steps, then at a due log step the progress line, its 'log'
+    event and the recovery policy's look at it. Returns (the step to go on from, whether it is
+    the call's end: False after a recovery went back to an earlier step)."""
+    self.profiler.before(step, step + n)
+    if self.clock.first_call is None:  # nothing is printed while the step is traced
+      logging.info(
+        'tracing and compiling the train step (the first call: steps %d-%d)', step, step + n
+      )
+    start = time.perf_counter()
+    beat = self._heartbeat(step, step + n)
+    try:
+      self.step = step = watcher.call(self.run_steps, iterator, n, on_wait=beat)  # Ctrl-C twice
+    except CollapseError as e:  # its steps ran (all skipped): train time, not start-up
+      ran = max(int(self.trainer.global_step.numpy()) - step, 1)
+      self.clock.steps(time.perf_counter() - start, ran, start)
+      self.step = self.recovery.after_collapse(e)  # or raises e: no recovery left
+      return self.step, False
+    self.clock.steps(time.perf_counter() - start, n, start)
+    self.ticker.timed(time.perf_counter() - start, n)
+    self.profiler.after(step)
+    if not self.ticker.due(step):  # the first call, log_every, the last step, or 30 s passed
+      return step, True
+    logged = self.log_progress(step, self.ticker.steps_per_sec())
+    self.act('log', step, logged)
+    rate = next(iter(progress.learning_rates(self.trainer.train_step.groups).values()), None)
+    self.step = self.recovery.after_log(step, logged, rate)  # before this step's save
+    return self.step, self.step == step
+
+  def _heartbeat(self, first: int, last: int):
+    """`on_wait` for a compiled call of steps `first` to `last`: the ticker's heartbeat line."""
+    started = self.ticker.clock()
+
+    def beat() -> None:
+      line = self.ticker.heartbeat(first, last, started)
+      if line is not None:
+        logging.info(line)
+
+    return beat
+
+  def eval_at(self, watcher, step: int) -> None:
+    """The eval at `step` (Ctrl-C honoured between its batches), then a save when the eval
+    changed what the actions keep in the checkpoint (best eval, evals without improvement)
+    and `step` was saved, or when an action asked to stop and it was not."""
+    kept = self._actions_values()
+    single = preemption.workers(self.trainer.strategy) == 1  # else stopping is a collective
+    stop = (lambda: watcher.requested) if single else None
+    with self.clock.timing('eval'):
+      metrics = watcher.call(self.log_eval, step, stop)
+    if metrics is None:  # interrupted: maybe_preempt saves (if needed) and stops
+      return
+    changed = any(not np.array_equal(a, b) for a, b in zip(kept, self._actions_values()))
+    if (changed and self.saved_at == step) or (
+      self.stop_reason is not None and self.saved_at != step
+    ):
+      self.act('save', step, checkpoint=self.save())
+
+  def _actions_values(self) -> list:
+    return [np.array(v.numpy()) for v in self.actions_state.variables]
+
+  def evaluated(self, step: int) -> bool:
+    return self.last_eval is not None and self.last_eval['_step'] == step
+
+  def maybe_preempt(self, watcher, step: int) -> None:
+    """A signal (on any worker): saves unless `step` is saved, then raises Preempted."""
+    if not watcher.should_stop(self.trainer.strategy):  # a collective under multi_worker
+      return
+    path = self.save() if self.saved_at != step else None
+    with self.clock.timing('checkpoint'):
+      self.workdir.sync()  # a background write completes before the process ends
+    raise preemption.Preempted(
+      watcher.reason, step, self.trainer.total_steps, path or self.workdir.latest_checkpoint
+    )
+
+  def final_metrics(self, step: int) -> dict[str, float]:
+    """The last eval's metrics; NonFiniteError when its loss is not finite."""
+    assert self.last_eval is not None and self.last_eval['_step'] == step
+    metrics = {k: v for k, v in self.last_eval.items() if k != '_step'}
+    if self.stop_reason is None and not math.isfinite(metrics['loss']):
       raise NonFiniteError(
         f'the final eval at step {step} has loss {metrics["loss"]}: the '
         'model does not compute finite outputs; see the skipped steps in '
         'the log, lower config.optimizer.learning_rate or check the data.'
       )
-    health.check_end(
-      self.divergence, self.health, metrics['loss'], step, self.workdir.healthy_record()
-    )
+    r = self.recovery
+    health.check_end(r.divergence, r.health, metrics['loss'], step, self.workdir.healthy_record())
     return metrics
 
   def run_steps(self, iterator, num_steps: int) -> int:
@@ -349,12 +441,13 @@ class Runner:
 
   def log_progress(self, step: int, steps_per_sec: float) -> dict[str, float]:
     """Reads and resets the step outputs' sums; writes the progress line and TensorBoard
-    scalars; returns the metrics it logged."""
+    scalars; returns the metrics it logged. The learning rates and loss scales are read from
+    the update groups' optimizers and scalers (what runs), one per group when they differ."""
     tr = self.trainer
     outputs = self.train_loop.read_outputs()
     counts = {k: outputs.pop(k) for k in ('steps', 'skipped', 'nonfinite_loss') if k in outputs}
-    lr = float(tr.learning_rate(step))
-    scale = float(tr.loss_scaler.scale.numpy())
+    groups = tr.train_step.groups
+    rates, scales = progress.learning_rates(groups), progress.loss_scales(groups)
     skipped = int(tr.train_step.skipped_steps.numpy())
     nonfinite = counts.get('nonfinite_loss', 0)
     logging.info(
@@ -362,8 +455,8 @@ class Runner:
         step=step,
         total=tr.total_steps,
         metrics=outputs,
-        learning_rate=lr,
-        scale=scale,
+        learning_rate=rates,
+        scale=scales,
         skipped=skipped,
         steps_per_sec=steps_per_sec,
         nonfinite_loss=nonfinite,
@@ -373,8 +466,8 @@ class Runner:
       'train',
       {
         **outputs,
-        'learning_rate': lr,
-        'loss_scale': scale,
+        **progress.scalars('learning_rate', rates),
+        **progress.scalars('loss_scale', scales),
         'skipped_steps': skipped,
         'nonfinite_loss_steps': nonfinite,
         'steps_per_sec': steps_per_sec,
@@ -382,59 +475,6 @@ class Runner:
       step,
     )
     return outputs
-
-  def recover(self, reason: str, error: Exception | None = None) -> int:
-    """After a collapse (`error`) or a diverged loss: restores the last healthy checkpoint and
-    returns its step, the data iterator going on past the batches that failed (trainer/run/
-    health.py); at most train.recover_tries times. Then a collapse raises as without recovery
-    and a divergence is left to the collapse guard."""
-    tr, t = self.trainer, self.config.train
-    record = self.workdir.healthy_record()
-    failed = int(tr.global_step.numpy())
-    if self.recoveries >= t.recover_tries or record is None:
-      if error is None:
-        logging.warning(
-          '%s; no recovery left (%d of config.train.recover_tries=%d done, %s)',
-          reason,
-          self.recoveries,
-          t.recover_tries,
-          health.describe(record),
-        )
-        return failed
-      if self.recoveries:
-        raise CollapseError(
-          f'{error} ({self.recoveries} recoveries of '
-          f'config.train.recover_tries={t.recover_tries} done)'
-        ) from None
-      raise error
-    factor = float(self.lr_factor.numpy()) if self.lr_factor is not None else 1.0
-    path = self.workdir.healthy_path()
-    assert path is not None  # a record names it (checked above)
-    checkpoints.restore(self.items, path)
-    self.recoveries += 1
-    if self.lr_factor is not None:
-      factor *= t.recover_lr_factor
-      self.lr_factor.assign(factor)
-    step = int(tr.global_step.numpy())
-    self.health.bad = False
-    self.clock.redone(failed - step)
-    logging.warning(
-      'recovery %d of %d: %s; restored the checkpoint (%s) and go on from step %d '
-      'with the data after step %d%s',
-      self.recoveries,
-      t.recover_tries,
-      reason.split('. ')[0],
-      health.describe(record),
-      step,
-      failed,
-      f', learning rate x{factor:g}' if self.lr_factor is not None else '',
-    )
-    self.write_scalars(
-      'recovery',
-      {'recoveries': self.recoveries, 'redone_steps': failed - step, 'lr_factor': factor},
-      failed,
-    )
-    return step
 
   def _sync_quietly(self) -> None:
     try:
@@ -461,36 +501,34 @@ class Runner:
     per_example, _ = tr.compute_loss(self.first_eval_batch, training=False)
     return float(tf.reduce_mean(tf.cast(per_example, tf.float32)))
 
-  def check_divergence(self, step: int, logged: dict[str, float]) -> str | None:
-    """At a log step: the divergence line (trainer/insight/divergence.py), logged as a warning
-    and returned, when the logged loss diverged; else None."""
-    if 'loss' not in logged:
+  def log_eval(self, step: int, stop=None) -> dict[str, float] | None:
+    """One eval (`evaluate`), its line, its scalars and an 'eval' event; the metrics with
+    '_step', kept as `last_eval`. None (and no event) when `stop()` ended it early."""
+    metrics = self.evaluate(stop, step)
+    if metrics is None:
+      logging.info('eval at step %d interrupted', step)
       return None
-    line = self.divergence.update(step, logged['loss'], float(self.trainer.learning_rate(step)))
-    if line is not None:
-      logging.warning(line)
-    return line
-
-  def stop_on_divergence(self, line: str) -> None:
-    """With config.numerics.divergence_stop: DivergenceError (the newest checkpoint on disk,
-    written before the divergence was seen, stays the newest)."""
-    if self.config.numerics.divergence_stop:
-      newest = self.workdir.latest_checkpoint
-      raise DivergenceError(
-        line
-        + '. Stopped (config.numerics.divergence_stop=True); '
-        + (
-          f'the newest checkpoint, {newest}, was written before it'
-          if newest
-          else 'no checkpoint was written yet'
-        )
-      )
-
-  def log_eval(self, step: int) -> dict[str, float]:
-    """One eval, its line, its scalars and an 'eval' event; the metrics with '_step'."""
-    metrics = self.evaluate()
     logging.info('eval at step %d: %s', step, ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
     self.write_scalars('eval', metrics, step)
-    self.health.observe_eval(metrics['loss'], self.divergence.first)  # before this step's save
+    # Before this step's save: an eval back near the first loss makes it unhealthy.
+    self.recovery.health.observe_eval(metrics['loss'], self.recovery.divergence.first)
     self.act('eval', step, metrics)
-    return {**metrics, '_step': step}
+    self.last_eval = {**metrics, '_step': step}
+    return self.last_eval
+
+  def _eval_progress(self, step: int | None):
+    """`batch_done(batches)` for the eval loop: a line every EVAL_REPORT_SECONDS, with the
+    batches done (of how many, when tf.data knows) and the time so far."""
+    started = last = time.monotonic()
+    known = int(self.trainer.datasets.eval.cardinality())
+    of = f' of {known}' if known > 0 else ''
+    where = f'eval at step {step}' if step is not None else 'eval'
+
+    def batch_done(batches: int) -> None:
+      nonlocal last
+      now = time.monotonic()
+      if now - last >= EVAL_REPORT_SECONDS:
+        last = now
+        logging.info('%s: %d batches%s in %.0f s', where, batches, of, now - started)
+
+    return batch_done

@@ -57,6 +57,7 @@ HOOK_CALLS = {
   'build_datasets': ((), {}),
   'build_model': ((), {}),
   'compute_loss': (('batch',), {'training': False}),
+  'build_learning_rate': ((), {}),
   'build_optimizer': (('learning_rate',), {}),
   'build_metrics': ((), {}),
   'build_train_step': ((), {}),

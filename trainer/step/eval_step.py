@@ -1,4 +1,5 @@
-"""The eval loop: one pass over the eval set in a compiled function, every example counted once."""
+"""The eval loop: one pass over the eval set, one compiled call per batch, every example counted
+once."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def read_metrics(metrics: Mapping[str, keras.metrics.Metric]) -> dict[str, float
 
 
 class EvalLoop:
-  """One pass over a (distributed) dataset inside a tf.function: sums of per-example loss and
-  metrics over every example, divided by the count, so no example is dropped or counted twice;
+  """One pass over a (distributed) dataset, each batch added in a tf.function: sums of
+  per-example loss and metrics over every example, divided by the count, so no example is
+  dropped or counted twice;
   stateful metrics (`Trainer.build_metrics()`) are updated per replica and read on the host."""
 
   def __init__(
@@ -42,7 +44,7 @@ class EvalLoop:
     self.metrics = dict(metrics or {})
     self.metric_names = ('loss', *(n for n in metric_names if n not in self.metrics))
     self.reports = (*self.metric_names, *self.metrics)  # the names evaluate() returns
-    self.run = tf.function(self._run, autograph=False)
+    self.add = tf.function(self._add, autograph=False)
 
   def _replica_sums(self, batch: Any) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
     per_example_loss, metrics = user_code.converted(self.compute_loss)(batch, training=False)
@@ -55,27 +57,34 @@ class EvalLoop:
     count = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
     return sums, count
 
-  def _run(self, dataset: Any) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-    # `dataset.reduce` (tf.data's, or tf.distribute's for a distributed dataset) is what
-    # autograph makes of `for batch in dataset`, written out: this function traces without
-    # autograph (trainer/step/user_code.py).
+  def _add(self, batch: Any, totals: dict, count: tf.Tensor) -> tuple[dict, tf.Tensor]:
+    """One batch added to the running sums (on the device: no host read per batch)."""
+    sums, n = self.strategy.run(self._replica_sums, args=(batch,))
+    totals = {k: totals[k] + self.strategy.reduce(SUM, sums[k], axis=None) for k in totals}
+    return totals, count + self.strategy.reduce(SUM, n, axis=None)
 
-    def add(state: tuple, batch: Any) -> tuple:
-      totals, count = state
-      sums, n = self.strategy.run(self._replica_sums, args=(batch,))
-      totals = {k: totals[k] + self.strategy.reduce(SUM, sums[k], axis=None) for k in totals}
-      return totals, count + self.strategy.reduce(SUM, n, axis=None)
-
-    totals, count = dataset.reduce(
-      ({k: tf.constant(0.0) for k in self.metric_names}, tf.constant(0.0)), add
-    )
+  def run(self, dataset, *, stop=None, batch_done=None):
+    """One pass: ({name: mean over the examples}, the number of examples), as tensors; None
+    when `stop()` ended it. One compiled call per batch, so that between batches
+    `batch_done(batches)` can report progress and `stop()` can end the pass early."""
+    totals = {k: tf.constant(0.0) for k in self.metric_names}
+    count = tf.constant(0.0)
+    for batches, batch in enumerate(dataset, start=1):
+      totals, count = self.add(batch, totals, count)
+      if stop is not None and stop():
+        return None
+      if batch_done is not None:
+        batch_done(batches)
     return {k: v / count for k, v in totals.items()}, count
 
-  def evaluate(self, dataset: Any) -> dict[str, float]:
-    """Host side: resets the stateful metrics, one pass, {'loss': ..., <metric>: ...}."""
+  def evaluate(self, dataset, *, stop=None, batch_done=None) -> dict[str, float] | None:
+    """Host side: resets the stateful metrics, one pass (`run`), {'loss': ..., <metric>: ...};
+    None when `stop()` ended the pass."""
     for metric in self.metrics.values():
       metric.reset_state()
-    means, _ = self.run(dataset)
-    results = {k: float(v) for k, v in means.items()}
+    done = self.run(dataset, stop=stop, batch_done=batch_done)
+    if done is None:
+      return None
+    results = {k: float(v) for k, v in done[0].items()}
     results.update(read_metrics(self.metrics))
     return results

@@ -6,11 +6,14 @@ faster on small models); False picks Keras's own classes.
 
 Optimizers come from a registry a project can extend (trainer/registry.py:
 `register_optimizer(name, builder)`, where `builder(opt_config, learning_rate)` returns a Keras
-optimizer; `opt_config` is `config.optimizer`, `learning_rate` a float or a no-argument
-callable). The builders of adam, adamw and sgd are the functions below.
+optimizer; `opt_config` is `config.optimizer`, `learning_rate` a float or a Keras
+LearningRateSchedule, the trainer's `AtGlobalStep`). The builders of adam, adamw and sgd are
+the functions below.
 
-The schedule is a function of the trainer's global step, which advances on every step, skipped
-or not; `optimizer.iterations` counts only applied updates, so it is not used for the schedule.
+The schedule (a Keras LearningRateSchedule, `ConfigSchedule`, made by Trainer.build_learning_rate
+and multiplied by the recovery factor, `Recoverable`) is a function of the trainer's global step,
+which advances on every step, skipped or not; `optimizer.iterations` counts only applied updates,
+so it is not used for the schedule.
 """
 
 from __future__ import annotations
@@ -18,20 +21,22 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import keras
 import ml_collections
 import tensorflow as tf
+from keras.optimizers.schedules import LearningRateSchedule as Schedule
 from absl import logging
 
 from trainer import config, registry
 from trainer.errors import ConfigError
 from trainer.step import fused_optimizers
+from trainer.step.loss_scale import state_variable
 
-# What Keras takes as an optimizer's learning rate: a float, or a no-argument callable it calls at
-# every update.
-LearningRate = float | Callable[[], tf.Tensor]
+# What Keras takes as an optimizer's learning rate: a float, a LearningRateSchedule, or a
+# no-argument callable; it reads a schedule or a callable at every update.
+LearningRate: TypeAlias = 'float | Schedule | Callable[[], tf.Tensor]'
 
 
 def reset_loss_scale_factor(optimizer: keras.optimizers.Optimizer) -> None:
@@ -53,33 +58,96 @@ def reset_loss_scale_factor(optimizer: keras.optimizers.Optimizer) -> None:
     optimizer.loss_scale_factor = None
 
 
-def schedule(
-  opt_config: ml_collections.ConfigDict, total_steps: int
-) -> Callable[[tf.Tensor], tf.Tensor]:
-  """step (a scalar tensor) -> learning rate (float32): linear warm-up from 0 over
-  `warmup_steps`, then constant, or a cosine decay from the peak to `min_learning_rate` (the
-  floor, default 0) at `total_steps`:
+class ConfigSchedule(Schedule):
+  """config.optimizer's schedule, step (a scalar tensor) -> learning rate (float32): linear
+  warm-up from 0 over `warmup_steps`, then constant, or a cosine decay from the peak to `floor`
+  (config.optimizer.min_learning_rate, default 0) at `total_steps`:
     rate(step) = floor + (peak - floor) * (1 + cos(pi * progress)) / 2,
     progress = clip((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)
   (nanoGPT's get_lr, with its lr_decay_iters = total_steps and min_lr = the floor)."""
-  peak = float(opt_config.learning_rate)
-  floor = float(config.value(opt_config, 'optimizer.min_learning_rate'))
-  warmup = int(opt_config.warmup_steps)
-  kind = opt_config.schedule
-  decay_steps = max(total_steps - warmup, 1)
 
-  def learning_rate(step: tf.Tensor) -> tf.Tensor:
+  def __init__(self, peak: float, floor: float, warmup: int, kind: str, total_steps: int):
+    self.peak, self.floor, self.warmup, self.kind = float(peak), float(floor), int(warmup), kind
+    self.total_steps = int(total_steps)
+
+  def __call__(self, step):
     step = tf.cast(step, tf.float32)
-    if kind == 'cosine':
-      progress = tf.clip_by_value((step - warmup) / decay_steps, 0.0, 1.0)
-      rate = floor + 0.5 * (peak - floor) * (1.0 + tf.cos(math.pi * progress))
+    if self.kind == 'cosine':
+      decay_steps = max(self.total_steps - self.warmup, 1)
+      progress = tf.clip_by_value((step - self.warmup) / decay_steps, 0.0, 1.0)
+      rate = self.floor + 0.5 * (self.peak - self.floor) * (1.0 + tf.cos(math.pi * progress))
     else:
-      rate = tf.constant(peak, tf.float32)
-    if warmup > 0:
-      rate = rate * tf.minimum(1.0, (step + 1.0) / warmup)
+      rate = tf.constant(self.peak, tf.float32)
+    if self.warmup > 0:
+      rate = rate * tf.minimum(1.0, (step + 1.0) / self.warmup)
     return rate
 
-  return learning_rate
+  def get_config(self) -> dict:
+    return dict(
+      peak=self.peak,
+      floor=self.floor,
+      warmup=self.warmup,
+      kind=self.kind,
+      total_steps=self.total_steps,
+    )
+
+
+def schedule(opt_config, total_steps: int) -> ConfigSchedule:
+  """The schedule of `opt_config` (config.optimizer) for a run of `total_steps`."""
+  return ConfigSchedule(
+    peak=opt_config.learning_rate,
+    floor=opt_config.get('min_learning_rate', 0.0),
+    warmup=opt_config.warmup_steps,
+    kind=opt_config.schedule,
+    total_steps=total_steps,
+  )
+
+
+class Recoverable(Schedule):
+  """`schedule(step) x factor`: `factor` is the recovery factor (config.train.recover_lr_factor),
+  a float64 variable that each recovery lowers (trainer/run/recovery.py) and every checkpoint
+  saves ('lr_factor'). The product is taken in float64: factors such as 1e-40 (taming a
+  learning rate of 1e38) are no float32."""
+
+  def __init__(self, schedule: Schedule, factor: tf.Variable):
+    self.schedule, self.factor = schedule, factor
+
+  def __call__(self, step):
+    rate = tf.cast(self.schedule(step), tf.float64) * self.factor
+    return tf.cast(rate, tf.float32)
+
+  def get_config(self) -> dict:
+    return {'schedule': self.schedule.get_config(), 'factor': float(self.factor.numpy())}
+
+
+def recoverable(rate: Schedule, recover_lr_factor: float) -> Schedule:
+  """`rate` as it is when recovery leaves the learning rate alone (a factor of 1), else
+  `Recoverable(rate, <a new factor variable at 1>)`; made under the strategy's scope."""
+  if recover_lr_factor == 1.0:
+    return rate
+  return Recoverable(rate, state_variable(1.0, tf.float64, 'lr_factor'))
+
+
+class AtGlobalStep(Schedule):
+  """What `build_optimizer(learning_rate)` gets: the trainer's schedule at the trainer's global
+  step. Keras calls an optimizer's schedule with `optimizer.iterations`, which counts applied
+  updates only; the rate follows the global step, which advances on every step, skipped or not,
+  so the step Keras passes is not read (called with no argument, as the no-argument callable it
+  replaces, it gives the same rate).
+
+  Computed once per graph being traced, the same tensor for every later read in that graph
+  (`once_per_trace`); eagerly, every time."""
+
+  def __init__(self, schedule: Schedule, global_step: tf.Variable):
+    self.schedule, self.global_step = schedule, global_step
+    self._rate = once_per_trace(lambda: schedule(global_step))
+
+  def __call__(self, step=None):
+    del step  # optimizer.iterations: see the class docstring
+    return self._rate()
+
+  def get_config(self) -> dict:
+    return {'schedule': self.schedule.get_config()}
 
 
 def once_per_trace(rate: Callable[[], tf.Tensor]) -> Callable[[], tf.Tensor]:
@@ -112,7 +180,7 @@ def build(
   step: tf.Variable | None = None,
 ) -> keras.optimizers.Optimizer:
   """The registered builder of `opt_config.name`, called with (opt_config, learning_rate);
-  `learning_rate` is a float or a no-argument callable (Keras 3 calls it every update).
+  `learning_rate` is a float or a LearningRateSchedule (Keras 3 calls it every update).
 
   With bfloat16 `master_weights` (config.precision.master_weights) or
   `opt_config.state_bits=8`, adam, adamw and sgd are trainer/step/low_precision.py's classes
