@@ -232,4 +232,5 @@ def test_a_healthy_batch_1_run_logged_every_step_raises_no_alarm(tmp_path, caplo
   logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith('step ')]
   assert len(logged) == 300 and metrics['accuracy'] > 0.6
   assert not [r for r in caplog.records if 'divergence' in r.getMessage()]
-  assert trainer.runner.divergence.first is not None and trainer.runner.health.healthy(0)
+  recovery = trainer.runner.recovery
+  assert recovery.divergence.first is not None and recovery.health.healthy(0)
