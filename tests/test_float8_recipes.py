@@ -4,7 +4,10 @@ recipe in the loop (loss scaling, skips, accumulation, resume, replicas, the num
 
 On this CPU float8 is emulated (quantize-dequantize): these check numerics, not speed."""
 
+import json
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -209,3 +212,160 @@ def test_delayed_is_bit_identical_to_kerass_float8_over_100_steps(tmp_path):
   assert any('amax_history' in n for n in names)
   for a, b, name in zip(delayed.model.variables, by_hand.model.variables, names):
     np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
+
+
+# ---- every recipe in the loop ----------------------------------------------------------------
+
+
+def run(trainer, n):
+  if not hasattr(trainer, '_it'):
+    trainer.runner.restore()
+    trainer._it = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
+  return trainer.runner.run_steps(trainer._it, n)
+
+
+def values(trainer):
+  return [v.numpy().copy() for v in trainer.model.variables + trainer.optimizer.variables]
+
+
+@pytest.mark.parametrize('recipe', CURRENT)
+def test_skipped_step_touches_no_state_under_dynamic_loss_scaling(tmp_path, recipe):
+  trainer = tiny(
+    tmp_path, recipe, **{'precision.loss_scale': 'dynamic', 'debug.inject_nonfinite_steps': '3'}
+  )
+  run(trainer, 3)
+  before, scale = values(trainer), float(trainer.loss_scaler.scale.numpy())
+  run(trainer, 1)  # step 3: injected, skipped
+  assert int(trainer.train_step.skipped_steps.numpy()) == 1
+  assert float(trainer.loss_scaler.scale.numpy()) == scale / 2
+  for a, b in zip(before, values(trainer)):
+    np.testing.assert_array_equal(a, b)
+  run(trainer, 2)
+  after = values(trainer)
+  assert all(np.isfinite(v).all() for v in after)
+  assert not np.array_equal(before[0], after[0])  # the next steps apply
+
+
+class OneBatch(Tiny32):
+  """Every train batch is the same 32 examples."""
+
+  def build_datasets(self):
+    rng = np.random.default_rng(7)
+    batch = (rng.normal(size=(32, 32)).astype(np.float32), rng.integers(0, 4, 32).astype(np.int32))
+    data = tf.data.Dataset.from_tensors(batch)
+    return Datasets(train=data.repeat(), eval=data, train_examples=32)
+
+
+@pytest.mark.parametrize('recipe', CURRENT)
+def test_accumulated_micro_batches_each_quantized_on_their_own(tmp_path, recipe):
+  """One SGD step over 2 micro-batches moves the weights by the mean of the micro-batches'
+  float8 gradients (each GEMM quantized with its micro-batch's own scales)."""
+  config = tiny_config(
+    **{
+      'precision.policy': 'mixed_bfloat16',
+      'precision.float8': recipe,
+      'precision.loss_scale': 'dynamic',
+      'train.grad_accum_steps': 2,
+      'optimizer.name': 'sgd',
+      'optimizer.momentum': 0.0,
+      'optimizer.learning_rate': 0.5,
+      'optimizer.schedule': 'constant',
+    }
+  )
+  trainer = OneBatch(config, str(tmp_path / 'w'))
+  x, y = next(iter(trainer.datasets.train))
+  model = trainer.model
+  start = [v.numpy().copy() for v in model.trainable_variables]
+  grads = []
+  for part in (slice(0, 16), slice(16, 32)):
+    with tf.GradientTape() as tape:
+      loss, _ = trainer.compute_loss((x[part], y[part]), training=True)
+      loss = tf.reduce_mean(loss)
+    grads.append([g.numpy() for g in tape.gradient(loss, model.trainable_variables)])
+  trainer.train_step.run(iter(trainer.datasets.train), 1)
+  assert int(trainer.train_step.skipped_steps.numpy()) == 0
+  for w0, g1, g2, v in zip(start, *grads, model.trainable_variables):
+    np.testing.assert_allclose(v.numpy(), w0 - 0.5 * (g1 + g2) / 2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('recipe', CURRENT)
+def test_resume_is_bit_identical(tmp_path, recipe):
+  over = {'precision.loss_scale': 'dynamic', 'train.steps': 10}
+  straight = tiny(tmp_path, recipe, 'straight', **over)
+  straight.train()
+  tiny(tmp_path, recipe, 'resumed', **{**over, 'train.steps': 5}).train()
+  resumed = tiny(tmp_path, recipe, 'resumed', **over)
+  resumed.train()
+  assert int(resumed.global_step.numpy()) == 10
+  for a, b in zip(values(straight), values(resumed)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_two_replicas_agree_with_each_other_and_one_device(tmp_path):
+  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
+  script = os.path.join(ROOT, 'tests', 'distribute_runs.py')
+  proc = subprocess.run(
+    [sys.executable, script, '--float8-recipes', str(tmp_path), ','.join(CURRENT)],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  results = json.loads((tmp_path / 'results.json').read_text())
+  arrays = dict(np.load(tmp_path / 'arrays.npz'))
+  for recipe in CURRENT:
+    assert results[recipe]['skipped'] == 0 and results[recipe]['quantized'] == ['hidden']
+    for i, name in enumerate(results[recipe]['names']):
+      one = arrays[f'{recipe}/one/{i}']
+      replicas = [arrays[f'{recipe}/replica{r}/{i}'] for r in range(2)]
+      np.testing.assert_array_equal(replicas[0], replicas[1], err_msg=name)
+      # Each replica quantizes its half batch with its own scales, so the runs differ by float8
+      # rounding (seen: 2.6e-3 on one of 8192 elements): small beside the 3 SGD steps' move
+      # (gradients summed instead of averaged over replicas would double it).
+      moved = np.linalg.norm(one - arrays[f'{recipe}/start/{i}'])
+      assert np.linalg.norm(replicas[0] - one) < 0.1 * moved, f'{recipe} {name}'
+
+
+@pytest.mark.parametrize('recipe', CURRENT)
+def test_probe_measures_the_quantized_outputs(tmp_path, recipe):
+  from trainer.insight.numerics import Probe
+
+  trainer = tiny(tmp_path, recipe)
+  batch = next(iter(trainer.datasets.eval))
+  stats, overall = Probe(trainer).measure(batch)
+  d1 = trainer.model.get_layer('d1')
+  assert d1.float8_recipe == recipe
+  quantized = np.abs(d1(batch[0]).numpy().astype(np.float32)).max()
+  assert stats[d1.path]['output_max'] == pytest.approx(quantized, rel=1e-6)
+  d1.__dict__.pop('call')  # the same layer without float8: another output
+  assert np.abs(d1(batch[0]).numpy().astype(np.float32)).max() != quantized
+  assert 0 <= overall['grad_zero'] < 1 and 'grad_max' in stats[d1.path]
+
+
+@pytest.mark.parametrize('recipe', CURRENT)
+def test_replay_names_the_float8_layer_that_overflows(tmp_path, recipe):
+  """The culprit's float8 GEMM (dequantized products summed in float32) overflows: 64 x ~3e31
+  x 1e30 > float32's 3.4e38. Its inputs come from a float8 layer that stays finite."""
+  from trainer.insight import forensics
+
+  class Loud(Tiny32):
+    def build_model(self):
+      big = keras.initializers.Constant(1e30)
+      return keras.Sequential(
+        [
+          keras.Input((32,)),
+          keras.layers.Dense(64, kernel_initializer=big, name='first'),
+          keras.layers.Dense(64, kernel_initializer=big, name='culprit'),
+          keras.layers.Dense(4, dtype='float32'),
+        ],
+        name='loud',
+      )
+
+  config = tiny_config(**{'precision.policy': 'mixed_bfloat16', 'precision.float8': recipe})
+  trainer = Loud(config, str(tmp_path / 'w'))
+  assert trainer.model.get_layer('culprit').float8_recipe == recipe
+  batch = next(iter(trainer.datasets.train))
+  report = forensics.replay(trainer.model, trainer.compute_loss, batch, loss_scale=32768.0)
+  assert report.phase == 'forward' and report.layer == 'culprit', report.line()
