@@ -166,3 +166,12 @@ def test_mx_exponents_are_the_e8m0_scales_of_the_reference(fmt):
   np.testing.assert_array_equal(got.astype(ml_dtypes.float8_e8m0fnu).astype(np.float64), want)
   inverse = fq.mx_inverse_scale(tf.constant([np.inf, np.nan, 1.0]), fmt).numpy()
   assert np.isnan(inverse[:2]).all() and inverse[2] == 2.0 ** EMAX[fmt]
+
+
+@pytest.mark.parametrize('fmt', ['e4m3fn', 'e5m2'])
+def test_counts_of_saturated_and_flushed_values(fmt):
+  fmax = float(ml_dtypes.finfo(DTYPES[fmt]).max)
+  block = np.r_[1.9 * 2 ** EMAX[fmt], np.ones(30), 0.0].astype(np.float32)  # X = 1: 1.9 * 2^emax
+  np.testing.assert_array_equal(fq.counts(tf.constant(block), fmt, 'block').numpy(), [1, 0, 31])
+  x = np.array([fmax, 2.0**-40, -(2.0**-41), 1.0, 0.0], np.float32)  # scale 1: two flushed
+  np.testing.assert_array_equal(fq.counts(tf.constant(x), fmt, 'tensor').numpy(), [0, 2, 4])

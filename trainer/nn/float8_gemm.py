@@ -18,6 +18,7 @@ scale, so for a power-of-two loss scale the quantized values are the unscaled on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import tensorflow as tf
@@ -51,16 +52,41 @@ RECIPES = {
 }
 
 
-def matmul(x: tf.Tensor, w: tf.Tensor, recipe: Recipe) -> tf.Tensor:
-  """x [M, K] @ w [K, N] as `recipe`'s float8 GEMM, forward and backward; in x's dtype."""
+_observers: list = []  # observe(): called with each quantized operand
+
+
+@contextlib.contextmanager
+def observe(record):
+  """While active, `record(name, operand, counts)` for every operand quantized in a GEMM given a
+  `name`: operand 'x', 'w' (as the forward quantizes them) or 'g' (as the input-gradient GEMM
+  does), counts = float8_quant.counts. For measurements (benchmarks/float8_recipes.py), run
+  eagerly; a step compiled meanwhile would keep the calls in its graph."""
+  _observers.append(record)
+  try:
+    yield
+  finally:
+    _observers.remove(record)
+
+
+def _note(name, operand, t, fmt, scaling, axis):
+  for record in _observers if name else ():
+    record(name, operand, float8_quant.counts(t, fmt, scaling, axis))
+
+
+def matmul(x: tf.Tensor, w: tf.Tensor, recipe: Recipe, name: str = '') -> tf.Tensor:
+  """x [M, K] @ w [K, N] as `recipe`'s float8 GEMM, forward and backward; in x's dtype. `name`
+  (a layer's path) labels its operands for `observe`."""
   qdq = float8_quant.qdq
   fwd, grd, scaling = recipe.forward, recipe.gradient, recipe.scaling
 
   @tf.custom_gradient
   def gemm(x, w):
     xq, wq = qdq(x, fwd, scaling, 1), qdq(w, fwd, scaling, 0)
+    _note(name, 'x', x, fwd, scaling, 1)
+    _note(name, 'w', w, fwd, scaling, 0)
 
     def grad(g):
+      _note(name, 'g', g, grd, scaling, 1)
       if scaling == 'tensor':  # one scale per tensor: the forward's operands serve again
         gq = qdq(g, grd, scaling)
         dx = tf.matmul(gq, wq, transpose_b=True)
@@ -75,9 +101,9 @@ def matmul(x: tf.Tensor, w: tf.Tensor, recipe: Recipe) -> tf.Tensor:
   return gemm(x, w)
 
 
-def dense(x: tf.Tensor, w: tf.Tensor, recipe: Recipe) -> tf.Tensor:
+def dense(x: tf.Tensor, w: tf.Tensor, recipe: Recipe, name: str = '') -> tf.Tensor:
   """x [..., K] @ w [K, N]: the leading axes folded into M."""
   k, n = w.shape
   shape = tf.shape(x)
-  y = matmul(tf.reshape(x, [-1, k]), w, recipe)
+  y = matmul(tf.reshape(x, [-1, k]), w, recipe, name)
   return tf.reshape(y, tf.concat([shape[:-1], [n]], 0))

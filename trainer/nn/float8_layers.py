@@ -45,7 +45,8 @@ def apply(model, name: str, policy: str) -> list[str]:
       object.__setattr__(layer, 'call', call(layer, recipe))
     elif getattr(layer, 'FLOAT8_KERNELS', None):
       _check_blocks(layer, recipe, [getattr(layer, k) for k in layer.FLOAT8_KERNELS])
-      object.__setattr__(layer, 'float8_matmul', lambda x, w, r=recipe: float8_gemm.matmul(x, w, r))
+      matmul = lambda x, w, r=recipe, p=layer.path: float8_gemm.matmul(x, w, r, p)  # noqa: E731
+      object.__setattr__(layer, 'float8_matmul', matmul)
     else:
       continue
     object.__setattr__(layer, 'float8_recipe', name)
@@ -87,7 +88,8 @@ def _finish(layer, y):
 def _dense_call(layer, recipe):
   def call(inputs, training=None):
     dtype = layer.compute_dtype
-    y = float8_gemm.dense(tf.cast(inputs, dtype), tf.cast(layer.kernel, dtype), recipe)
+    x, kernel = tf.cast(inputs, dtype), tf.cast(layer.kernel, dtype)
+    y = float8_gemm.dense(x, kernel, recipe, layer.path)
     return _finish(layer, y)
 
   return call
@@ -105,7 +107,7 @@ def _einsum_call(layer, recipe):
     kt = tf.einsum(f'{b}->{contracted}{kfree}', kernel)
     k = int(kt.shape[: len(contracted)].num_elements())
     n = int(kt.shape[len(contracted) :].num_elements())
-    y = float8_gemm.matmul(tf.reshape(xt, [-1, k]), tf.reshape(kt, [k, n]), recipe)
+    y = float8_gemm.matmul(tf.reshape(xt, [-1, k]), tf.reshape(kt, [k, n]), recipe, layer.path)
     shape = tf.concat([tf.shape(xt)[: len(free)], kt.shape[len(contracted) :]], 0)
     return _finish(layer, tf.einsum(f'{free}{kfree}->{out}', tf.reshape(y, shape)))
 

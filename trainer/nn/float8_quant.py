@@ -86,22 +86,40 @@ def mx_inverse_scale(a: tf.Tensor, fmt: str) -> tf.Tensor:
   return tf.where(tf.math.is_finite(a), inverse, tf.constant(float('nan'), tf.float32))
 
 
-def qdq(x: tf.Tensor, fmt: str, scaling: str, axis: int = -1) -> tf.Tensor:
-  """x quantized to `fmt` with `scaling` ('tensor', 'axis' or 'block' along `axis`) and
-  dequantized, in float32."""
+def scaled(x: tf.Tensor, fmt: str, scaling: str, axis: int = -1):
+  """(x times its scales in float32, the function taking quantized values back to x's layout
+  and magnitude) for `scaling` ('tensor', 'axis' or 'block' along `axis`)."""
   x = tf.cast(x, tf.float32)
   if scaling == 'block':
-    return _qdq_blocks(x, fmt, axis)
+    return _scaled_blocks(x, fmt, axis)
   if scaling == 'tensor':
     scale = current_scale(amax(x), fmt, power_of_two=False)
   elif scaling == 'axis':
     scale = current_scale(amax(x, axis), fmt, power_of_two=True)
   else:
     raise ValueError(f'float8 scaling {scaling!r}: must be one of {", ".join(SCALINGS)}')
-  return cast_saturated(x * scale, fmt) / scale
+  return x * scale, lambda q: q / scale
 
 
-def _qdq_blocks(x: tf.Tensor, fmt: str, axis: int) -> tf.Tensor:
+def qdq(x: tf.Tensor, fmt: str, scaling: str, axis: int = -1) -> tf.Tensor:
+  """x quantized to `fmt` with `scaling` ('tensor', 'axis' or 'block' along `axis`) and
+  dequantized, in float32."""
+  y, back = scaled(x, fmt, scaling, axis)
+  return back(cast_saturated(y, fmt))
+
+
+def counts(x: tf.Tensor, fmt: str, scaling: str, axis: int = -1) -> tf.Tensor:
+  """[saturated, flushed, nonzero] element counts (float32) of x's quantization: finite scaled
+  values beyond the format's largest; nonzero values that became zero (the MX padding is zero)."""
+  y, _ = scaled(x, fmt, scaling, axis)
+  q = cast_saturated(y, fmt)
+  nonzero = tf.not_equal(y, 0.0)
+  saturated = tf.math.is_finite(y) & (tf.abs(y) > FORMATS[fmt][1])
+  flags = [saturated, nonzero & tf.equal(q, 0.0), nonzero]
+  return tf.stack([tf.reduce_sum(tf.cast(f, tf.float32)) for f in flags])
+
+
+def _scaled_blocks(x: tf.Tensor, fmt: str, axis: int):
   """MX: `axis` moved last, zero-padded to whole blocks of 32, one E8M0 scale per block. Both
   scalings are exact (powers of two), but for results below 2^-126, which TF flushes to zero."""
   rank = x.shape.rank
@@ -115,6 +133,9 @@ def _qdq_blocks(x: tf.Tensor, fmt: str, axis: int) -> tf.Tensor:
   padded = tf.pad(moved, [[0, 0]] * (rank - 1) + [[0, pad]])
   blocks = tf.reshape(padded, tf.concat([shape[:-1], [(n + pad) // BLOCK, BLOCK]], 0))
   inverse = mx_inverse_scale(amax(blocks, -1), fmt)
-  out = cast_saturated(blocks * inverse, fmt) / inverse
-  out = tf.reshape(out, tf.concat([shape[:-1], [n + pad]], 0))[..., :n]
-  return tf.transpose(out, back) if axis != rank - 1 else out
+
+  def unscale(q):
+    out = tf.reshape(q / inverse, tf.concat([shape[:-1], [n + pad]], 0))[..., :n]
+    return tf.transpose(out, back) if axis != rank - 1 else out
+
+  return blocks * inverse, unscale
