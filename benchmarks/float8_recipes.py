@@ -195,17 +195,17 @@ def main(argv):
   steps = {'mnist_mlp': _MLP.value, 'mnist_cnn': _CNN.value, 'transformer_lm': _LM.value}
   loads = [os.getloadavg()[0]]
   body = []
+  command = 'python benchmarks/float8_recipes.py ' + ' '.join(sys.argv[1:])
+  os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   for model in _MODELS.value:
     results = {}
     for recipe in _RECIPES.value:
       results[recipe] = one_run(model, recipe, steps[model])
-      print(model, recipe, {k: v for k, v in results[recipe].items() if k != 'shares'}, flush=True)
+      print(model, recipe, results[recipe], flush=True)
     body += table(model, steps[model], results)
     loads.append(os.getloadavg()[0])
-  command = 'python benchmarks/float8_recipes.py ' + ' '.join(sys.argv[1:])
-  os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    f.write('\n'.join(header(command, loads) + body))
+    with open(_OUT.value, 'w') as f:  # after each model: a partial table survives a stop
+      f.write('\n'.join(header(command, loads) + body))
   print(f'wrote {_OUT.value}')
 
 
