@@ -369,3 +369,34 @@ def test_replay_names_the_float8_layer_that_overflows(tmp_path, recipe):
   batch = next(iter(trainer.datasets.train))
   report = forensics.replay(trainer.model, trainer.compute_loss, batch, loss_scale=32768.0)
   assert report.phase == 'forward' and report.layer == 'culprit', report.line()
+
+
+@pytest.mark.slow
+def test_the_recipes_table_is_written(tmp_path):
+  """benchmarks/float8_recipes.py end to end on a few MLP steps: the header, one row per recipe
+  (mxfp8's error in its row), the shares of the current-scaling recipes."""
+  out = tmp_path / 'float8.md'
+  done = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'benchmarks', 'float8_recipes.py'),
+      '--models=mnist_mlp',
+      '--mlp_steps=4',
+      '--recipes=none,rowwise,mxfp8',
+      '--cost_steps=1',
+      f'--out={out}',
+      f'--workdir={tmp_path / "runs"}',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=900,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  text = out.read_text()
+  for expected in ('- command: `python benchmarks/float8_recipes.py', '- commit: ', '- load: '):
+    assert expected in text
+  assert '| none | ' in text and '| rowwise | 0.' in text and 'short: 4 of 4680 steps' in text
+  assert "| mxfp8 | - | not run: ConfigError: config.precision.float8='mxfp8': layer" in text
+  assert '| rowwise | mnist_mlp/dense' in text  # the shares table
