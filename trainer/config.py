@@ -27,6 +27,9 @@ class Key(NamedTuple):
   default: Any
   help: str
   check: Callable[[Any], str | None] | None = None  # returns a complaint, or None when fine
+  # Maps older spellings to the value before the type check (precision.float8: True, False). Such
+  # a key's default is an untyped field, so a config file may assign either spelling.
+  coerce: Callable[[Any], Any] | None = None
 
 
 def _positive(v):
@@ -79,6 +82,19 @@ JIT_SWITCHES = ('auto', 'true', 'false')  # or a comma-separated list of policie
 MASTER_WEIGHTS = ('float32', 'bfloat16_sr', 'bfloat16_kahan')  # trainer/step/low_precision.py
 STATE_BITS = (32, 8)
 LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/step/low_precision.py has
+# precision.float8: 'delayed' is Keras's model.quantize('float8'); the others are current-scaling
+# recipes (trainer/nn/float8_gemm.py).
+FLOAT8_RECIPES = ('none', 'delayed', 'tensorwise', 'rowwise', 'mxfp8')
+
+
+def _float8_recipe(v):
+  """The boolean precision.float8 of before recipes: True = 'delayed', False = 'none' (also as
+  the strings 'true'/'false' of a command line)."""
+  if isinstance(v, bool):
+    return 'delayed' if v else 'none'
+  if isinstance(v, str) and v.lower() in ('true', 'false'):
+    return 'delayed' if v.lower() == 'true' else 'none'
+  return v
 
 
 def _loss_scale(v):
@@ -253,10 +269,13 @@ SCHEMA: dict[str, Key] = {
     lambda v: None if v >= 1 else 'must be >= 1',
   ),
   'precision.float8': Key(
-    bool,
-    False,
-    'Keras float8 training of every Dense/EinsumDense '
-    "layer (model.quantize('float8'); emulated without float8 hardware)",
+    str,
+    'none',
+    "float8 recipe of the Dense/EinsumDense layers (and attention projections): 'none', 'delayed' "
+    "(Keras's model.quantize('float8')), 'tensorwise', 'rowwise' or 'mxfp8' (current scaling, "
+    'trainer/nn/float8_gemm.py); True = delayed, False = none; emulated without float8 hardware',
+    _one_of(*FLOAT8_RECIPES),
+    _float8_recipe,
   ),
   'precision.float32_layers': Key(
     str,
@@ -384,7 +403,10 @@ def defaults() -> ml_collections.ConfigDict:
   """A ConfigDict with every key of the schema at its default."""
   config = ml_collections.ConfigDict()
   for name, key in SCHEMA.items():
-    set_dotted(config, name, key.default)
+    untyped = key.coerce is not None  # either spelling may be assigned (see Key.coerce)
+    set_dotted(
+      config, name, ml_collections.FieldReference(key.default, object) if untyped else key.default
+    )
   return config
 
 
@@ -396,6 +418,8 @@ def value(section: Any, name: str) -> Any:
 
 
 def _coerce(name, key, value):
+  if key.coerce is not None:
+    value = key.coerce(value)
   if key.type is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if key.type is str and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -14,14 +14,18 @@ import ml_collections
 
 def set_dotted(config, dotted: str, value) -> None:
   """`config['a']['b'] = value` for dotted 'a.b', on a ConfigDict or a plain dict; missing
-  parents are created (as ConfigDicts)."""
+  parents are created (as ConfigDicts). The value replaces the old one whatever its type."""
   *parents, leaf = dotted.split('.')
   node = config
   for part in parents:
     if part not in node:
       node[part] = ml_collections.ConfigDict()
     node = node[part]
-  node[leaf] = value
+  try:
+    node[leaf] = value
+  except TypeError:  # a ConfigDict field typed by its old value; trainer.config.validate checks
+    del node[leaf]  # the new one against the schema (precision.float8: a bool or a recipe name)
+    node[leaf] = value
 
 
 def get(config, dotted: str):

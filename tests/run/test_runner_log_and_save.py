@@ -161,6 +161,7 @@ def test_an_error_during_training_says_what_is_on_disk(tmp_path):
   import sys
 
   from conftest import ROOT as root
+
   (tmp_path / 'tinypkg').mkdir()
   (tmp_path / 'tinypkg' / '__init__.py').write_text('')
   (tmp_path / 'tinypkg' / 'model.py').write_text(

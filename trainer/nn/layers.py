@@ -33,7 +33,12 @@ class CausalSelfAttention(keras.layers.Layer):
   `attention='chunked'` computes the queries in chunks of `chunk` positions (`chunked_attention`):
   the [batch, heads, time, time] weights are never held whole, nor kept for the backward pass.
   It needs a static sequence length (else the full path runs) and no dropout.
+
+  Its two projections are its GEMMs for a float8 recipe (FLOAT8_KERNELS; trainer/nn/float8_layers.py
+  sets `float8_matmul`); the attention's own matmuls stay in the compute dtype.
   """
+
+  FLOAT8_KERNELS = ('qkv_kernel', 'out_kernel')
 
   def __init__(
     self, num_heads: int, dropout: float = 0.0, attention: str = 'full', chunk: int = 64, **kwargs
@@ -80,7 +85,7 @@ class CausalSelfAttention(keras.layers.Layer):
     heads, depth = self.num_heads, self.d_model // self.num_heads
 
     rows = tf.reshape(x, [-1, self.d_model])  # one 2-D matmul is faster than a batched one
-    qkv = tf.matmul(rows, tf.cast(self.qkv_kernel, dtype)) + tf.cast(self.qkv_bias, dtype)
+    qkv = self._matmul(rows, self.qkv_kernel) + tf.cast(self.qkv_bias, dtype)
     qkv = tf.reshape(qkv, [batch, time, 3, heads, depth])
     q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each [batch, heads, time, depth]
 
@@ -101,8 +106,14 @@ class CausalSelfAttention(keras.layers.Layer):
     """[batch, heads, time, depth] -> the output projection, [batch, time, d_model]."""
     dtype = self.compute_dtype
     out = tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [-1, self.d_model])
-    out = tf.matmul(out, tf.cast(self.out_kernel, dtype)) + tf.cast(self.out_bias, dtype)
+    out = self._matmul(out, self.out_kernel) + tf.cast(self.out_bias, dtype)
     return tf.reshape(out, [batch, time, self.d_model])
+
+  def _matmul(self, rows, kernel):
+    """rows @ kernel in the compute dtype, as a float8 GEMM when a recipe set `float8_matmul`."""
+    kernel = tf.cast(kernel, self.compute_dtype)
+    float8 = getattr(self, 'float8_matmul', None)
+    return float8(rows, kernel) if float8 else tf.matmul(rows, kernel)
 
   def compute_output_shape(self, input_shape):
     return input_shape

@@ -125,8 +125,8 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     base = _base(trainer)
     if type(trainer).build_train_step is base.build_train_step:  # a custom step may differ
       contract.check_gradient(batch, trainer.compute_loss, trainer.model)
-    if c.precision.float8:  # after the probe: quantize needs a built model
-      precision.quantize_float8(trainer.model)
+    # After the probe: quantizing needs a built model.
+    precision.apply_float8(trainer.model, c.precision.float8, trainer.policy)
     trainer.loss_scaler = LossScaler.from_config(c.precision, trainer.policy)
     # The schedule, built once: the hook's, times the recovery factor (a variable each
     # recovery lowers). The optimizer reads it at the global step (optimizers.AtGlobalStep),

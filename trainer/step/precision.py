@@ -19,6 +19,7 @@ from absl import logging
 
 from trainer.step import contract
 from trainer import config
+from trainer.nn import float8_layers
 from trainer.errors import ConfigError
 
 POLICIES = config.PRECISION_POLICIES
@@ -76,6 +77,17 @@ def apply(name: str) -> str:
     )
   keras.mixed_precision.set_global_policy(policy)
   return policy
+
+
+def apply_float8(model: keras.Model, recipe: str, policy: str) -> None:
+  """config.precision.float8 on a built model under the resolved `policy`: 'none' leaves it,
+  'delayed' is Keras's (quantize_float8), the others are current-scaling recipes applied to the
+  layers that do not compute in float32 (trainer/nn/float8_layers.py)."""
+  if recipe == 'delayed':
+    quantize_float8(model)
+  elif recipe != 'none':
+    layers = float8_layers.apply(model, recipe, policy)
+    logging.info('float8 %s: %d layers (%s)', recipe, len(layers), ', '.join(layers))
 
 
 def quantize_float8(model: keras.Model) -> None:

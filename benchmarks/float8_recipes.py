@@ -1,0 +1,196 @@
+"""The float8 recipes table: per recipe, what it costs a model in quality against mixed_bfloat16.
+
+  python benchmarks/float8_recipes.py --mlp_steps=936 --cnn_steps=936 --lm_steps=750 \
+      --results_dir=docs/results
+
+For each model (the MNIST MLP and CNN: test accuracy; the Shakespeare LM: validation loss) and
+each value of precision.float8 ('none' is the mixed_bfloat16 baseline), one training run from
+the same seed under mixed_bfloat16 with dynamic loss scaling, then:
+  * the gap to the baseline (accuracy points, or nats/char);
+  * per quantized layer, the share of its values saturated (scaled beyond the format's largest)
+    or flushed (nonzero, quantized to zero): the activations x and weights w as the forward GEMM
+    quantizes them, the output gradients g as the input-gradient GEMM does, measured eagerly on
+    one evaluation batch after training (trainer/nn/float8_gemm.observe; the current-scaling
+    recipes only, Keras's delayed layers are not instrumented);
+  * the emulated step's cost: seconds per compiled train step, as a ratio to the baseline's. The
+    float8 casts are emulated on a CPU (quantize, dequantize, float32 GEMM): the ratio is the
+    emulation's overhead, not float8 hardware's speed-up, and the machine may be shared (its
+    load average is in the header).
+Writes docs/results/float8.md (benchmarks/results.py: a header of command, commit, machine, load).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+from benchmarks import results as results_page  # noqa: E402  (--results_dir)
+
+RECIPES = ('none', 'delayed', 'tensorwise', 'rowwise', 'mxfp8')
+MODELS = {  # name: (config file, data folder, metric, higher is better)
+  'mnist_mlp': ('mnist_mlp.py', 'mnist', 'accuracy', True),
+  'mnist_cnn': ('mnist.py', 'mnist', 'accuracy', True),
+  'transformer_lm': ('shakespeare.py', 'tinyshakespeare', 'loss', False),
+}
+FULL = {'mnist_mlp': 4680, 'mnist_cnn': 2340, 'transformer_lm': 750}  # the configs' lengths
+
+_MLP = flags.DEFINE_integer('mlp_steps', 936, 'Train steps of the MNIST MLP.')
+_CNN = flags.DEFINE_integer('cnn_steps', 936, 'Train steps of the MNIST CNN.')
+_LM = flags.DEFINE_integer('lm_steps', 750, 'Train steps of the Shakespeare LM (750 = full).')
+_RECIPES = flags.DEFINE_list('recipes', list(RECIPES), 'precision.float8 values to compare.')
+_MODELS = flags.DEFINE_list('models', list(MODELS), 'Models to train.')
+_COST = flags.DEFINE_integer('cost_steps', 20, 'Compiled steps timed for the cost ratio.')
+_DATA = flags.DEFINE_string('data_root', os.path.join(ROOT, '..', 'shared', 'data'), 'Data.')
+_WORK = flags.DEFINE_string('workdir', '/tmp/float8_recipes', 'Where the runs write.')
+
+
+def config_for(model: str, recipe: str, steps: int):
+  from trainer import config as config_lib
+
+  file, data, _, _ = MODELS[model]
+  c = config_lib.load_file(os.path.join(ROOT, 'configs', file))
+  c.data.dir = os.path.join(_DATA.value, data)
+  c.seed = 0
+  c.train.steps = steps
+  loop = next(n for n in (50, 25, 20, 10, 5, 4, 2, 1) if steps % n == 0)
+  c.train.steps_per_loop = c.train.log_every = loop
+  c.train.eval_every = 0  # at the end only
+  c.train.checkpoint_every = steps
+  c.optimizer.warmup_steps = min(c.optimizer.warmup_steps, steps // 5)
+  c.numerics.every = 0  # the statistics probe's own passes would be in the timing
+  c.precision.policy = 'mixed_bfloat16'
+  c.precision.loss_scale = 'dynamic'
+  c.precision.float8 = recipe
+  return c
+
+
+def shares(trainer) -> dict[str, dict[str, tuple[float, float]]]:
+  """{layer: {operand: (saturated share, flushed share)}} on one evaluation batch (eager)."""
+  import tensorflow as tf
+  from trainer.data import checks
+  from trainer.nn import float8_gemm
+
+  sums: dict = {}
+
+  def record(name, operand, counts):
+    sums.setdefault(name, {}).setdefault(operand, 0.0)
+    sums[name][operand] = sums[name][operand] + counts.numpy()
+
+  batch = checks.first_eval_batch(trainer.datasets)
+  with float8_gemm.observe(record):  # the backward pass too: g is quantized there
+    with tf.GradientTape() as tape:
+      loss, _ = trainer.compute_loss(batch, training=True)
+      loss = tf.reduce_mean(loss)
+    tape.gradient(loss, trainer.model.trainable_variables)
+  return {
+    layer: {op: (c[0] / max(c[2], 1), c[1] / max(c[2], 1)) for op, c in ops.items()}
+    for layer, ops in sums.items()
+  }
+
+
+def seconds_per_step(trainer, steps: int) -> float:
+  it = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
+  trainer.train_step.run(it, 2)  # warm: the compiled loop and the iterator
+  start = time.perf_counter()
+  trainer.train_step.run(it, steps)
+  return (time.perf_counter() - start) / steps
+
+
+def one_run(model: str, recipe: str, steps: int) -> dict:
+  import models
+  from trainer.errors import UserError
+
+  workdir = os.path.join(_WORK.value, f'{model}-{recipe}-{steps}')
+  subprocess.run(['rm', '-rf', workdir], check=True)
+  try:
+    trainer = models.get_trainer_class(model)(config_for(model, recipe, steps), workdir)
+  except UserError as e:  # e.g. mxfp8 on a layer whose axes are not whole blocks
+    return {'error': f'{type(e).__name__}: {e}'}
+  start = time.perf_counter()
+  metrics = trainer.train()
+  out = {'metric': metrics[MODELS[model][2]], 'train_seconds': time.perf_counter() - start}
+  out['skipped'] = int(trainer.train_step.skipped_steps.numpy())
+  out['shares'] = shares(trainer) if recipe not in ('none', 'delayed') else {}
+  out['step_seconds'] = seconds_per_step(trainer, _COST.value)
+  return out
+
+
+def pct(x: float) -> str:
+  return '0' if x == 0 else f'{100 * x:.2g}%' if x >= 1e-4 else f'{100 * x:.1e}%'
+
+
+def table(model: str, steps: int, results: dict) -> list[str]:
+  _, _, metric, higher = MODELS[model]
+  base = results.get('none', {})
+  unit = 'points' if metric == 'accuracy' else 'nats/char'
+  length = 'full length' if steps >= FULL[model] else f'short: {steps} of {FULL[model]} steps'
+  lines = [
+    f'### {model} ({metric}; {steps} steps, {length})',
+    '',
+    f'| recipe | {metric} | gap to mixed_bfloat16 ({unit}) | skipped steps | step cost vs none |',
+    '| --- | --- | --- | --- | --- |',
+  ]
+  for recipe, r in results.items():
+    if 'error' in r:
+      lines.append(f'| {recipe} | - | not run: {r["error"]} | - | - |')
+      continue
+    gap = r['metric'] - base['metric'] if 'metric' in base else float('nan')
+    if metric == 'accuracy':
+      gap *= 100
+    cost = r['step_seconds'] / base['step_seconds'] if 'step_seconds' in base else float('nan')
+    worse = (gap < 0) == higher and gap != 0
+    lines.append(
+      f'| {recipe} | {r["metric"]:.4f} | {gap:+.3f}{" (worse)" if worse else ""} '
+      f'| {r["skipped"]} | {cost:.2f}x |'
+    )
+  lines.append('')
+  rows = [
+    (rec, layer, ops) for rec, r in results.items() for layer, ops in r.get('shares', {}).items()
+  ]
+  if rows:
+    lines += [
+      f'Saturated / flushed shares per layer ({model}; x, w as the forward GEMM quantizes them, '
+      'g as the input-gradient GEMM does):',
+      '',
+      '| recipe | layer | x saturated / flushed | w saturated / flushed | g saturated / flushed |',
+      '| --- | --- | --- | --- | --- |',
+    ]
+    for rec, layer, ops in rows:
+      cells = [f'{pct(ops[o][0])} / {pct(ops[o][1])}' if o in ops else '-' for o in 'xwg']
+      lines.append(f'| {rec} | {layer} | ' + ' | '.join(cells) + ' |')
+    lines.append('')
+  return lines
+
+
+def main(argv):
+  del argv
+  started = results_page.start()
+  steps = {'mnist_mlp': _MLP.value, 'mnist_cnn': _CNN.value, 'transformer_lm': _LM.value}
+  body = [
+    '# Float8 recipes: the gap to mixed_bfloat16',
+    '',
+    'Float8 is emulated here (quantize-dequantize, no float8 hardware): the cost column is the '
+    "emulation's overhead on this CPU.",
+    '',
+  ]
+  for model in _MODELS.value:
+    results = {}
+    for recipe in _RECIPES.value:
+      results[recipe] = one_run(model, recipe, steps[model])
+      print(model, recipe, results[recipe], flush=True)
+    body += table(model, steps[model], results)
+    # After each model: a partial table survives a stop.
+    results_page.write('float8', '\n'.join(body), started=started)
+
+
+if __name__ == '__main__':
+  app.run(main)
