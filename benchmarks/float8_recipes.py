@@ -22,7 +22,6 @@ Writes docs/results/float8.md (benchmarks/results.py: a header of command, commi
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 import time
