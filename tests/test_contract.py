@@ -359,3 +359,29 @@ app.run(launch.main, flags_parser=launch.parse_flags)
     assert len(errors) == 1 and "a dict (keys 'logits')" in errors[0]
     assert ('unsupported type' in result.stderr) == shown, extra
     assert ('Traceback' in result.stderr) == shown, extra
+
+
+def test_build_model_adapts_a_normalization_on_self_datasets(tmp_path):
+  """Issue 35: build_model may read self.datasets (documented) for Normalization.adapt; the
+  train set it sees is one pass as build_datasets returned it (it was already repeated for
+  ever there, so an adapt over it never ended)."""
+  seen = {}
+
+  class Adapted(FashionTrainer):
+    repeat = False  # a finite train set, as a newcomer writes it
+
+    def build_model(self):
+      train = self.datasets.train
+      seen['cardinality'] = int(train.cardinality())
+      norm = keras.layers.Normalization(axis=None)
+      if seen['cardinality'] >= 0:  # an endless set would never end the adapt
+        norm.adapt(train.map(lambda x, y: x))
+      seen['mean'] = float(np.asarray(norm.mean).reshape(-1)[0]) if norm.built else None
+      return keras.Sequential([keras.Input((28, 28, 1)), norm, *super().build_model().layers])
+
+  trainer = Adapted(config(), str(tmp_path / 'work'))
+  x, _ = images_and_labels()
+  assert seen['cardinality'] == N // 32  # one pass of the drop_remainder batches
+  assert seen['mean'] == pytest.approx(float(x[: (N // 32) * 32].mean()), rel=1e-4)
+  assert int(trainer.datasets.train.cardinality()) == tf.data.INFINITE_CARDINALITY
+  trainer.train()

@@ -2,7 +2,8 @@
 
 `build(trainer, config, workdir, strategy)` sets on the trainer, in this order: `config`
 (validated), `workdir`, `strategy` (multi_worker and TPU set up before anything touches a
-device), `policy`, `datasets` and `total_steps`, then under the strategy's scope `model`,
+device), `policy`, `datasets` and `total_steps`, then under the strategy's scope `model` (whose
+build_model may read `datasets`: a finite train set not yet repeated),
 `train_metrics` and `eval_metrics`, `global_step`, `metric_names` (from one eager forward pass on
 the first eval batch that checks the hooks' contract: one-line errors before anything is
 written), `loss_scaler`, `learning_rate`, `optimizer` and `train_step`. Nothing here touches the
@@ -108,9 +109,12 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   trainer.policy = precision.apply(c.precision.policy)
   config_lib.check_master_weights_policy(c, trainer.policy)  # 'auto', now resolved
 
-  # A finite train dataset is repeated; one epoch is its cardinality when known.
-  trainer.datasets, steps_per_epoch = epochs.prepare(trainer.build_datasets(), c.train.batch_size)
-  epochs.check_length(trainer.datasets, steps_per_epoch, c)
+  # A finite train dataset is repeated; one epoch is its cardinality when known. build_model
+  # may read self.datasets (e.g. Normalization.adapt): it sees them as build_datasets returned
+  # them (checked), a finite train set one pass, not yet repeated for ever.
+  trainer.datasets = trainer.build_datasets()
+  prepared, steps_per_epoch = epochs.prepare(trainer.datasets, c.train.batch_size)
+  epochs.check_length(prepared, steps_per_epoch, c)
   trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
   _check_against_the_run(c, trainer.total_steps, trainer.strategy.num_replicas_in_sync)
 
@@ -121,6 +125,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
       c.precision.float32_layers,
       bfloat16_variables=c.precision.master_weights != 'float32',
     )
+    trainer.datasets = prepared
     # Two sets of the stateful metrics: one the train loop updates, one the eval loop.
     trainer.train_metrics = trainer.build_metrics()
     contract.check_metrics(trainer.train_metrics)
