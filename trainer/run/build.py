@@ -24,6 +24,7 @@ from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.data import checks
+from trainer.nn import remat
 from trainer.step import contract, distribute, optimizers, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 from trainer.step.train_step import TrainStep
@@ -134,9 +135,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     # One eager forward pass builds the model, checks the hooks' contract and tells the metric
     # names (the datasets were checked by epochs.prepare).
     batch = checks.first_eval_batch(trainer.datasets)
-    trainer.metric_names = tuple(
-      contract.probe(batch, trainer.compute_loss, stateful=trainer.train_metrics)
-    )
+    trainer.metric_names = _probe(trainer, batch)
     base = _base(trainer)
     if type(trainer).build_train_step is base.build_train_step:  # a custom step may differ
       contract.check_gradient(batch, trainer.compute_loss, trainer.model)
@@ -151,6 +150,15 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     trainer.train_step = trainer.build_train_step()
     _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
   return batch
+
+
+def _probe(trainer, batch) -> tuple:
+  """The metric names from the hook check's eager forward pass (contract.probe), which also
+  tells whether the model marks a block for config.train.remat."""
+  with remat.counted() as blocks:
+    names = tuple(contract.probe(batch, trainer.compute_loss, stateful=trainer.train_metrics))
+  remat.warn_if_unmarked(trainer.config, blocks)
+  return names
 
 
 def _check_grad_accum(step, k: int) -> None:
