@@ -86,7 +86,11 @@ class Trainer:
   # ---- hooks -------------------------------------------------------------------------------
   def build_model(self) -> keras.Model:
     """The Keras model, built once under the strategy's scope and the precision policy (with
-    `precision.float32_layers` in float32); give the last layer `dtype='float32'`."""
+    `precision.float32_layers` in float32); give the last layer `dtype='float32'`. The datasets
+    are built first: `self.datasets` is what build_datasets returned (a finite train set is
+    one pass here; the trainer repeats it afterwards), e.g. for
+    `norm.adapt(self.datasets.train.map(lambda x, y: x))` (a train set with its own .repeat()
+    never ends: adapt on `.take(n)` of it)."""
     raise NotImplementedError('a Trainer subclass must define build_model()')
 
   def build_datasets(self) -> Datasets:

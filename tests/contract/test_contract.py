@@ -6,6 +6,7 @@ starts with a clear message (float16 variables: an error unless allowed; float16
 warning)."""
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -248,3 +249,140 @@ app.run(launch.main, flags_parser=launch.parse_flags)
   assert errors == [errors[0]] and 'compute_loss returned the loss as a scalar' in errors[0]
   assert 'Traceback' not in result.stderr
   assert not workdir.exists()
+
+
+def _mapped(f):
+  """A FashionTrainer whose train and eval batches go through `f(images, labels)`."""
+
+  class Mapped(FashionTrainer):
+    def build_datasets(self):
+      d = super().build_datasets()
+      return Datasets(train=d.train.map(f), eval=d.eval.map(f), train_examples=N)
+
+  return Mapped
+
+
+class _DictModel(FashionTrainer):
+  def build_model(self):
+    inputs = keras.Input((28, 28, 1))
+    return keras.Model(inputs, {'logits': keras.layers.Dense(10)(keras.layers.Flatten()(inputs))})
+
+
+class _NoInputLayer(FashionTrainer):
+  def build_model(self):  # no keras.Input: Keras cannot add the missing axis itself
+    return keras.Sequential(
+      [keras.layers.Conv2D(4, 3), keras.layers.Flatten(), keras.layers.Dense(10)]
+    )
+
+
+@pytest.mark.parametrize(
+  'trainer_class, expected',
+  [
+    (  # one-hot labels with a sparse loss
+      _mapped(lambda x, y: (x, tf.one_hot(y, 10))),
+      'the labels (32, 10) have the rank of the predictions (32, 10): one-hot (or [B, 1]) labels '
+      'given to a sparse loss, which takes class indices [B]; use '
+      'keras.losses.categorical_crossentropy for one-hot labels, or give the sparse loss '
+      'tf.argmax(labels, -1)',
+    ),
+    (  # a model returning a dict
+      _DictModel,
+      "a dict (keys 'logits') reached a TensorFlow op that takes a tensor: the model returns a "
+      "dict; take the output the loss needs, e.g. self.model(x, training=training)['logits']",
+    ),
+    (  # labels 1..10 for 10 classes
+      _mapped(lambda x, y: (x, y + 1)),
+      "labels outside the model's 10 classes [0, 10): 3 of 32 labels are 10 (the batch's labels "
+      'run 1..10); labels are class indices 0..9: shift them to start at 0 (labels - 1)',
+    ),
+    (  # float labels compared with int32 predictions
+      _mapped(lambda x, y: (x, tf.cast(y, tf.float32))),
+      'tf.equal got an int32 and a float tensor (input #1 is float): float labels compared with '
+      "integer predictions (or the reverse); cast one to the other's dtype, e.g. "
+      'tf.cast(labels, tf.int32), or make the labels integers in build_datasets',
+    ),
+    (  # images [B, 28, 28] for a Conv2D
+      type('NoChannel', (_NoInputLayer, _mapped(lambda x, y: (x[..., 0], y))), {}),
+      "layer 'conv2d' takes inputs of rank 4 (batch, ..., channels) and got (32, 28, 28): the "
+      'images have no channel axis; add one in build_datasets, x[..., None] '
+      '(tf.expand_dims(x, -1)), or keras.Input with the channel axis',
+    ),
+  ],
+)
+def test_data_mistakes_inside_compute_loss_are_one_line_with_the_fix(
+  trainer_class, expected, tmp_path
+):
+  """Issue 35: each was a 25-46-line traceback from inside Keras or TensorFlow (one printing
+  every label of the batch) ending with the '(raised by compute_loss(...))' note, no fix. The
+  original exception stays the UserError's __cause__ (launch.py --traceback prints both)."""
+  message = re.sub(r"'conv2d_\d+'", "'conv2d'", rejected(trainer_class, tmp_path))  # Keras's names
+  assert message.startswith('compute_loss(batch, training=False) on the first eval batch (')
+  assert message.endswith(f'): {expected}'), message
+  assert len(message) < 400
+
+
+def test_launch_traceback_flag_prints_the_original_exception(tmp_path):
+  """--traceback keeps the traceback a data hint replaces available."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = tmp_path / 'run.py'
+  script.write_text(f"""
+import sys
+sys.path[:0] = [{root!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+import launch, models, test_contract
+models.get_trainer_class = lambda name: test_contract._DictModel
+from absl import app
+app.run(launch.main, flags_parser=launch.parse_flags)
+""")
+  import subprocess
+  import sys
+
+  for extra, env, shown in (
+    ([], {}, False),
+    (['--traceback'], {}, True),
+    ([], {'TRAINER_TRACEBACK': '1'}, True),
+  ):
+    result = subprocess.run(
+      [
+        sys.executable,
+        str(script),
+        f'--config={root}/configs/mnist.py',
+        f'--workdir={tmp_path / "w"}',
+        *extra,
+      ],
+      capture_output=True,
+      text=True,
+      timeout=120,
+      cwd=root,
+      env={**os.environ, **env},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+    assert len(errors) == 1 and "a dict (keys 'logits')" in errors[0]
+    assert ('unsupported type' in result.stderr) == shown, extra
+    assert ('Traceback' in result.stderr) == shown, extra
+
+
+def test_build_model_adapts_a_normalization_on_self_datasets(tmp_path):
+  """Issue 35: build_model may read self.datasets (documented) for Normalization.adapt; the
+  train set it sees is one pass as build_datasets returned it (it was already repeated for
+  ever there, so an adapt over it never ended)."""
+  seen = {}
+
+  class Adapted(FashionTrainer):
+    repeat = False  # a finite train set, as a newcomer writes it
+
+    def build_model(self):
+      train = self.datasets.train
+      seen['cardinality'] = int(train.cardinality())
+      norm = keras.layers.Normalization(axis=None)
+      if seen['cardinality'] >= 0:  # an endless set would never end the adapt
+        norm.adapt(train.map(lambda x, y: x))
+      seen['mean'] = float(np.asarray(norm.mean).reshape(-1)[0]) if norm.built else None
+      return keras.Sequential([keras.Input((28, 28, 1)), norm, *super().build_model().layers])
+
+  trainer = Adapted(config(), str(tmp_path / 'work'))
+  x, _ = images_and_labels()
+  assert seen['cardinality'] == N // 32  # one pass of the drop_remainder batches
+  assert seen['mean'] == pytest.approx(float(x[: (N // 32) * 32].mean()), rel=1e-4)
+  assert int(trainer.datasets.train.cardinality()) == tf.data.INFINITE_CARDINALITY
+  trainer.train()

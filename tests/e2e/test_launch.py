@@ -192,3 +192,115 @@ def test_eval_names_its_checkpoint_and_a_collapsed_run_exits_3(tmp_path):
     r'ckpt-20, step 20, loss [\d.]+\)\) gives eval loss nan',
     lines[0],
   ), lines[0]
+
+
+def _launch_python(*args, python_flags=(), prelude='pass'):
+  """launch.py run as __main__ after `prelude`, with `python_flags` (e.g. -X importtime)."""
+  code = (
+    f'import runpy, sys; {prelude}; sys.argv[0] = "launch.py"; '
+    'runpy.run_path("launch.py", run_name="__main__")'
+  )
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+  return subprocess.run(
+    [sys.executable, *python_flags, '-c', code, *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+def test_a_value_of_the_wrong_type_in_a_config_file_is_one_line_naming_the_key(tmp_path):
+  """It printed ml_collections' words: 'Could not override field 'learning_rate' (reference).
+  3e-4 is of original type <class 'str'> ...', with no key path and no line."""
+  path = tmp_path / 'bad_value.py'
+  path.write_text(
+    'from trainer import config as config_lib\n\n\ndef get_config():\n'
+    '  config = config_lib.defaults()\n'
+    "  config.model = 'mnist_cnn'\n"
+    "  config.optimizer.learning_rate = '3e-4'  # a quoted number\n"
+    '  return config\n'
+  )
+  result = launch(f'--config={path}', f'--workdir={tmp_path / "work"}')
+  assert result.returncode == 2 and 'Traceback' not in result.stderr
+  assert 'original type' not in result.stderr
+  assert error_lines(result) == [
+    f"error: config.optimizer.learning_rate = '3e-4' ({path}, line 7): "
+    'config.optimizer.learning_rate holds a float, not a str; write 3e-4 without quotes'
+  ]
+
+
+@pytest.mark.parametrize(
+  'file_text, args, culprit',
+  [
+    (  # a value of the wrong type inside get_config()
+      'from trainer import config as config_lib\n\n\ndef get_config():\n'
+      '  config = config_lib.defaults()\n'
+      "  config.train.batch_size = 'big'\n"
+      '  return config\n',
+      (),
+      'config.train.batch_size holds an int, not a str',
+    ),
+    (  # a schema value checked by trainer/config.py
+      'from trainer import config as config_lib\n\n\ndef get_config():\n'
+      '  config = config_lib.defaults()\n'
+      "  config.model = 'mnist_cnn'\n"
+      '  config.train.batch_size = 0\n'
+      '  return config\n',
+      (),
+      'config.train.batch_size=0: must be > 0',
+    ),
+    (  # an override
+      'from trainer import config as config_lib\n\n\ndef get_config():\n'
+      '  return config_lib.defaults()\n',
+      ('--config.precision.loss_scale=-4',),
+      'config.precision.loss_scale',
+    ),
+  ],
+)
+def test_config_mistakes_are_reported_before_tensorflow_is_imported(
+  file_text, args, culprit, tmp_path
+):
+  """TensorFlow (7-14 s to import under load) was imported before the config was read."""
+  path = tmp_path / 'config.py'
+  path.write_text(file_text)
+  result = _launch_python(
+    f'--config={path}', *args, f'--workdir={tmp_path / "work"}', python_flags=('-X', 'importtime')
+  )
+  assert result.returncode == 2
+  lines = error_lines(result)
+  assert len(lines) == 1 and culprit in lines[0], result.stderr[-2000:]
+  imported = [
+    l.rsplit('|', 1)[-1].strip() for l in result.stderr.splitlines() if 'import time' in l
+  ]
+  assert 'ml_collections' in imported and 'tensorflow' not in imported
+
+
+def test_a_plain_dict_from_get_config_is_named_even_with_overrides(tmp_path):
+  """With an override of a key the dict lacks, the first override was blamed: 'the config has
+  no key optimizer.learning_rate'."""
+  path = tmp_path / 'plain.py'
+  path.write_text("def get_config():\n  return {'model': 'mnist_cnn', 'train': {'steps': 10}}\n")
+  for overrides in (['--config.optimizer.learning_rate=0.1'], ['--config.train.steps=5']):
+    result = launch(f'--config={path}', *overrides)
+    assert result.returncode == 2 and 'Traceback' not in result.stderr
+    assert error_lines(result) == [
+      f'error: --config={path}: get_config() returned a dict, not an '
+      'ml_collections.ConfigDict; wrap it: return ml_collections.ConfigDict({...})'
+    ], overrides
+
+
+def test_an_error_after_tensorflow_is_loaded_ends_the_process_without_finalization(tmp_path):
+  """After its error line the process spent 1-4 s in the interpreter's finalization (tearing down
+  TensorFlow's and Keras's modules and objects); it now ends at once, so an atexit handler
+  registered before the launch never runs (one that runs means a normal, slow exit)."""
+  result = _launch_python(
+    '--config=configs/mnist.py',
+    f'--config.data.dir={tmp_path / "missing"}',
+    f'--workdir={tmp_path / "work"}',
+    prelude='import atexit; atexit.register(print, "finalized")',
+  )
+  assert result.returncode == 2
+  assert len(error_lines(result)) == 1 and 'config.data.dir' in error_lines(result)[0]
+  assert 'finalized' not in result.stdout

@@ -207,3 +207,67 @@ def test_launch_audit_prints_and_writes_markdown(tmp_path):
   assert 'No hazards' in result.stdout
   assert (workdir / 'audit.md').read_text() == result.stdout.rstrip('\n') + '\n'
   assert not (workdir / 'checkpoints').exists()  # audit does not train
+
+
+class PatchEncoder(keras.layers.Layer):
+  """A ViT's patch encoder: a projection and a position embedding, layers held as attributes."""
+
+  def __init__(self, patches, width, **kwargs):
+    super().__init__(**kwargs)
+    self.patches = patches
+    self.projection = keras.layers.Dense(width)
+    self.position = keras.layers.Embedding(patches, width)
+
+  def call(self, x):
+    return self.projection(x) + self.position(keras.ops.arange(self.patches))
+
+
+def _attention_model(dtype=None, dropout=0.1):
+  from trainer.step import precision
+
+  def build():
+    inputs = keras.Input((16, 8))
+    h = PatchEncoder(16, 32, name='patches')(inputs)
+    h = keras.layers.MultiHeadAttention(2, 16, dropout=dropout, name='attention', dtype=dtype)(h, h)
+    logits = keras.layers.Dense(10, dtype='float32', name='logits')(keras.layers.Flatten()(h))
+    return keras.Model(inputs, logits, name='vit')
+
+  return precision.build_model(build, '')
+
+
+def test_nested_layers_are_counted_listed_and_checked():
+  """Issue 35: MultiHeadAttention and a custom PatchEncoder showed 0 parameters and dtype '-',
+  and attention's own softmax (bfloat16 with dropout) was neither listed nor flagged."""
+  keras.mixed_precision.set_global_policy('mixed_bfloat16')
+  try:
+    model = _attention_model()
+    rows, hazards = audit.audit(model, run=lambda: model(tf.ones([1, 16, 8])))
+    by_name = {r.name: r for r in rows}
+    for name in ('patches', 'attention'):
+      layer = model.get_layer(name)
+      assert by_name[name].params == layer.count_params() > 0
+      assert by_name[name].variable_dtype == 'float32'
+    projection = model.get_layer('patches').projection
+    assert by_name[f'patches/{projection.name}'].params == 8 * 32 + 32
+    (softmax,) = [r for r in rows if r.cls == 'Softmax']  # Keras numbers the names: softmax_N
+    assert softmax.name.startswith('attention/softmax')
+    assert (softmax.cls, softmax.compute_dtype, softmax.output_dtype) == (
+      'Softmax',
+      'bfloat16',
+      'bfloat16',
+    )
+    assert [(h.layer, h.kind) for h in hazards] == [(softmax.name, 'low-precision softmax')]
+    assert 'give attention dtype="float32"' in hazards[0].message
+    # The fix the message gives works: attention (and its softmax) in float32.
+    fixed = _attention_model('float32')
+    rows, hazards = audit.audit(fixed, run=lambda: fixed(tf.ones([1, 16, 8])))
+    assert hazards == []
+    assert [r.compute_dtype for r in rows if r.cls == 'Softmax'] == ['float32']
+    # Without dropout Keras computes attention's softmax in float32 (dot_product_attention) and
+    # never calls the Softmax layer: listed, not flagged.
+    plain = _attention_model(dropout=0.0)
+    rows, hazards = audit.audit(plain, run=lambda: plain(tf.ones([1, 16, 8])))
+    assert [r.name.split('/')[0] for r in rows if r.cls == 'Softmax'] == ['attention']
+    assert hazards == []
+  finally:
+    keras.mixed_precision.set_global_policy('float32')

@@ -247,3 +247,34 @@ def test_mirrored_mixed_float16_skips_the_injected_step_with_remat(mirrored):
   assert r['skipped/False'] == r['skipped/True'] == 1
   assert r['scale/False'] == r['scale/True']
   assert r['max_weight_change'] > 2e-2 and r['max_weight_diff'] < 2e-3
+
+
+def test_remat_on_a_model_that_marks_no_block_warns_once(tmp_path, monkeypatch):
+  """Issue 35: train.remat=True on a model marking no block changed nothing and said nothing;
+  one warning line now says how to mark a block. A model that marks one gets none."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from tiny import TinyTrainer, tiny_config
+  from trainer.nn import remat
+
+  warnings = []
+  monkeypatch.setattr(remat.logging, 'warning', lambda msg, *a: warnings.append(msg % a))
+
+  class Block(keras.layers.Layer):
+    def __init__(self, **kwargs):
+      super().__init__(**kwargs)
+      self.dense = keras.layers.Dense(16, activation='relu')
+
+    def call(self, x):
+      return remat.checkpoint(self.dense, x, enabled=True)
+
+  class Marked(TinyTrainer):
+    def build_model(self):
+      return keras.Sequential([keras.Input((8,)), Block(), keras.layers.Dense(4)])
+
+  config = tiny_config(**{'train.remat': True, 'train.steps': 2})
+  TinyTrainer(config, str(tmp_path / 'plain'))
+  assert len(warnings) == 1 and 'config.train.remat=True changes nothing' in warnings[0]
+  assert 'trainer.nn.remat.checkpoint(' in warnings[0]
+  Marked(config, str(tmp_path / 'marked')).train()
+  TinyTrainer(tiny_config(**{'train.steps': 2}), str(tmp_path / 'off'))
+  assert len(warnings) == 1

@@ -15,6 +15,7 @@ import json
 import logging as py_logging
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -330,3 +331,60 @@ def test_async_checkpoints_hold_the_state_at_their_step_and_resume_identically(t
   reference.train()
   for a, b in zip(weights(longer), weights(reference), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_best_checkpoint_state_naming_another_runs_files_deletes_nothing_of_it(tmp_path, caplog):
+  """Issue 35: best/checkpoints/checkpoint naming another run's ckpt-10 (a copied run, a crafted
+  file) made the best_checkpoint action's CheckpointManager (max_to_keep=1) delete that run's
+  files at its next best save: best/ skipped the state-file repair the main folder has."""
+  best = {'best_checkpoint.metric': 'loss', 'train.eval_every': 5, 'train.steps': 10}
+  other, ours = tmp_path / 'other', tmp_path / 'ours'
+  TinyTrainer(config(**best), str(other)).train()
+  other_best = other / 'best' / 'checkpoints'
+  (step,) = [int(p.split('-')[-1].split('.')[0]) for p in glob.glob(str(other_best / '*.index'))]
+  folder = ours / 'best' / 'checkpoints'
+  folder.mkdir(parents=True)
+  now = time.time()  # with the times a manager writes: it then rotates the file as its own
+  checkpoint_management.update_checkpoint_state_internal(
+    str(folder),
+    str(other_best / f'ckpt-{step}'),
+    all_model_checkpoint_paths=[str(other_best / f'ckpt-{step}')],
+    all_model_checkpoint_timestamps=[now - 10],
+    last_preserved_timestamp=now - 100,
+    save_relative_paths=False,
+  )
+  before = files(other)
+  with caplog.at_level(py_logging.WARNING):
+    TinyTrainer(config(**best), str(ours)).train()
+  assert files(other) == before  # the other run's best checkpoint is still there
+  warned = ' '.join(r.getMessage() for r in caplog.records if r.levelno >= py_logging.WARNING)
+  assert 'outside this run' in warned
+  text = open(folder / 'checkpoint').read()  # our own best, by relative name
+  assert glob.glob(str(folder / '*.index')) and str(other) not in text and '"ckpt-' in text
+
+
+def test_a_temp_folder_left_by_a_killed_save_is_removed_at_the_next_start(tmp_path, caplog):
+  """Issue 35: a killed asynchronous save leaves ckpt-N_temp/ (TensorFlow writes into it, then
+  renames), and it stayed for ever, even after the resumed run saved ckpt-N again."""
+  trained(tmp_path, steps=10)  # ckpt-5, ckpt-10
+  stale = tmp_path / 'checkpoints' / 'ckpt-15_temp'
+  stale.mkdir()
+  (stale / 'part-00000-of-00001.index').write_bytes(b'partial')
+  best_stale = tmp_path / 'best' / 'checkpoints' / 'ckpt-5_temp'
+  best_stale.mkdir(parents=True)
+  with caplog.at_level(py_logging.WARNING):
+    TinyTrainer(
+      config(
+        **{
+          'train.steps': 20,
+          'best_checkpoint.metric': 'loss',
+          'train.eval_every': 5,
+          'train.accept_config_change': True,
+        }
+      ),
+      str(tmp_path),
+    ).train()
+  assert not stale.exists() and not best_stale.exists()
+  assert os.path.exists(tmp_path / 'checkpoints' / 'ckpt-15.index')
+  warned = ' '.join(r.getMessage() for r in caplog.records if r.levelno >= py_logging.WARNING)
+  assert 'ckpt-15_temp, left by an interrupted save' in warned

@@ -438,3 +438,30 @@ def test_built_from_the_config_with_its_hyperparameters(name):
     assert optimizer.momentum == 0.5
   else:
     assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.8, 0.99, 1e-6)
+
+
+def test_the_numerics_probe_measures_a_conv_model_with_bfloat16_master_weights(tmp_path):
+  """Issue 35: with master_weights=bfloat16_sr the probe's float32 reference pass fed float32
+  inputs to a Conv2D whose kernel is stored in bfloat16 (Keras autocasts a layer's variables only
+  when its policy's compute and variable dtypes differ): 'TypeError: ... kwargs=<class
+  'inspect._empty'>', and numerics.every was turned off for the run."""
+  from test_contract import FashionTrainer, config
+  from trainer.insight import hooks, numerics
+
+  trainer = FashionTrainer(
+    config(**{'precision.policy': 'mixed_bfloat16', 'precision.master_weights': 'bfloat16_sr'}),
+    str(tmp_path / 'work'),
+  )
+  conv = trainer.model.layers[0]
+  assert conv.kernel.dtype == 'bfloat16'
+  stats, overall = numerics.Probe(trainer, None).measure()
+  assert any('conv2d' in name for name in stats) and 0 <= overall['grad_zero'] <= 1
+  # The reference pass computes in float32 from the stored bfloat16 values.
+  x = tf.random.stateless_uniform([2, 28, 28, 1], seed=[0, 1])
+  with hooks.float32(conv):
+    out = conv(x)
+  expected = tf.nn.convolution(x, tf.cast(conv.kernel.value, tf.float32)) + tf.cast(
+    conv.bias.value, tf.float32
+  )
+  assert out.dtype == tf.float32
+  np.testing.assert_allclose(out.numpy(), tf.nn.relu(expected).numpy(), rtol=1e-5, atol=1e-6)

@@ -1,6 +1,8 @@
 """A dtype audit of a built Keras model: what each layer computes in, stores and outputs.
 
-`audit(model)` returns one `Row` per layer (nested models are walked) and the `Hazard`s found:
+`audit(model)` returns one `Row` per layer (nested models and the layers a layer holds, such as
+attention's projections and softmax, are walked; a row counts every variable inside its layer)
+and the `Hazard`s found:
   * low-precision logits: a float16/bfloat16 model output reaches the loss (whose softmax and
     log would run in float16: overflow, or bfloat16: 8-bit precision);
   * low-precision softmax: a layer applying softmax computes in float16/bfloat16;
@@ -45,11 +47,28 @@ class Hazard(NamedTuple):
   message: str
 
 
+def _children(layer) -> list:
+  """The layers directly inside `layer`: a model's `layers`; for any other layer the sublayers
+  Keras tracks as its attributes (MultiHeadAttention's query/key/value/softmax, a custom
+  layer's Dense), which `layers` does not list."""
+  if isinstance(layer, keras.Model) or getattr(layer, 'layers', None):
+    return list(layer.layers)
+  return list(getattr(layer, '_layers', None) or [])  # pylint: disable=protected-access
+
+
 def _layers(model, prefix=''):
-  for layer in model.layers:
-    yield prefix + layer.name, layer
-    if isinstance(layer, keras.Model) or hasattr(layer, 'layers') and layer.layers:
-      yield from _layers(layer, prefix + layer.name + '/')
+  """(path, layer) for every layer inside `model`, depth first, each once."""
+  seen = set()
+
+  def walk(parent, prefix):
+    for layer in _children(parent):
+      if id(layer) in seen:
+        continue
+      seen.add(id(layer))
+      yield prefix + layer.name, layer
+      yield from walk(layer, prefix + layer.name + '/')
+
+  yield from walk(model, prefix)
 
 
 def _dtypes(structure) -> list[str]:
@@ -81,8 +100,13 @@ def _input_dtype(layer, inputs) -> str | None:
 
 
 def _own_variables(layer):
-  nested = {id(v) for sub in getattr(layer, '_layers', []) for v in sub.weights}
+  nested = {id(v) for sub in _children(layer) for v in sub.weights}
   return [v for v in layer.weights if id(v) not in nested]
+
+
+def _all_variables(layer):
+  """The layer's variables and those of the layers inside it, each once."""
+  return list({id(v): v for v in layer.weights}.values())
 
 
 def _applies_softmax(layer) -> bool:
@@ -104,7 +128,12 @@ def audit(
   rows, hazards = [], []
   seen: dict = {}  # id(layer): outputs of its first call in `run`
   inputs: dict = {}  # id(layer): the first argument of that call
-  if run is not None and not getattr(model, 'outputs', None):
+  layers = dict(_layers(model))
+  # Keras records the outputs of a functional model's own layers, not those of the layers
+  # nested in them (attention's softmax) nor any of a subclassed model's: `run` sees them.
+  if run is not None and (
+    not getattr(model, 'outputs', None) or any(_output_dtype(l, {}) == '?' for l in layers.values())
+  ):
     try:
       with hooks.recording(model, None, include_self=True) as calls:
         run()
@@ -123,24 +152,26 @@ def audit(
     for c in calls:
       seen.setdefault(id(c.layer), c.outputs)
       inputs.setdefault(id(c.layer), (c.args or tuple(c.kwargs.values()) or (None,))[0])
-  for name, layer in _layers(model):
-    variables = _own_variables(layer)
-    var_dtypes = sorted({keras.backend.standardize_dtype(v.dtype) for v in variables})
+  for name, layer in layers.items():
+    # A row counts every variable inside the layer (a container such as MultiHeadAttention
+    # holds none of its own); the hazards below look at its own, as each nested layer has a row.
+    held = _all_variables(layer)
     compute = layer.compute_dtype if layer.dtype_policy is not None else '?'
     output = _output_dtype(layer, seen)
-    is_model = isinstance(layer, keras.Model)
     rows.append(
       Row(
         name,
         type(layer).__name__,
         compute,
-        ','.join(var_dtypes) or '-',
+        ','.join(sorted({keras.backend.standardize_dtype(v.dtype) for v in held})) or '-',
         output,
-        int(sum(int(v.numpy().size) for v in variables)) if not is_model else layer.count_params(),
+        int(sum(int(v.numpy().size) for v in held)),
       )
     )
-    if is_model:
+    if isinstance(layer, keras.Model):
       continue
+    variables = _own_variables(layer)
+    var_dtypes = sorted({keras.backend.standardize_dtype(v.dtype) for v in variables})
     low_vars = [v.path for v in variables if keras.backend.standardize_dtype(v.dtype) in LOW]
     if low_vars:
       hazards.append(
@@ -168,14 +199,12 @@ def audit(
           'feed integer ids (tf.int32)',
         )
       )
-    if _applies_softmax(layer) and compute in LOW:
-      hazards.append(
-        Hazard(
-          name,
-          'low-precision softmax',
-          f'softmax computed in {compute}; give this layer dtype="float32"',
-        )
-      )
+    # A softmax layer the recorded forward pass never called computes nothing: attention without
+    # dropout computes its softmax in float32 in Keras's dot_product_attention instead of in
+    # its Softmax layer.
+    if _applies_softmax(layer) and compute in LOW and (not seen or id(layer) in seen):
+      maker = layers.get(name.rpartition('/')[0])
+      hazards.append(Hazard(name, 'low-precision softmax', _softmax_fix(maker, compute)))
     # A functional model's InputLayer outputs what it is fed (float32): nothing it computes.
     if (
       mixed
@@ -219,6 +248,20 @@ def audit(
         )
       )
   return rows, hazards
+
+
+def _softmax_fix(maker, compute: str) -> str:
+  """The fix for a low-precision softmax layer. One that another layer (not a model) makes for
+  itself, as attention makes its softmax, gets that layer's policy object; Keras gives it no
+  path, so config.precision.float32_layers naming the outer layer does not reach it (measured,
+  Keras 3.15: MultiHeadAttention's softmax stayed bfloat16), a float32 dtype on that layer does."""
+  if maker is None or isinstance(maker, keras.Model):
+    return f'softmax computed in {compute}; give this layer dtype="float32"'
+  return (
+    f'softmax computed in {compute} inside layer {maker.name}, which makes it itself; give '
+    f'{maker.name} dtype="float32" (config.precision.float32_layers does not reach a '
+    'softmax Keras gives no path)'
+  )
 
 
 def markdown(model: keras.Model, policy: str, rows: list[Row], hazards: list[Hazard]) -> str:

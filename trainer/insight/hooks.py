@@ -111,17 +111,33 @@ def recording(model, tape, include_self=False):
 
 @contextlib.contextmanager
 def float32(layer):
-  """The layer and every layer inside it compute in float32 (their variables are float32 under
-  any mixed policy already)."""
+  """The layer and every layer inside it compute in float32, whatever their variables' dtype
+  (float32 under a mixed policy; bfloat16 with precision.master_weights bfloat16_*)."""
   layers = sublayers(layer, include_self=True)
   saved = [l._dtype_policy for l in layers]  # pylint: disable=protected-access
   for l in layers:
-    l._dtype_policy = keras.DTypePolicy('float32')  # pylint: disable=protected-access
+    l._dtype_policy = _float32_compute(l)  # pylint: disable=protected-access
   try:
     yield
   finally:
     for l, policy in zip(layers, saved):
       l._dtype_policy = policy  # pylint: disable=protected-access
+
+
+def _float32_compute(layer) -> keras.DTypePolicy:
+  """Policy 'float32', with the layer's variable dtype when it stores 16-bit variables: Keras
+  casts a layer's variables to its compute dtype only when the policy's two dtypes differ, so
+  under a plain 'float32' policy a bfloat16 variable met float32 inputs uncast (the numerics
+  probe's reference pass failed with bfloat16 master weights: 'Conv2D ... has type bfloat16
+  that does not match type float32')."""
+  policy = keras.DTypePolicy('float32')
+  stored = {keras.backend.standardize_dtype(v.dtype) for v in layer.weights} & {
+    'bfloat16',
+    'float16',
+  }
+  if stored:
+    policy._variable_dtype = stored.pop()  # pylint: disable=protected-access
+  return policy
 
 
 def to_float32(structure):

@@ -25,9 +25,11 @@ raise a ConfigError for that combination (`check_no_dropout`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import tensorflow as tf
+from absl import logging
 
 from trainer import config as config_lib
 from trainer.errors import ConfigError
@@ -39,12 +41,40 @@ def enabled(config) -> bool:
   return bool(config_lib.value(train or {}, 'train.remat'))
 
 
+# While `counted()` is active: one entry per block checkpointed (an enabled `checkpoint` call).
+_counts: list[list] = []
+
+
 def checkpoint(fn: Callable, *inputs, enabled: bool = True):
   """fn(*inputs); when `enabled`, through tf.recompute_grad: the backward pass keeps `inputs`
   (tensors, positional) and the variables fn reads, and recomputes the rest."""
   if not enabled:
     return fn(*inputs)
+  for count in _counts:
+    count.append(fn)
   return tf.recompute_grad(fn)(*inputs)
+
+
+@contextlib.contextmanager
+def counted():
+  """Yields a list that receives one entry per block `checkpoint` recomputes while active."""
+  count: list = []
+  _counts.append(count)
+  try:
+    yield count
+  finally:
+    _counts.remove(count)
+
+
+def warn_if_unmarked(config, blocks: list) -> None:
+  """One warning line when config.train.remat is on and a forward pass of the model (its
+  `blocks`, from `counted()`) checkpointed no block: the option then changes nothing."""
+  if enabled(config) and not blocks:
+    logging.warning(
+      'config.train.remat=True changes nothing: the model marks no block for recomputation; '
+      'compute a block through trainer.nn.remat.checkpoint(fn, *inputs, '
+      'enabled=remat.enabled(config)) in its call (models/transformer_lm.py does it)'
+    )
 
 
 def check_no_dropout(config, rate: float, key: str) -> None:

@@ -27,7 +27,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from trainer.run import checkpoints
+from trainer.run import checkpoint_files, checkpoints
 from trainer.run import workdir
 from trainer.errors import ConfigError
 
@@ -163,6 +163,8 @@ class BestCheckpoint(_Tracker):
       return
     folder = os.path.join(trainer.workdir, 'best')
     if self._manager is None:
+      # As for the run's own checkpoints: rotation must delete only this run's best/ files.
+      checkpoint_files.own_state(os.path.join(folder, 'checkpoints'), drop_foreign=True)
       self._manager = tf.train.CheckpointManager(
         tf.train.Checkpoint(model=trainer.model), os.path.join(folder, 'checkpoints'), max_to_keep=1
       )

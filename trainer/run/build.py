@@ -2,7 +2,8 @@
 
 `build(trainer, config, workdir, strategy)` sets on the trainer, in this order: `config`
 (validated), `workdir`, `strategy` (multi_worker and TPU set up before anything touches a
-device), `policy`, `datasets` and `total_steps`, then under the strategy's scope `model`,
+device), `policy`, `datasets` and `total_steps`, then under the strategy's scope `model` (whose
+build_model may read `datasets`: a finite train set not yet repeated),
 `train_metrics` and `eval_metrics`, `global_step`, `metric_names` (from one eager forward pass on
 the first eval batch that checks the hooks' contract: one-line errors before anything is
 written), `loss_scaler`, `learning_rate` (build_learning_rate(), with the recovery factor),
@@ -24,6 +25,7 @@ from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.data import checks
+from trainer.nn import remat
 from trainer.step import contract, distribute, inject, optimizers, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 from trainer.step.train_step import TrainStep
@@ -98,9 +100,12 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   trainer.policy = precision.apply(c.precision.policy)
   config_lib.check_master_weights_policy(c, trainer.policy)  # 'auto', now resolved
 
-  # A finite train dataset is repeated; one epoch is its cardinality when known.
-  trainer.datasets, steps_per_epoch = epochs.prepare(trainer.build_datasets(), c.train.batch_size)
-  epochs.check_length(trainer.datasets, steps_per_epoch, c)
+  # A finite train dataset is repeated; one epoch is its cardinality when known. build_model
+  # may read self.datasets (e.g. Normalization.adapt): it sees them as build_datasets returned
+  # them (checked), a finite train set one pass, not yet repeated for ever.
+  trainer.datasets = trainer.build_datasets()
+  prepared, steps_per_epoch = epochs.prepare(trainer.datasets, c.train.batch_size)
+  epochs.check_length(prepared, steps_per_epoch, c)
   trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
   _check_against_the_run(c, trainer.total_steps, trainer.strategy.num_replicas_in_sync)
 
@@ -111,6 +116,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
       c.precision.float32_layers,
       bfloat16_variables=c.precision.master_weights != 'float32',
     )
+    trainer.datasets = prepared
     # Two sets of the stateful metrics: one the train loop updates, one the eval loop.
     trainer.train_metrics = trainer.build_metrics()
     contract.check_metrics(trainer.train_metrics)
@@ -119,9 +125,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     # One eager forward pass builds the model, checks the hooks' contract and tells the metric
     # names (the datasets were checked by epochs.prepare).
     batch = checks.first_eval_batch(trainer.datasets)
-    trainer.metric_names = tuple(
-      contract.probe(batch, trainer.compute_loss, stateful=trainer.train_metrics)
-    )
+    trainer.metric_names = _probe(trainer, batch)
     base = _base(trainer)
     if type(trainer).build_train_step is base.build_train_step:  # a custom step may differ
       contract.check_gradient(batch, trainer.compute_loss, trainer.model)
@@ -141,6 +145,15 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
     inject.install(trainer.train_step, c.debug)  # config.debug.inject_*: around the step
   return batch
+
+
+def _probe(trainer, batch) -> tuple:
+  """The metric names from the hook check's eager forward pass (contract.probe), which also
+  tells whether the model marks a block for config.train.remat."""
+  with remat.counted() as blocks:
+    names = tuple(contract.probe(batch, trainer.compute_loss, stateful=trainer.train_metrics))
+  remat.warn_if_unmarked(trainer.config, blocks)
+  return names
 
 
 def _check_grad_accum(step, k: int) -> None:

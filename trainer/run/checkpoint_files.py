@@ -133,11 +133,15 @@ def repair_state(directory: str, restored: str) -> None:
   )
 
 
-def own_state(directory: str) -> None:
-  """Rewrites a state file that names a checkpoint by an absolute path or in another folder
-  (a copied or moved run) with the relative names of this folder's own checkpoints, so that a
-  CheckpointManager opened on it rotates (deletes) only this folder's files. A no-op when every
-  name is relative already, or the state file is missing or garbled."""
+def own_state(directory: str, drop_foreign: bool = False) -> None:
+  """Called before a CheckpointManager opens `directory` for writing. Removes the ckpt-N_temp
+  folders a killed save left (nothing of this process writes yet), and rewrites a state file
+  that names a checkpoint by an absolute path or in another folder (a copied or moved run) with
+  the relative names of this folder's own checkpoints, so that the manager rotates (deletes) only
+  this folder's files. When the folder has none of its own: `drop_foreign` removes the state
+  file (the manager then starts afresh; best/ does), else it is left. A no-op when every name is
+  relative already, or the state file is missing or garbled."""
+  _remove_temp_folders(directory)
   if state_problem(directory) is not None:
     return
   state = checkpoint_management.CheckpointState()
@@ -148,6 +152,14 @@ def own_state(directory: str) -> None:
     return  # bare relative names only: as the manager writes them
   candidates, outside = _named(directory)
   kept = [p for p in reversed(candidates) if tf.io.gfile.exists(p + '.index')]
+  if not kept and drop_foreign:
+    tf.io.gfile.remove(os.path.join(directory, STATE_FILE))
+    logging.warning(
+      'removed %s: it named only checkpoints outside this run (%s)',
+      os.path.join(directory, STATE_FILE),
+      ', '.join(outside or names),
+    )
+    return
   if not kept:
     return  # nothing of this folder's own to name; restore_for_training found none either
   _write_state(directory, kept)
@@ -157,6 +169,22 @@ def own_state(directory: str) -> None:
     ', '.join(os.path.basename(p) for p in kept),
     f'; dropped {", ".join(outside)} (outside this run)' if outside else '',
   )
+
+
+_TEMP = re.compile(r'ckpt-\d+_temp')  # TensorFlow writes ckpt-N into ckpt-N_temp/, then renames
+
+
+def _remove_temp_folders(directory: str) -> None:
+  """Removes the ckpt-N_temp folders in `directory`: a save killed before its rename (an
+  asynchronous one at a kill, a full disk) leaves one, and TensorFlow never removes it, even
+  when a later save writes ckpt-N again."""
+  if not tf.io.gfile.isdir(directory):
+    return
+  for name in tf.io.gfile.listdir(directory):
+    name = name.rstrip('/')
+    if _TEMP.fullmatch(name) and tf.io.gfile.isdir(os.path.join(directory, name)):
+      tf.io.gfile.rmtree(os.path.join(directory, name))
+      logging.warning('removed %s, left by an interrupted save', os.path.join(directory, name))
 
 
 def step_of(path: str) -> int:

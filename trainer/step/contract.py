@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from trainer.data import hints
 from trainer.data.checks import shape_text as _shape
 from trainer.errors import UserError
 from trainer.step.eval_step import LossFn
@@ -289,12 +290,18 @@ def check_outputs(batch: Any, outputs: Any, stateful: Collection[str] = ()) -> d
 def _called(
   compute_loss: LossFn, batch: Any, training: bool, what: str = 'the first eval batch'
 ) -> Any:
-  """compute_loss(batch, training=training); an error in it (the user's code) keeps its
-  traceback and gains a line saying which call of the trainer's checks it was."""
+  """compute_loss(batch, training=training); an error in it (the user's code) that is one of
+  the common data mistakes (trainer/data/hints.py) becomes a one-line UserError with the fix,
+  the original its __cause__ (launch.py --traceback prints it); any other keeps its traceback
+  and gains a line saying which call of the trainer's checks it was."""
   try:
     return compute_loss(batch, training=training)
   except Exception as e:
     shapes = ', '.join(_describe(t) for t in tf.nest.flatten(batch))
+    if (fix := hints.hint(e)) is not None:
+      raise UserError(
+        f'compute_loss(batch, training={training}) on {what} ({shapes}): {fix}'
+      ) from e
     e.add_note(
       f'(raised by compute_loss(batch, training={training}) on {what}, {shapes}, when '
       'the trainer checked its hooks: trainer/step/contract.py)'
