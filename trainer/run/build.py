@@ -89,16 +89,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   contract.check_hooks(trainer, _base(trainer))  # before any hook runs
   trainer.config = c = config_lib.validate(config)
   trainer.workdir = local_path(workdir)
-  # The thread pools before anything starts TF's runtime; then the strategy (multi_worker and
-  # TPU set up before anything touches a device).
-  distribute.set_threads(c)
-  trainer.strategy = strategy or distribute.build(c)
-  distribute.check_batch(trainer.strategy, c.train.batch_size)
-  if c.train.deterministic:
-    tf.config.experimental.enable_op_determinism()
-  keras.utils.set_random_seed(c.seed)
-  trainer.policy = precision.apply(c.precision.policy)
-  config_lib.check_master_weights_policy(c, trainer.policy)  # 'auto', now resolved
+  _set_runtime(trainer, c, strategy)
 
   # A finite train dataset is repeated; one epoch is its cardinality when known. build_model
   # may read self.datasets (e.g. Normalization.adapt): it sees them as build_datasets returned
@@ -131,20 +122,38 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
       contract.check_gradient(batch, trainer.compute_loss, trainer.model)
     # After the probe: quantizing needs a built model.
     precision.apply_float8(trainer.model, c.precision.float8, trainer.policy)
-    trainer.loss_scaler = LossScaler.from_config(c.precision, trainer.policy)
-    # The schedule, built once: the hook's, times the recovery factor (a variable each
-    # recovery lowers). The optimizer reads it at the global step (optimizers.AtGlobalStep),
-    # whatever optimizer build_optimizer makes, so a custom one follows recovery too.
-    trainer.learning_rate = optimizers.recoverable(
-      trainer.build_learning_rate(), c.train.recover_lr_factor
-    )
-    trainer.optimizer = trainer.build_optimizer(
-      optimizers.AtGlobalStep(trainer.learning_rate, trainer.global_step)
-    )
-    trainer.train_step = trainer.build_train_step()
-    _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
-    inject.install(trainer.train_step, c.debug)  # config.debug.inject_*: around the step
+    _build_update(trainer, c)
   return batch
+
+
+def _set_runtime(trainer, c, strategy: tf.distribute.Strategy | None) -> None:
+  """The thread pools before anything starts TF's runtime; then the strategy (multi_worker and
+  TPU set up before anything touches a device), determinism, the seed and the policy."""
+  distribute.set_threads(c)
+  trainer.strategy = strategy or distribute.build(c)
+  distribute.check_batch(trainer.strategy, c.train.batch_size)
+  if c.train.deterministic:
+    tf.config.experimental.enable_op_determinism()
+  keras.utils.set_random_seed(c.seed)
+  trainer.policy = precision.apply(c.precision.policy)
+  config_lib.check_master_weights_policy(c, trainer.policy)  # 'auto', now resolved
+
+
+def _build_update(trainer, c) -> None:
+  """Under the strategy's scope: the loss scaler, the schedule, the optimizer and the step."""
+  trainer.loss_scaler = LossScaler.from_config(c.precision, trainer.policy)
+  # The schedule, built once: the hook's, times the recovery factor (a variable each recovery
+  # lowers). The optimizer reads it at the global step (optimizers.AtGlobalStep), whatever
+  # optimizer build_optimizer makes, so a custom one follows recovery too.
+  trainer.learning_rate = optimizers.recoverable(
+    trainer.build_learning_rate(), c.train.recover_lr_factor
+  )
+  trainer.optimizer = trainer.build_optimizer(
+    optimizers.AtGlobalStep(trainer.learning_rate, trainer.global_step)
+  )
+  trainer.train_step = trainer.build_train_step()
+  _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
+  inject.install(trainer.train_step, c.debug)  # config.debug.inject_*: around the step
 
 
 def _probe(trainer, batch) -> tuple:
