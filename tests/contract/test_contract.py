@@ -5,6 +5,7 @@ opened (nothing written); or, for the last three rows, training that works (no .
 starts with a clear message (float16 variables: an error unless allowed; float16 logits: a
 warning)."""
 
+import contextlib
 import os
 import re
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from absl import logging
+from tensorflow.python.framework import config as tf_config  # op determinism: on, off, state
 
 from tiny import tiny_config
 from trainer import Datasets, Trainer
@@ -251,6 +253,18 @@ app.run(launch.main, flags_parser=launch.parse_flags)
   assert not workdir.exists()
 
 
+@contextlib.contextmanager
+def op_determinism(on: bool):
+  """TensorFlow's op determinism on or off for the block, then as it was: it is process-wide,
+  and a run with config.train.deterministic leaves it on for every later test of the process."""
+  before = tf_config.is_op_determinism_enabled()
+  (tf_config.enable_op_determinism if on else tf_config.disable_op_determinism)()
+  try:
+    yield
+  finally:
+    (tf_config.enable_op_determinism if before else tf_config.disable_op_determinism)()
+
+
 def _mapped(f):
   """A FashionTrainer whose train and eval batches go through `f(images, labels)`."""
 
@@ -315,19 +329,42 @@ def test_data_mistakes_inside_compute_loss_are_one_line_with_the_fix(
   """Issue 35: each was a 25-46-line traceback from inside Keras or TensorFlow (one printing
   every label of the batch) ending with the '(raised by compute_loss(...))' note, no fix. The
   original exception stays the UserError's __cause__ (launch.py --traceback prints both)."""
-  message = re.sub(r"'conv2d_\d+'", "'conv2d'", rejected(trainer_class, tmp_path))  # Keras's names
+  with op_determinism(False):  # the kernels whose messages these are (an earlier test may set it)
+    message = rejected(trainer_class, tmp_path)
+  message = re.sub(r"'conv2d_\d+'", "'conv2d'", message)  # Keras's layer names
   assert message.startswith('compute_loss(batch, training=False) on the first eval batch (')
   assert message.endswith(f'): {expected}'), message
   assert len(message) < 400
 
 
+def test_a_label_outside_the_classes_under_op_determinism_is_one_line(tmp_path):
+  """With op determinism on (config.train.deterministic, or any earlier run in the process) the
+  sparse cross-entropy gathers by label and fails in GatherV2 naming one label: the same hint,
+  from that label (it passed through as a bare traceback once another test had switched
+  determinism on)."""
+  from trainer.data import hints
+
+  error = tf.errors.InvalidArgumentError(
+    None, None, 'indices[21] = 10 is not in [0, 10) [Op:GatherV2] name: '
+  )
+  assert hints.hint(error) == (
+    "labels outside the model's 10 classes [0, 10): a label is 10; labels are class indices "
+    '0..9: shift them to start at 0 (labels - 1) if they start at 1, else give the last layer '
+    '11 units'
+  )
+  with op_determinism(True):  # as config.train.deterministic sets it
+    message = rejected(_mapped(lambda x, y: (x, y + 1)), tmp_path)
+  assert "labels outside the model's 10 classes [0, 10)" in message and '\n' not in message
+
+
 def test_launch_traceback_flag_prints_the_original_exception(tmp_path):
   """--traceback keeps the traceback a data hint replaces available."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  from conftest import ROOT as root, TESTS
+
   script = tmp_path / 'run.py'
   script.write_text(f"""
 import sys
-sys.path[:0] = [{root!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+sys.path[:0] = [{root!r}, {TESTS!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
 import launch, models, test_contract
 models.get_trainer_class = lambda name: test_contract._DictModel
 from absl import app

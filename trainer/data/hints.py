@@ -24,6 +24,9 @@ _LABEL = re.compile(
   r'Received a label value of (-?\d+) which is outside the valid range of \[0, (\d+)\)\.'
   r'\s+Label values: ([-\d ]+)'
 )
+# The same mistake under op determinism (tf.config.experimental.enable_op_determinism): the
+# sparse cross-entropy's deterministic form gathers by label, and names one label only.
+_GATHERED = re.compile(r'indices\[\d+\] = (-?\d+) is not in \[0, (\d+)\) \[Op:GatherV2\]')
 _DTYPES = re.compile(
   r'cannot compute (\w+) as input #(\d+)\(zero-based\) was expected to be a (\w+) tensor '
   r'but is a (\w+) tensor'
@@ -41,6 +44,7 @@ def hint(error: BaseException) -> str | None:
     (_ONE_HOT, _one_hot),
     (_DICT, _dict),
     (_LABEL, _label),
+    (_GATHERED, _gathered),
     (_DTYPES, _dtypes),
     (_RANK, _rank),
   ):
@@ -84,6 +88,15 @@ def _label(match, _) -> str:
     f'{sum(not 0 <= v < classes for v in values)} of {len(values)} labels are {shown} '
     f"(the batch's labels run {min(values)}..{max(values)}); labels are class indices "
     f'0..{classes - 1}: {fix}'
+  )
+
+
+def _gathered(match, _) -> str:
+  value, classes = int(match.group(1)), int(match.group(2))
+  return (
+    f"labels outside the model's {classes} classes [0, {classes}): a label is {value}; labels "
+    f'are class indices 0..{classes - 1}: shift them to start at 0 (labels - 1) if they start '
+    f'at 1, else give the last layer {max(value, classes - 1) + 1} units'
   )
 
 
