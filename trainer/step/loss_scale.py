@@ -91,6 +91,13 @@ def all_finite(grads: Sequence[tf.Tensor]) -> tf.Tensor:
   return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True), elementwise)
 
 
+def _times(grad: Any, factor: tf.Tensor) -> Any:
+  """`grad` x `factor`; an IndexedSlices (an embedding's gradient) keeps its indices."""
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+  return grad * factor
+
+
 class LossScaler(tf.Module):
   """The loss scale and its state. Create it under the strategy's scope.
 
@@ -169,7 +176,7 @@ class LossScaler(tf.Module):
       return grads
     keep = overwritten(variables) if variables is not None else [False] * len(grads)
     inverse = 1.0 / self.scale  # read once; x (1/S) is exact for a power-of-two S
-    return [g if g is None or k else g * inverse for g, k in zip(grads, keep)]
+    return [g if g is None or k else _times(g, inverse) for g, k in zip(grads, keep)]
 
   def update(self, finite: tf.Tensor, active: tf.Tensor | bool = True) -> None:
     """Applies the rules in the module docstring for one step. Cross-replica context. When
