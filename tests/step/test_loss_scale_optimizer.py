@@ -201,3 +201,23 @@ def test_errors_are_one_line():
   mixed = [opt.get_unscaled_gradients([tf.ones([2])])[0], tf.ones([2])]
   with pytest.raises(UserError, match='some gradients come from get_unscaled_gradients'):
     opt.apply_gradients(zip(mixed, [v, tf.Variable([3.0, 4.0])]))
+
+
+def test_fit_logs_scale_and_skips_and_model_save_keeps_them(tmp_path):
+  """One replica: a batch whose targets are inf is skipped by fit; LossScaleMonitor puts the
+  scale and the skip count into History; model.save / load_model keep them."""
+  model = tiny_model()
+  opt = mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=8.0)
+  model.compile(optimizer=opt, loss='mse')
+  x, y = batch()
+  y[4:] = np.inf  # the second batch of 4
+  monitor = mixed_precision.LossScaleMonitor()
+  history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+  assert history.history['skipped_steps'] == [1, 2]
+  assert history.history['loss_scale'] == [4.0, 2.0]
+  assert int(opt.iterations.numpy()) == 2 and np.isfinite(model.weights[0].numpy()).all()
+  model.save(tmp_path / 'm.keras')
+  loaded = keras.models.load_model(tmp_path / 'm.keras')  # registered: no custom_objects
+  assert isinstance(loaded.optimizer, mixed_precision.LossScaleOptimizer)
+  assert float(loaded.optimizer.loss_scale) == 2.0
+  assert int(loaded.optimizer.skipped_steps.numpy()) == 2

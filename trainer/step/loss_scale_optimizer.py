@@ -44,6 +44,7 @@ class _Group(NamedTuple):
   loss_scaler: LossScaler
 
 
+@keras.saving.register_keras_serializable(package='trainer')
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
   """Wraps `inner_optimizer`; scales the loss, unscales the gradients, applies them when every
   gradient on every replica is finite, else skips the step; moves the scale.
