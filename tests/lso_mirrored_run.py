@@ -6,18 +6,23 @@ the loss is multiplied by inf there. Cases:
   loop        our optimizer in a tf.function GradientTape loop inside strategy.run, the
               forward/backward under XLA: one finite step, then one with replica 1 non-finite;
   fit_ours    model.fit with our optimizer, replica 1 non-finite on every step;
-  fit_keras   the same fit with keras.mixed_precision.LossScaleOptimizer (checks replica 0 only).
+  fit_keras   the same fit with keras.mixed_precision.LossScaleOptimizer (checks replica 0 only);
+  guide       docs/guides/mixed-precision-own-loop.md's loop under mixed_float16 on 2 replicas
+              and on 1, the same MNIST batches.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
 import tensorflow as tf
 
 STEPS = 3
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MNIST_DIR = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
 
 
 def split_cpu() -> None:
@@ -109,6 +114,36 @@ def fit_case(strategy, ours: bool) -> dict:
   }
 
 
+def guide_case(strategy) -> dict:
+  import importlib.util
+  import tempfile
+
+  from docblocks import block
+  from trainer.data import mnist as mnist_data
+
+  path = os.path.join(tempfile.mkdtemp(), 'own_loop.py')  # a file: autograph reads the source
+  with open(path, 'w') as f:
+    f.write(block('runs this block as own_loop.py'))
+  spec = importlib.util.spec_from_file_location('own_loop', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  (x, y), _ = mnist_data.load(MNIST_DIR)
+  x, y = x[:1024].reshape(1024, 784).astype('float32') / 255, y[:1024].astype('int64')
+  runs = {}
+  for name, where in [('two', strategy), ('one', None)]:
+    tf.keras.utils.set_random_seed(0)
+    model, opt = module.train(x, y, strategy=where, epochs=1, batch_size=256)
+    runs[name] = ([v.numpy() for v in model.weights], opt)
+  (two, opt_two), (one, opt_one) = runs['two'], runs['one']
+  return {
+    'steps': [int(o.iterations.numpy() + o.skipped_steps.numpy()) for o in (opt_two, opt_one)],
+    'skipped': [int(o.skipped_steps.numpy()) for o in (opt_two, opt_one)],
+    'scale': [float(o.loss_scale) for o in (opt_two, opt_one)],
+    'max_difference': max(float(np.abs(a - b).max()) for a, b in zip(two, one)),
+    'finite': all(bool(np.isfinite(a).all()) for a in two),
+  }
+
+
 def main(out: str) -> None:
   split_cpu()
   strategy = tf.distribute.MirroredStrategy(['CPU:0', 'CPU:1'])
@@ -117,6 +152,7 @@ def main(out: str) -> None:
     'loop': loop_case(strategy),
     'fit_ours': fit_case(strategy, ours=True),
     'fit_keras': fit_case(strategy, ours=False),
+    'guide': guide_case(strategy),
   }
   with open(out, 'w') as f:
     json.dump(results, f)

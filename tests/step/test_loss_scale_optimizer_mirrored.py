@@ -45,3 +45,13 @@ def test_keras_own_loss_scale_optimizer_ends_nan_in_the_same_setup(results):
   keras_run = results['fit_keras']
   assert not keras_run['finite'] and keras_run['iterations'] >= 1
   assert math.isnan(keras_run['history']['loss'][0])
+
+
+def test_the_guide_loop_on_two_replicas_matches_one(results):
+  """docs/guides/mixed-precision-own-loop.md's loop, mixed_float16, the same 4 MNIST batches
+  on 2 replicas and on 1: the same steps, skips and scale; weights equal up to float16
+  rounding of a different summation order."""
+  guide = results['guide']
+  assert guide['steps'] == [4, 4] and guide['skipped'][0] == guide['skipped'][1]
+  assert guide['scale'][0] == guide['scale'][1] and guide['finite']
+  assert guide['max_difference'] < 5e-3
