@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import threading
+
 import keras
 import tensorflow as tf
 
@@ -96,6 +98,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
       hysteresis=hysteresis,
     )
     self.skipped_steps = state_variable(0, tf.int64, 'skipped_steps')
+    self._pending = threading.local()  # per replica: get_unscaled_gradients ran
 
   # ---- Keras 3's API ------------------------------------------------------------------------
   @property
@@ -193,26 +196,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     return self.scale_loss(loss)
 
   def get_unscaled_gradients(self, grads: Sequence[Any]) -> list:
-    """`grads` / the scale, in float32 (None stays None). `apply_gradients` does not divide
-    these again."""
+    """`grads` / the scale, in float32 (None stays None). The next `apply_gradients` of this
+    replica then does not divide again (tf-keras), whatever happened to them in between
+    (clipping). Gradients this returned are refused (unscaled twice)."""
+    if any(getattr(g, _UNSCALED, False) for g in grads):
+      raise UserError(
+        'LossScaleOptimizer.get_unscaled_gradients: these gradients are already unscaled '
+        '(unscale once per step)'
+      )
     unscaled = self.loss_scaler.unscale(list(grads))
     for g in unscaled:
       if g is not None:
         setattr(g, _UNSCALED, True)
+    self._pending.unscaled = True
     return unscaled
 
   # ---- the step -----------------------------------------------------------------------------
   def _unscaled(self, grads: list, variables: list) -> list:
-    """`grads` divided by the scale, unless `get_unscaled_gradients` returned them."""
-    marked = [bool(getattr(g, _UNSCALED, False)) for g in grads if g is not None]
-    if all(marked):
+    """`grads` divided by the scale, unless this replica (thread: MirroredStrategy runs each
+    replica in its own) called `get_unscaled_gradients` since its last apply."""
+    if getattr(self._pending, 'unscaled', False):
+      self._pending.unscaled = False
       return grads
-    if any(marked):
-      raise UserError(
-        'LossScaleOptimizer.apply_gradients: some gradients come from get_unscaled_gradients '
-        'and some do not; pass all of them through it, or none (apply_gradients unscales)'
-      )
-    return self.loss_scaler.unscale(grads, [_raw(v) for v in variables])
+    return self.loss_scaler.unscale(grads, variables)
 
   def _apply_or_skip(self, strategy, counts, grads, variables) -> None:
     """Cross-replica (merge_call): the Trainer's decision for one group (apply_or_skip.py)."""
