@@ -204,7 +204,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         'LossScaleOptimizer.get_unscaled_gradients: these gradients are already unscaled '
         '(unscale once per step)'
       )
-    unscaled = self.loss_scaler.unscale(list(grads))
+    unscaled = self.loss_scaler.unscale(list(grads), sparse=True)
     for g in unscaled:
       if g is not None:
         setattr(g, _UNSCALED, True)
@@ -218,7 +218,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     if getattr(self._pending, 'unscaled', False):
       self._pending.unscaled = False
       return grads
-    return self.loss_scaler.unscale(grads, variables)
+    return self.loss_scaler.unscale(grads, variables, sparse=True)
 
   def _apply_or_skip(self, strategy, counts, grads, variables) -> None:
     """Cross-replica (merge_call): the Trainer's decision for one group (apply_or_skip.py)."""
