@@ -28,9 +28,10 @@ def batch():
   return rng.normal(size=(8, 4)).astype('float32'), rng.normal(size=(8, 3)).astype('float32')
 
 
-def make_step(model, opt, compiled=False, jit=False):
+def make_step(model, opt, compiled=False, jit=False, jit_step=False):
   """A Keras 3 loop step: scale_loss, tape, apply_gradients (which unscales). `factor`
-  multiplies the loss (inf: a non-finite step)."""
+  multiplies the loss (inf: a non-finite step). `jit`: the forward/backward under XLA;
+  `jit_step`: the whole step, apply and skip included (one device)."""
 
   def grads_of(x, y, factor):
     with tf.GradientTape() as tape:
@@ -43,6 +44,8 @@ def make_step(model, opt, compiled=False, jit=False):
   def step(x, y, factor):
     opt.apply_gradients(zip(grads_fn(x, y, factor), model.trainable_variables))
 
+  if jit_step:
+    return tf.function(step, jit_compile=True)
   return tf.function(step) if compiled else step
 
 
@@ -57,11 +60,13 @@ def assert_same(before, after):
 
 
 @pytest.mark.parametrize('name', sorted(OPTIMIZERS))
-@pytest.mark.parametrize('mode', ['eager', 'function', 'jit'])
+@pytest.mark.parametrize('mode', ['eager', 'function', 'jit', 'jit_step'])
 def test_a_nonfinite_step_is_skipped_bit_identically(name, mode):
   model = tiny_model()
   opt = mixed_precision.LossScaleOptimizer(OPTIMIZERS[name](), initial_scale=8.0)
-  step = make_step(model, opt, compiled=mode != 'eager', jit=mode == 'jit')
+  step = make_step(
+    model, opt, compiled=mode != 'eager', jit=mode == 'jit', jit_step=mode == 'jit_step'
+  )
   x, y = batch()
   step(x, y, tf.constant(1.0))
   assert int(opt.iterations.numpy()) == 1 and float(opt.loss_scale) == 8.0

@@ -27,10 +27,16 @@ def mnist(train: int, test: int):
   return flat(x[:train]), y[:train].astype('int64'), flat(xt[:test]), yt[:test].astype('int64')
 
 
+BLOCKS = {
+  'own_loop': 'runs this block as own_loop.py',
+  'fit_example': 'runs this block as fit_example.py',
+}
+
+
 def own_loop(folder, name='own_loop'):
   """The block as a module from a file (autograph reads the source)."""
   path = folder / f'{name}.py'
-  path.write_text(doc_block(f'runs this block as {name}.py'))
+  path.write_text(doc_block(BLOCKS[name]))
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
