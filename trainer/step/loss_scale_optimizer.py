@@ -29,11 +29,11 @@ import threading
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from trainer.errors import UserError
 from trainer.step import apply_or_skip as shared
 from trainer.step.loss_scale import LossScaler, state_variable, update_scalers
-from trainer.step.optimizers import reset_loss_scale_factor
 
 _SCALED = '_trainer_loss_scaled'  # set on a loss `scale_loss` returned
 _UNSCALED = '_trainer_unscaled'  # set on a gradient `get_unscaled_gradients` returned
@@ -76,7 +76,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # Keras's LossScaleOptimizer.__init__ is skipped: its scale is not ours.
     keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
     self.inner_optimizer = inner_optimizer
-    reset_loss_scale_factor(inner_optimizer)  # the loss is scaled here, not there too
+    _reset_loss_scale_factor(inner_optimizer)
     self._config: dict[str, Any] = dict(
       initial_scale=2.0**15 if initial_scale is None else float(initial_scale),
       dynamic_growth_steps=2000 if dynamic_growth_steps is None else int(dynamic_growth_steps),
@@ -235,6 +235,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 def _raw(variable: Any) -> Any:
   """The tf.Variable behind a Keras variable."""
   return getattr(variable, 'value', variable) if isinstance(variable, keras.Variable) else variable
+
+
+def _reset_loss_scale_factor(inner: keras.optimizers.Optimizer) -> None:
+  """The inner optimizer's own `loss_scale_factor` would divide every gradient again: reset
+  to None (as Keras's LossScaleOptimizer does), with one warning line."""
+  if getattr(inner, 'loss_scale_factor', None) is not None:
+    logging.warning(
+      'LossScaleOptimizer: %s loss_scale_factor=%g reset to None: the loss is scaled once, here',
+      inner.name,
+      inner.loss_scale_factor,
+    )
+    inner.loss_scale_factor = None
 
 
 def _check_inner(inner: Any, initial_scale: Any) -> None:
