@@ -20,6 +20,10 @@ do), so steps per CPU-second is the fairer comparison on a shared machine:
             Every fit call makes a new iterator (and refills the shuffle buffer), so the first
             execution of each call is not timed: a callback stamps the time after each execution
             and only the executions after the first count.
+            `lso='ours'` / `lso='keras'`: the optimizer wrapped explicitly, under any policy, in
+            trainer.mixed_precision.LossScaleOptimizer / keras.mixed_precision's (the pair
+            `fit ... lso=ours` and `fit ... lso=keras`: the cost of our all-replica,
+            bit-identical apply-or-skip against Keras's, everything else equal).
 """
 
 from __future__ import annotations
@@ -82,10 +86,20 @@ def keras_loss(trainer):
   return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def _loss_scaled(optimizer, lso: str, strategy):
+  """`optimizer` in our LossScaleOptimizer ('ours') or Keras's ('keras'), built in the scope of
+  the strategy the model's variables live in."""
+  from trainer import mixed_precision
+
+  wrapper = {'ours': mixed_precision, 'keras': keras.mixed_precision}[lso]
+  with strategy.scope():
+    return wrapper.LossScaleOptimizer(optimizer)
+
+
 class KerasFit:
   kind = 'fit'
 
-  def __init__(self, trainer_class, config: ml_collections.ConfigDict):
+  def __init__(self, trainer_class, config: ml_collections.ConfigDict, lso: str | None = None):
     self._workdir = tempfile.TemporaryDirectory(prefix='bench-')
     # The Trainer builds the model and the dataset exactly as it does for `Ours` (same policy,
     # seed, pipeline); fit then trains that model with Keras's own loop.
@@ -98,6 +112,8 @@ class KerasFit:
     optimizer = optimizers.build(trainer.config.optimizer, trainer.config.optimizer.learning_rate)
     if trainer.config.optimizer.clip_norm > 0:  # ours clips the global norm in the step
       optimizer.global_clipnorm = trainer.config.optimizer.clip_norm
+    if lso is not None:
+      optimizer = _loss_scaled(optimizer, lso, trainer.strategy)
     self.model.compile(
       optimizer=optimizer,
       loss=keras_loss(trainer),

@@ -101,6 +101,16 @@ def markdown(results: dict) -> str:
       f'| ours / fit with our update | | {_r(fo["ours_over_fit_fused"], "{:.2f}")} | '
       f'{_r(cpu_fo["ours_over_fit_fused"], "{:.2f}")} |',
     ]
+    lso, cpu_lso = r['fit_lso_ours_over_keras'], r['cpu_time']['fit_lso_ours_over_keras']
+    lines += [
+      '',
+      f"### fit with our LossScaleOptimizer / with Keras's ({d})",
+      '',
+      '| pair | ours steps/s | Keras steps/s | ratio (wall) | ratio (CPU) | target >= 0.95 |',
+      '|---|---|---|---|---|---|',
+      f'| fit lso=ours / lso=keras | {sps(f"fit {d} lso=ours")} | {sps(f"fit {d} lso=keras")} '
+      f'| {_r(lso, "{:.2f}")} | {_r(cpu_lso, "{:.2f}")} | {_yes(lso["median"] >= 0.95)} |',
+    ]
     lines += [
       '',
       '### Cost of loss scaling (ours; overhead = none / mode - 1)',

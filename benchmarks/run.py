@@ -249,6 +249,17 @@ def contender_specs(default_policy: str, s: dict) -> list[dict]:
       fused=True,
     )
   )
+  for lso in ('ours', 'keras'):  # fit with our LossScaleOptimizer / with Keras's
+    specs.append(
+      dict(
+        name=f'fit {default_policy} lso={lso}',
+        kind='fit',
+        policy=default_policy,
+        steps_per_loop=spl,
+        fused=False,
+        lso=lso,
+      )
+    )
   for n in s['loop_sweep']:
     if n == spl:
       continue  # `ours/fit {default_policy}` above
@@ -332,7 +343,10 @@ def bench_model(name: str, s: dict) -> dict:
       fused=spec.get('fused', True),
     )
     start = time.perf_counter()
-    contender = (Ours if spec['kind'] == 'ours' else KerasFit)(trainer_class, config)
+    if spec['kind'] == 'ours':
+      contender = Ours(trainer_class, config)
+    else:
+      contender = KerasFit(trainer_class, config, lso=spec.get('lso'))
     spl = spec['steps_per_loop']
     contender.timed(spl)  # traces and compiles
     probe_steps = spl * max(1, math.ceil((2 if s['quick'] else 10) / spl))
@@ -432,6 +446,9 @@ def comparisons(rates: dict, s: dict, default: str) -> dict:
   out['speedup_over_float32'] = {
     p: paired(rates[f'ours {p}'], rates['ours float32'], ratio) for p in s['policies']
   }
+  out['fit_lso_ours_over_keras'] = paired(
+    rates[f'fit {default} lso=ours'], rates[f'fit {default} lso=keras'], ratio
+  )
   out['jit_speedup'] = paired(rates[f'ours {default} jit_compile'], rates[f'ours {default}'], ratio)
   return out
 

@@ -67,7 +67,9 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
     if n != results['settings']['steps_per_loop']
   }
   expected.add(f'ours {default} jit_compile')
+  expected |= {f'fit {default} lso=ours', f'fit {default} lso=keras'}  # issue 36's pair
   assert expected <= set(model['contenders'])
+  assert model['fit_lso_ours_over_keras']['median'] > 0
   for p in policies:
     assert model['ours_over_fit'][p]['median'] > 0
     assert model['cpu_time']['ours_over_fit'][p]['median'] > 0

@@ -20,6 +20,7 @@ LAYERS = {
   'data': 1,
   'nn': 2,
   'step': 3,
+  'mixed_precision': 3,
   'insight': 4,
   'run': 5,
   'trainer': 6,

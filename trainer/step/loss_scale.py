@@ -91,6 +91,13 @@ def all_finite(grads: Sequence[tf.Tensor]) -> tf.Tensor:
   return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True), elementwise)
 
 
+def _times(grad: Any, factor: tf.Tensor) -> Any:
+  """`grad` x `factor`; an IndexedSlices (an embedding's gradient) keeps its indices."""
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+  return grad * factor
+
+
 class LossScaler(tf.Module):
   """The loss scale and its state. Create it under the strategy's scope.
 
@@ -159,17 +166,23 @@ class LossScaler(tf.Module):
     return loss * tf.cast(self.scale, loss.dtype)
 
   def unscale(
-    self, grads: Sequence[tf.Tensor | None], variables: Sequence[tf.Variable] | None = None
+    self,
+    grads: Sequence[tf.Tensor | None],
+    variables: Sequence[tf.Variable] | None = None,
+    sparse: bool = False,
   ) -> list[tf.Tensor | None]:
     """Gradients in float32, divided by the scale. Given the `variables` they belong to, the
     values of variables marked `overwrite_with_gradient` (Keras float8 layers' scales and amax
-    histories: new values, not gradients) are left as they are."""
+    histories: new values, not gradients) are left as they are. An IndexedSlices (an
+    embedding's gradient) stays one when `sparse` (the public LossScaleOptimizer); otherwise
+    the product makes it dense, as the Trainer's step always had it."""
     grads = [None if g is None else tf.cast(g, tf.float32) for g in grads]
     if self.mode == 'none':
       return grads
     keep = overwritten(variables) if variables is not None else [False] * len(grads)
     inverse = 1.0 / self.scale  # read once; x (1/S) is exact for a power-of-two S
-    return [g if g is None or k else g * inverse for g, k in zip(grads, keep)]
+    times = _times if sparse else (lambda g, f: g * f)
+    return [g if g is None or k else times(g, inverse) for g, k in zip(grads, keep)]
 
   def update(self, finite: tf.Tensor, active: tf.Tensor | bool = True) -> None:
     """Applies the rules in the module docstring for one step. Cross-replica context. When

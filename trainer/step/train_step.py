@@ -65,14 +65,15 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from trainer.errors import ConfigError, UserError
+from trainer.step import apply_or_skip as shared
 from trainer.step import contract, low_precision, optimizers
 from trainer.step import outputs as step_outputs
 from trainer.step import user_code
 from trainer.step.forward_state import forward_state
-from trainer.step.loss_scale import all_finite, overwritten, state_variable, update_scalers
+from trainer.step.loss_scale import overwritten, state_variable, update_scalers
 from trainer.step.skip_guard import SkipGuard
 
-SUM = tf.distribute.ReduceOp.SUM
+SUM = shared.SUM
 
 
 class UpdateGroup(NamedTuple):
@@ -92,7 +93,7 @@ def group_names(groups) -> list[str]:
   return [group.name or str(index) for index, group in enumerate(groups)]
 
 
-SKIP_SCOPE = 'skipped_step_only'  # name scope of the skip branch (benchmarks/run.py looks for it)
+SKIP_SCOPE = shared.SKIP_SCOPE  # name scope of the skip branch (benchmarks/run.py looks for it)
 
 
 def global_norm(grads) -> tf.Tensor:
@@ -244,12 +245,8 @@ class TrainStep:
     """Cross-replica: one flag per group, True when no replica counted a non-finite gradient of
     that group and its optimizer's learning rate for this step is finite (so nothing applied
     after the check can be non-finite). `nonfinite_counts`: `replica_step`'s counts."""
-    nonfinite = tf.reshape(self.strategy.reduce(SUM, nonfinite_counts, axis=None), [-1])
-    flags = []
-    for index, group in enumerate(self.groups):
-      rate = tf.cast(group.optimizer.learning_rate, tf.float32)  # the rate this update uses
-      flags.append(tf.logical_and(tf.equal(nonfinite[index], 0), tf.math.is_finite(rate)))
-    return flags
+    optimizers = [group.optimizer for group in self.groups]
+    return shared.groups_finite(self.strategy, nonfinite_counts, optimizers)
 
   def all_replicas_finite(self, nonfinite_counts) -> tf.Tensor:
     """Cross-replica: True when every group is finite on every replica (`groups_finite`)."""
@@ -257,39 +254,30 @@ class TrainStep:
 
   def apply_or_skip(self, flags, grads, saved_state=None) -> tf.Tensor:
     """Cross-replica: each group applies its share of `grads` (PerReplica) by `apply_group`
-    when its flag of `flags` (`groups_finite`) is set. When any group skipped, the forward-pass
-    state read before the forward pass is put back, the skip is recorded (the skip line) and
-    `on_skip` runs. Returns 1 when any group skipped, else 0 (int64)."""
+    when its flag of `flags` (`groups_finite`) is set (trainer/step/apply_or_skip.py, the code
+    the public LossScaleOptimizer runs too). When any group skipped, the forward-pass state read
+    before the forward pass is put back, the skip is recorded (the skip line) and `on_skip`
+    runs. Returns 1 when any group skipped, else 0 (int64)."""
     flags = _flag_list(flags, len(self.groups), 'apply_or_skip')
     apply = user_code.converted(self.apply_group)
 
-    def apply_groups(indices):
+    def apply_groups(indices) -> None:
       def replica(g):
         parts = self._split(g)
         for index in indices:
           apply(index, parts[index])
 
       self.strategy.run(replica, args=(grads,))
-      return tf.constant(0, tf.int64)
 
-    def skip():
-      # A step some group skipped: the groups that were finite still apply, each under its own
-      # flag (a cond per group in this branch only: a finite step pays the one cond below,
-      # whatever the number of groups). With one group, none was: nothing is traced here.
-      partial = enumerate(flags) if len(flags) > 1 else ()
-      for index, flag in partial:
-        tf.cond(flag, lambda i=index: apply_groups([i]), lambda: tf.constant(1, tf.int64))
-      with tf.name_scope(SKIP_SCOPE):  # ops here run on skipped steps only
-        for variable, value in zip(self._forward_state, saved_state or []):
-          self.strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,))
-        scales = [group.loss_scaler.scale for group in self.groups]
-        self.guard.record(grads, self.global_step, flags, scales)
-        for action in self.on_skip:
-          action()
-        return tf.constant(1, tf.int64)
+    def on_skip() -> None:
+      for variable, value in zip(self._forward_state, saved_state or []):
+        self.strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,))
+      scales = [group.loss_scaler.scale for group in self.groups]
+      self.guard.record(grads, self.global_step, flags, scales)
+      for action in self.on_skip:
+        action()
 
-    every = range(len(flags))
-    skipped = tf.cond(tf.reduce_all(tf.stack(flags)), lambda: apply_groups(every), skip)
+    skipped = shared.apply_or_skip(flags, apply_groups, on_skip)
     self.skipped_steps.assign_add(skipped)
     return skipped
 
@@ -309,9 +297,7 @@ class TrainStep:
     outputs, grads = contract.step_gradients(
       self, user_code.converted(self.compute_gradients)(batch), self.variables
     )
-    nonfinite = tf.stack(
-      [tf.cast(tf.logical_not(all_finite(part)), tf.int32) for part in self._split(grads)]
-    )
+    nonfinite = shared.nonfinite_counts(self._split(grads))
     return outputs, grads, nonfinite, saved
 
   def replica_step(self, batch):
