@@ -282,6 +282,14 @@ class _DictModel(FashionTrainer):
     return keras.Model(inputs, {'logits': keras.layers.Dense(10)(keras.layers.Flatten()(inputs))})
 
 
+class _DictModelKerasLoss(_DictModel):
+  def compute_loss(self, batch, *, training):  # the README's: the Keras loss gets the dict first
+    images, labels = batch
+    logits = self.model(images, training=training)
+    loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    return loss, {}
+
+
 class _NoInputLayer(FashionTrainer):
   def build_model(self):  # no keras.Input: Keras cannot add the missing axis itself
     return keras.Sequential(
@@ -303,6 +311,11 @@ class _NoInputLayer(FashionTrainer):
       _DictModel,
       "a dict (keys 'logits') reached a TensorFlow op that takes a tensor: the model returns a "
       "dict; take the output the loss needs, e.g. self.model(x, training=training)['logits']",
+    ),
+    (  # the same, given straight to a Keras loss (an AttributeError on .shape, a traceback once)
+      _DictModelKerasLoss,
+      'a dict reached a TensorFlow op that takes a tensor: the model returns a dict; take the '
+      "output the loss needs, e.g. self.model(x, training=training)['logits']",
     ),
     (  # labels 1..10 for 10 classes
       _mapped(lambda x, y: (x, y + 1)),
