@@ -17,7 +17,7 @@ from absl import logging
 from tensorflow.python.framework import config as tf_config  # op determinism: on, off, state
 
 from tiny import tiny_config
-from trainer import Datasets, Trainer
+from trainer import Datasets, Trainer, TrainStep
 from trainer.errors import ConfigError, UserError
 
 N = 256
@@ -436,3 +436,51 @@ def test_build_model_adapts_a_normalization_on_self_datasets(tmp_path):
   assert seen['mean'] == pytest.approx(float(x[: (N // 32) * 32].mean()), rel=1e-4)
   assert int(trainer.datasets.train.cardinality()) == tf.data.INFINITE_CARDINALITY
   trainer.train()
+
+
+def test_a_forgotten_super_init_is_one_line(tmp_path):
+  """A Trainer or TrainStep subclass whose __init__ never called super().__init__: an
+  AttributeError from deep inside the launcher ('no attribute runner', twice chained) or the
+  build ('no attribute global_step'), exit status 1; now one line naming the class."""
+
+  class NoSuper(FashionTrainer):
+    def __init__(self, config, workdir):
+      self.extra = 1
+
+  message = rejected(NoSuper, tmp_path)
+  assert message.startswith('NoSuper.__init__ did not call super().__init__(config, workdir)')
+
+  class NoSuperStep(TrainStep):
+    def __init__(self, trainer):
+      self.extra = 1
+
+  class WithStep(FashionTrainer):
+    def build_train_step(self):
+      return NoSuperStep(self)
+
+  message = rejected(WithStep, tmp_path)
+  assert message.startswith('NoSuperStep.__init__ did not call super().__init__(trainer)')
+
+  class Calls(FashionTrainer):  # one that calls it is built as before
+    def __init__(self, config, workdir):
+      self.extra = 1
+      super().__init__(config, workdir)
+
+  assert Calls(config(), str(tmp_path / 'calls')).extra == 1
+
+
+def test_a_keras_style_train_step_on_a_step_is_refused(tmp_path):
+  """Keras's Model.train_step written on a TrainStep ran never, without a word."""
+
+  class KerasStyle(TrainStep):
+    def train_step(self, batch):
+      return {}
+
+  class WithStep(FashionTrainer):
+    def build_train_step(self):
+      return KerasStyle(self)
+
+  message = rejected(WithStep, tmp_path)
+  assert message.startswith('KerasStyle.train_step is never called') and 'compute_gradients' in (
+    message
+  )

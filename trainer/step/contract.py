@@ -373,8 +373,9 @@ def _warn_nonfinite_loss(loss: Any) -> None:
     )
 
 
-# Methods a step had and no longer calls: an override would never run (an EMA written in
-# `apply_gradients` once counted 0 updates over 60 applied steps, without a word).
+# Methods a step had and no longer calls, or never had under a name users expect: an override
+# would never run (an EMA written in `apply_gradients` once counted 0 updates over 60 applied
+# steps, without a word).
 RETIRED_STEP_METHODS = {
   'apply_gradients': 'each update group is applied by apply_group(index, grads), under its own '
   'finite flag: override apply_group (super().apply_group(index, grads) applies the update)',
@@ -384,6 +385,9 @@ RETIRED_STEP_METHODS = {
   'returns its outputs from step(iterator)',
   'train_loop': 'the compiled loop is trainer.step.loop.TrainLoop; override step(iterator) for '
   'what one step does',
+  # Never a TrainStep method: Keras's Model.train_step, the name a Keras user reaches for.
+  'train_step': 'the step is step(iterator), around compute_gradients(batch) on each replica: '
+  "override compute_gradients for your own forward and backward pass (Keras's train_step)",
 }
 
 
