@@ -484,3 +484,31 @@ def test_a_keras_style_train_step_on_a_step_is_refused(tmp_path):
   assert message.startswith('KerasStyle.train_step is never called') and 'compute_gradients' in (
     message
   )
+
+
+def test_a_keras_fit_hook_on_the_model_is_a_warning(tmp_path, caplog):
+  """A keras.Model with its own train_step (Keras's custom fit) trained without it, silently."""
+
+  class FitNet(keras.Model):
+    def __init__(self, **kwargs):
+      super().__init__(**kwargs)
+      self.flat, self.dense = keras.layers.Flatten(), keras.layers.Dense(10, dtype='float32')
+
+    def call(self, x, training=False):
+      return self.dense(self.flat(x))
+
+    def train_step(self, data):
+      raise AssertionError('never called')
+
+  class WithFitNet(FashionTrainer):
+    def build_model(self):
+      return FitNet(name='fit_net')
+
+  with caplog.at_level('WARNING'):
+    WithFitNet(config(), str(tmp_path / 'w'))
+  said = [r.getMessage() for r in caplog.records if 'fit()' in r.getMessage()]
+  assert len(said) == 1 and said[0].startswith('FitNet overrides train_step, Keras fit()')
+  caplog.clear()
+  with caplog.at_level('WARNING'):
+    FashionTrainer(config(), str(tmp_path / 'plain'))  # a Sequential: no line
+  assert not [r for r in caplog.records if 'fit()' in r.getMessage()]

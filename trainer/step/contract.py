@@ -125,6 +125,26 @@ def check_model(model: object) -> None:
       'evaluation and export would fail; give it a name that starts with a letter '
       "(in a subclass: super().__init__(name='net', **kwargs))"
     )
+  _warn_fit_hooks(model)
+
+
+# Keras fit()'s hooks on the model: the trainer's step never calls them (a Keras user's custom
+# train_step ran never, without a word, and the run trained on compute_loss alone).
+KERAS_FIT_HOOKS = ('train_step', 'test_step', 'compute_loss')
+
+
+def _warn_fit_hooks(model: keras.Model) -> None:
+  """One warning line naming the fit() hooks the model's class overrides."""
+  cls = type(model)
+  own = [n for n in KERAS_FIT_HOOKS if getattr(cls, n, None) is not getattr(keras.Model, n, None)]
+  if own:
+    logging.warning(
+      "%s overrides %s, Keras fit()'s hook(s), which the trainer never calls: each step runs "
+      'Trainer.compute_loss(batch, *, training) for the loss and TrainStep.compute_gradients '
+      'for the gradients (docs/guides/custom-steps.md); move that logic there',
+      cls.__name__,
+      ', '.join(own),
+    )
 
 
 def check_metrics(metrics: object) -> None:
