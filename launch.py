@@ -244,12 +244,25 @@ def _config_path(argv) -> str | None:
   return None
 
 
+# Python's and absl's words for an override of the wrong type, and what they mean to a user.
+_WRONG_TYPE = (
+  (
+    r"\('Non-boolean argument to boolean flag', '([^']*)'\)",
+    'is not a boolean (True or False)',
+  ),
+  (r"invalid literal for int\(\) with base 10: '([^']*)'", 'is not an integer'),
+  (r"could not convert string to float: '([^']*)'", 'is not a number'),
+)
+
+
 def _flag_error(text: str) -> str:
   """absl's message, first line; for an exception inside get_config(), its last line too."""
   lines = [l.strip() for l in text.splitlines() if l.strip()]
   first = re.sub(r'^flags [^:]*: ', '', lines[0].removeprefix('flag '))
   if 'Error whilst parsing config file' in text and len(lines) > 1:
     return f'{first} {lines[-1]}'
+  for pattern, meaning in _WRONG_TYPE:
+    first = re.sub(pattern, lambda m: f'{m.group(1)!r} {meaning}', first)
   return first
 
 

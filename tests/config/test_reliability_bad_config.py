@@ -210,3 +210,22 @@ def test_launch_misspelled_key_in_config_file_and_int_beyond_int64(tmp_path):
     '--config.train.steps=99999999999999999999',
   )
   assert 'config.train.steps=99999999999999999999' in line and '64-bit' in line
+
+
+def test_launch_an_override_of_the_wrong_type_says_what_it_is_not(tmp_path):
+  """absl and Python's words were passed on as they came: "('Non-boolean argument to boolean
+  flag', 'yes')", "invalid literal for int() with base 10: 'abc'"."""
+  line = launch(tmp_path, '--config=configs/mnist.py', '--config.train.deterministic=yes')
+  assert line == "error: --config.train.deterministic=yes: 'yes' is not a boolean (True or False)"
+  import launch as launcher
+
+  for flag, words, said in (
+    ('train.steps=1.5', "invalid literal for int() with base 10: '1.5'", "'1.5' is not an integer"),
+    ('seed=x', "invalid literal for int() with base 10: 'x'", "'x' is not an integer"),
+    (
+      'optimizer.epsilon=1e-7,',
+      "could not convert string to float: '1e-7,'",
+      "'1e-7,' is not a number",
+    ),
+  ):
+    assert launcher._flag_error(f'flag --config.{flag}: {words}') == f'--config.{flag}: {said}'
