@@ -229,3 +229,16 @@ def test_launch_an_override_of_the_wrong_type_says_what_it_is_not(tmp_path):
     ),
   ):
     assert launcher._flag_error(f'flag --config.{flag}: {words}') == f'--config.{flag}: {said}'
+
+
+def test_launch_an_override_in_the_wrong_section_names_the_key():
+  """--config.train.learning_rate=0.1 and --config.train.lr=0.1 said 'see the keys in
+  configs/...', a file that may list none (built from config_lib.defaults())."""
+  import launch as launcher
+
+  known = list(config_lib.flatten(config_lib.defaults()))
+  for key in ('train.learning_rate', 'learning_rate', 'optimizer.lr', 'train.lr'):
+    assert launcher._same_leaf(key, known) == ['optimizer.learning_rate'], key
+  assert launcher._same_leaf('train.frobnicate', known) == []
+  assert launcher._same_leaf('steps', known) == ['train.steps']
+  assert launcher._same_leaf('metric', known) == []  # two sections hold one: no guess
