@@ -244,12 +244,25 @@ def _config_path(argv) -> str | None:
   return None
 
 
+# Python's and absl's words for an override of the wrong type, and what they mean to a user.
+_WRONG_TYPE = (
+  (
+    r"\('Non-boolean argument to boolean flag', '([^']*)'\)",
+    'is not a boolean (True or False)',
+  ),
+  (r"invalid literal for int\(\) with base 10: '([^']*)'", 'is not an integer'),
+  (r"could not convert string to float: '([^']*)'", 'is not a number'),
+)
+
+
 def _flag_error(text: str) -> str:
   """absl's message, first line; for an exception inside get_config(), its last line too."""
   lines = [l.strip() for l in text.splitlines() if l.strip()]
   first = re.sub(r'^flags [^:]*: ', '', lines[0].removeprefix('flag '))
   if 'Error whilst parsing config file' in text and len(lines) > 1:
     return f'{first} {lines[-1]}'
+  for pattern, meaning in _WRONG_TYPE:
+    first = re.sub(pattern, lambda m: f'{m.group(1)!r} {meaning}', first)
   return first
 
 
@@ -282,8 +295,12 @@ def _config_error(argv, path, e: Exception) -> str:
       (o for o, n in zip(overrides, names) if missing in n.split('.')), overrides[0]
     )
     key = culprit.split('=', 1)[0].removeprefix('--config.')
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-    hint = f'; did you mean {close[0]}?' if close else f'; see the keys in {path}'
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8) or _same_leaf(key, known)
+    hint = (
+      f'; did you mean {close[0]}?'
+      if close
+      else f'; see the keys in {path} (all of them: docs/reference/config.md)'
+    )
     return f'{culprit}: the config has no key {key}{hint}'
   culprit = overrides[0] if len(overrides) == 1 else f'--config={path}'
   return f'{culprit}: {type(e).__name__}: {e}'
@@ -298,6 +315,15 @@ def _returned_type(path: str) -> str | None:
     return type(config_lib.load_file(path.split(':', 1)[0])).__name__
   except Exception:  # only used to name the culprit better; the error is reported anyway
     return None
+
+
+def _same_leaf(key: str, known: list[str]) -> list[str]:
+  """The one known key with `key`'s last name in another section (train.learning_rate,
+  learning_rate: optimizer.learning_rate), PyTorch's and Keras's `lr` read as learning_rate."""
+  leaf = key.rsplit('.', 1)[-1]
+  leaf = {'lr': 'learning_rate'}.get(leaf, leaf)
+  same = [k for k in known if k.rsplit('.', 1)[-1] == leaf and k != key]
+  return same if len(same) == 1 else []
 
 
 def _config_keys(path: str) -> list[str]:

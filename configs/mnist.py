@@ -84,7 +84,7 @@ def get_config():
   config.numerics.forensics_first = 3  # the first skipped steps replayed to name the layer
   config.numerics.forensics_every = 100  # then every 100th skip; both 0 = off
   config.numerics.divergence_factor = 10.0  # warn when the loss passes 10x its running minimum
-  config.numerics.divergence_stop = False  # True: divergence also ends the run (exit status 2)
+  config.numerics.divergence_stop = False  # True: divergence also ends the run (exit status 3)
 
   config.early_stopping = ml_collections.ConfigDict()
   config.early_stopping.metric = ''  # eval metric to stop on (needs train.eval_every); '' = off

@@ -27,6 +27,7 @@ redefined by a subclass: that is a one-line UserError when the class is defined 
 
 from __future__ import annotations
 
+import functools
 import time
 
 from typing import Any
@@ -36,6 +37,7 @@ import ml_collections
 import tensorflow as tf
 
 from trainer.data.datasets import Datasets
+from trainer.errors import UserError
 from trainer.run import build
 from trainer.run.runner import Runner
 from trainer.step import optimizers
@@ -67,6 +69,8 @@ class Trainer:
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
     build.check_names(cls.__name__, vars(cls))  # a framework name redefined: one line, now
+    if '__init__' in vars(cls):  # a forgotten super().__init__: one line, not an AttributeError
+      setattr(cls, '__init__', _checked_init(vars(cls)['__init__']))
 
   def __init__(
     self,
@@ -172,3 +176,21 @@ class Trainer:
   def request_stop(self, reason: str) -> None:
     """Asks the outer loop to end after the current boundary (with a checkpoint)."""
     self.runner.request_stop(reason)
+
+
+def _checked_init(init):
+  """`init` (a subclass's __init__), then one UserError line when it returned without running
+  Trainer.__init__ (which builds everything and sets `runner` last): without it the first use
+  was an AttributeError deep in the launcher, twice chained."""
+
+  @functools.wraps(init)
+  def __init__(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    if 'runner' not in vars(self):
+      name = type(self).__name__
+      raise UserError(
+        f'{name}.__init__ did not call super().__init__(config, workdir): the trainer is not '
+        f'built; call it in {name}.__init__ (after setting what the hooks read)'
+      )
+
+  return __init__

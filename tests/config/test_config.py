@@ -17,6 +17,22 @@ def test_config_file_matches_schema():
   assert validated == flat
 
 
+def test_config_file_comments_state_the_schemas_exit_statuses():
+  """A comment in configs/mnist.py naming an exit status names the one the schema's description
+  (the config reference's) states: numerics.divergence_stop's said 2 (bad input) for a stop
+  that exits 3 (trainer.errors.DivergenceError)."""
+  import re
+
+  checked = 0
+  for line in open('configs/mnist.py'):
+    stated = re.search(r'config\.([\w.]+) = .*#.*exit status (\d)', line)
+    if stated:
+      key, status = stated.groups()
+      assert f'exit status {status}' in config_lib.SCHEMA[key].help, line
+      checked += 1
+  assert checked
+
+
 def test_missing_keys_are_filled():
   config = config_lib.defaults()
   del config.precision['hysteresis']

@@ -210,3 +210,35 @@ def test_launch_misspelled_key_in_config_file_and_int_beyond_int64(tmp_path):
     '--config.train.steps=99999999999999999999',
   )
   assert 'config.train.steps=99999999999999999999' in line and '64-bit' in line
+
+
+def test_launch_an_override_of_the_wrong_type_says_what_it_is_not(tmp_path):
+  """absl and Python's words were passed on as they came: "('Non-boolean argument to boolean
+  flag', 'yes')", "invalid literal for int() with base 10: 'abc'"."""
+  line = launch(tmp_path, '--config=configs/mnist.py', '--config.train.deterministic=yes')
+  assert line == "error: --config.train.deterministic=yes: 'yes' is not a boolean (True or False)"
+  import launch as launcher
+
+  for flag, words, said in (
+    ('train.steps=1.5', "invalid literal for int() with base 10: '1.5'", "'1.5' is not an integer"),
+    ('seed=x', "invalid literal for int() with base 10: 'x'", "'x' is not an integer"),
+    (
+      'optimizer.epsilon=1e-7,',
+      "could not convert string to float: '1e-7,'",
+      "'1e-7,' is not a number",
+    ),
+  ):
+    assert launcher._flag_error(f'flag --config.{flag}: {words}') == f'--config.{flag}: {said}'
+
+
+def test_launch_an_override_in_the_wrong_section_names_the_key():
+  """--config.train.learning_rate=0.1 and --config.train.lr=0.1 said 'see the keys in
+  configs/...', a file that may list none (built from config_lib.defaults())."""
+  import launch as launcher
+
+  known = list(config_lib.flatten(config_lib.defaults()))
+  for key in ('train.learning_rate', 'learning_rate', 'optimizer.lr', 'train.lr'):
+    assert launcher._same_leaf(key, known) == ['optimizer.learning_rate'], key
+  assert launcher._same_leaf('train.frobnicate', known) == []
+  assert launcher._same_leaf('steps', known) == ['train.steps']
+  assert launcher._same_leaf('metric', known) == []  # two sections hold one: no guess

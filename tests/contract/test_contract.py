@@ -17,7 +17,7 @@ from absl import logging
 from tensorflow.python.framework import config as tf_config  # op determinism: on, off, state
 
 from tiny import tiny_config
-from trainer import Datasets, Trainer
+from trainer import Datasets, Trainer, TrainStep
 from trainer.errors import ConfigError, UserError
 
 N = 256
@@ -282,6 +282,14 @@ class _DictModel(FashionTrainer):
     return keras.Model(inputs, {'logits': keras.layers.Dense(10)(keras.layers.Flatten()(inputs))})
 
 
+class _DictModelKerasLoss(_DictModel):
+  def compute_loss(self, batch, *, training):  # the README's: the Keras loss gets the dict first
+    images, labels = batch
+    logits = self.model(images, training=training)
+    loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    return loss, {}
+
+
 class _NoInputLayer(FashionTrainer):
   def build_model(self):  # no keras.Input: Keras cannot add the missing axis itself
     return keras.Sequential(
@@ -303,6 +311,11 @@ class _NoInputLayer(FashionTrainer):
       _DictModel,
       "a dict (keys 'logits') reached a TensorFlow op that takes a tensor: the model returns a "
       "dict; take the output the loss needs, e.g. self.model(x, training=training)['logits']",
+    ),
+    (  # the same, given straight to a Keras loss (an AttributeError on .shape, a traceback once)
+      _DictModelKerasLoss,
+      'a dict reached a TensorFlow op that takes a tensor: the model returns a dict; take the '
+      "output the loss needs, e.g. self.model(x, training=training)['logits']",
     ),
     (  # labels 1..10 for 10 classes
       _mapped(lambda x, y: (x, y + 1)),
@@ -423,3 +436,79 @@ def test_build_model_adapts_a_normalization_on_self_datasets(tmp_path):
   assert seen['mean'] == pytest.approx(float(x[: (N // 32) * 32].mean()), rel=1e-4)
   assert int(trainer.datasets.train.cardinality()) == tf.data.INFINITE_CARDINALITY
   trainer.train()
+
+
+def test_a_forgotten_super_init_is_one_line(tmp_path):
+  """A Trainer or TrainStep subclass whose __init__ never called super().__init__: an
+  AttributeError from deep inside the launcher ('no attribute runner', twice chained) or the
+  build ('no attribute global_step'), exit status 1; now one line naming the class."""
+
+  class NoSuper(FashionTrainer):
+    def __init__(self, config, workdir):
+      self.extra = 1
+
+  message = rejected(NoSuper, tmp_path)
+  assert message.startswith('NoSuper.__init__ did not call super().__init__(config, workdir)')
+
+  class NoSuperStep(TrainStep):
+    def __init__(self, trainer):
+      self.extra = 1
+
+  class WithStep(FashionTrainer):
+    def build_train_step(self):
+      return NoSuperStep(self)
+
+  message = rejected(WithStep, tmp_path)
+  assert message.startswith('NoSuperStep.__init__ did not call super().__init__(trainer)')
+
+  class Calls(FashionTrainer):  # one that calls it is built as before
+    def __init__(self, config, workdir):
+      self.extra = 1
+      super().__init__(config, workdir)
+
+  assert Calls(config(), str(tmp_path / 'calls')).extra == 1
+
+
+def test_a_keras_style_train_step_on_a_step_is_refused(tmp_path):
+  """Keras's Model.train_step written on a TrainStep ran never, without a word."""
+
+  class KerasStyle(TrainStep):
+    def train_step(self, batch):
+      return {}
+
+  class WithStep(FashionTrainer):
+    def build_train_step(self):
+      return KerasStyle(self)
+
+  message = rejected(WithStep, tmp_path)
+  assert message.startswith('KerasStyle.train_step is never called') and 'compute_gradients' in (
+    message
+  )
+
+
+def test_a_keras_fit_hook_on_the_model_is_a_warning(tmp_path, caplog):
+  """A keras.Model with its own train_step (Keras's custom fit) trained without it, silently."""
+
+  class FitNet(keras.Model):
+    def __init__(self, **kwargs):
+      super().__init__(**kwargs)
+      self.flat, self.dense = keras.layers.Flatten(), keras.layers.Dense(10, dtype='float32')
+
+    def call(self, x, training=False):
+      return self.dense(self.flat(x))
+
+    def train_step(self, data):
+      raise AssertionError('never called')
+
+  class WithFitNet(FashionTrainer):
+    def build_model(self):
+      return FitNet(name='fit_net')
+
+  with caplog.at_level('WARNING'):
+    WithFitNet(config(), str(tmp_path / 'w'))
+  said = [r.getMessage() for r in caplog.records if 'fit()' in r.getMessage()]
+  assert len(said) == 1 and said[0].startswith('FitNet overrides train_step, Keras fit()')
+  caplog.clear()
+  with caplog.at_level('WARNING'):
+    FashionTrainer(config(), str(tmp_path / 'plain'))  # a Sequential: no line
+  assert not [r for r in caplog.records if 'fit()' in r.getMessage()]

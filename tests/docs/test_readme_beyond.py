@@ -84,6 +84,18 @@ def test_gan_step_one_scale_skips_both_updates_together(package, tmp_path):
   assert outputs['loss'] == pytest.approx(outputs['d_loss'] + outputs['g_loss'], rel=1e-5)
 
 
+def test_gan_has_no_precision_hazard(package, tmp_path):
+  """The guide's GAN trains without a hazard line: its generator's Reshape took the mixed_float16
+  policy, so the model's output (the images) was float16 and the start of every run warned
+  'low-precision logits' about a model that has none."""
+  from trainer.insight import audit
+
+  gan = package('my_project.gan')
+  trainer = gan.GanTrainer(gan_config(), str(tmp_path / 'w'))
+  _, hazards = audit.audit(trainer.model, trainer.policy, audit.forward(trainer))
+  assert hazards == []
+
+
 def test_gan_resume_is_bit_identical(package, tmp_path):
   gan = package('my_project.gan')
   straight = gan.GanTrainer(gan_config(), str(tmp_path / 'straight'))

@@ -83,6 +83,9 @@ def test_with_recovery_the_run_finishes(tmp_path, caplog):
   assert len(recoveries) == 2, recoveries
   assert all('last healthy: ckpt-20, step 20' in r for r in recoveries)
   assert 'learning rate x1e-40' in recoveries[1]
+  # Each divergence is said once, in its recovery line (it was also a line of its own before).
+  said = [r.getMessage() for r in caplog.records if r.getMessage().startswith('divergence at ')]
+  assert not [d for d in said if any(d in r for r in recoveries)], said
   assert float(trainer.learning_rate.factor.numpy()) == pytest.approx(1e-40)  # the schedule's
   assert all(np.isfinite(w).all() for w in weights(trainer))
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('goodput ')]
@@ -101,6 +104,24 @@ def test_with_recovery_the_run_finishes(tmp_path, caplog):
   assert 'recovery/recoveries' in tags and 'goodput/train' in tags
   counts = [float(tf.make_ndarray(e.tensor_proto)) for e in events.Tensors('recovery/recoveries')]
   assert counts == [1.0, 2.0]
+
+
+def test_a_divergence_before_any_healthy_checkpoint_says_there_is_none(tmp_path, caplog):
+  """No healthy checkpoint yet (a fresh run broken from its first step): the line said 'no
+  recovery left (0 of config.train.recover_tries=3 done, ...)', as if the tries were used up."""
+  broken = {**BROKEN, 'train.recover_tries': 3}
+  del broken['train.accept_config_change']
+  trainer = TinyTrainer(tiny_config(**broken), str(tmp_path))
+  with caplog.at_level(logging.INFO), pytest.raises(CollapseError):
+    trainer.train()
+  said = [r.getMessage() for r in caplog.records if r.getMessage().startswith('divergence at ')]
+  assert said and all(
+    m.endswith(
+      '; no checkpoint to recover to (0 of config.train.recover_tries=3 done, no '
+      'healthy checkpoint yet)'
+    )
+    for m in said
+  ), said
 
 
 def test_recovery_gives_up_after_its_tries(tmp_path):

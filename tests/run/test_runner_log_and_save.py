@@ -96,6 +96,20 @@ def test_a_failing_final_eval_loses_no_trained_step(tmp_path):
   assert '(step 10)' in trainer.runner.on_disk()
 
 
+def test_a_non_chief_worker_names_the_chiefs_checkpoint(tmp_path):
+  """Under --workers=2 worker 1's last line named its own copy, /tmp/mpt-worker1-.../ckpt-20, in
+  a scratch folder that is removed: the same command resumes from the chief's."""
+  trainer = TinyTrainer(tiny_config(**{'train.steps': 10}), str(tmp_path / 'w'))
+  trainer.train()
+  workdir = trainer.runner.workdir
+  scratch = str(tmp_path / 'mpt-worker1-x')  # as a non-chief worker's Workdir._open sets it up
+  workdir.scratch = scratch
+  workdir._manager = tf.train.CheckpointManager(workdir.checkpoint, scratch, max_to_keep=1)
+  workdir._manager.save(checkpoint_number=10)
+  chiefs = os.path.join(str(tmp_path / 'w'), 'checkpoints', 'ckpt-10')
+  assert trainer.runner.on_disk().startswith(f'the newest checkpoint on disk is {chiefs} (step 10)')
+
+
 def test_what_the_final_eval_records_is_saved_with_the_last_step(tmp_path):
   """The save comes before the eval now; what the eval's actions record (best eval, evals
   without improvement) is saved again with the same step, so a longer run resumes with it."""

@@ -19,7 +19,12 @@ _ONE_HOT = re.compile(
   r'must have rank \(ndim\) `target\.ndim - 1`\. Received: target\.shape=(\([^)]*\)), '
   r'output\.shape=(\([^)]*\))'
 )
-_DICT = re.compile(r'with an unsupported type \(<class \'dict\'>\) to a Tensor')
+# A dict reaching a TensorFlow op, or a Keras loss that reads `.shape` first (the README's
+# keras.losses.sparse_categorical_crossentropy(labels, logits) on a dict output).
+_DICT = re.compile(
+  r"with an unsupported type \(<class 'dict'>\) to a Tensor|'dict' object has no attribute "
+  r"'(?:shape|dtype|ndim)'"
+)
 _LABEL = re.compile(
   r'Received a label value of (-?\d+) which is outside the valid range of \[0, (\d+)\)\.'
   r'\s+Label values: ([-\d ]+)'

@@ -151,7 +151,13 @@ def _build_update(trainer, c) -> None:
   trainer.optimizer = trainer.build_optimizer(
     optimizers.AtGlobalStep(trainer.learning_rate, trainer.global_step)
   )
-  trainer.train_step = trainer.build_train_step()
+  trainer.train_step = step = trainer.build_train_step()
+  if isinstance(step, TrainStep) and 'global_step' not in vars(step):
+    raise UserError(
+      f'{type(step).__name__}.__init__ did not call super().__init__(trainer): the step has '
+      'no model, optimizer, loss scaler or global step; call it in __init__ (after setting '
+      'what build_optimizers reads)'
+    )
   _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
   inject.install(trainer.train_step, c.debug)  # config.debug.inject_*: around the step
 

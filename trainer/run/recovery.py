@@ -57,7 +57,7 @@ class Recovery:
     line = None
     if 'loss' in logged:
       line = self.divergence.update(step, logged['loss'], rate)
-      if line is not None:
+      if line is not None and not self.tries:  # else recover() says it, once, with what it did
         logging.warning(line)
     self.health.observe(logged.get('loss'), diverged=line is not None)
     if line is None:
@@ -121,8 +121,9 @@ class Recovery:
   def _give_up(self, reason: str, record, failed: int, error: Exception | None) -> int:
     if error is None:
       logging.warning(
-        '%s; no recovery left (%d of config.train.recover_tries=%d done, %s)',
+        '%s; %s (%d of config.train.recover_tries=%d done, %s)',
         reason,
+        'no recovery left' if self.recoveries >= self.tries else 'no checkpoint to recover to',
         self.recoveries,
         self.tries,
         health.describe(record),

@@ -164,7 +164,7 @@ class Runner:
     '' before training opened the run folder."""
     if not self.training:
       return ''
-    newest = self.workdir.latest_checkpoint
+    newest = self.workdir.newest_for_resume
     at = int(newest.rsplit('-', 1)[-1]) if newest else 0
     redo = f', redoing {self.step - at} steps' if self.step > at else ''
     if newest is None:

@@ -257,6 +257,16 @@ class Workdir:
     """The newest checkpoint this run saved or resumed from (None before the workdir is open)."""
     return self._manager.latest_checkpoint if self._manager is not None else None
 
+  @property
+  def newest_for_resume(self) -> str | None:
+    """The newest checkpoint as the same command resumes from it: a non-chief worker's own copy
+    is in a scratch folder removed after each save, so it names the chief's, under the same name
+    (its path once said /tmp/mpt-worker1-.../ckpt-20, a folder gone by then)."""
+    newest = self.latest_checkpoint
+    if newest is not None and self.scratch:
+      return os.path.join(self.checkpoint_dir, os.path.basename(newest))
+    return newest
+
   def close(self) -> None:
     """Waits for a background checkpoint write, flushes the summaries and releases the lock
     (the lock is also released at exit)."""

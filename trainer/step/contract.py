@@ -125,6 +125,26 @@ def check_model(model: object) -> None:
       'evaluation and export would fail; give it a name that starts with a letter '
       "(in a subclass: super().__init__(name='net', **kwargs))"
     )
+  _warn_fit_hooks(model)
+
+
+# Keras fit()'s hooks on the model: the trainer's step never calls them (a Keras user's custom
+# train_step ran never, without a word, and the run trained on compute_loss alone).
+KERAS_FIT_HOOKS = ('train_step', 'test_step', 'compute_loss')
+
+
+def _warn_fit_hooks(model: keras.Model) -> None:
+  """One warning line naming the fit() hooks the model's class overrides."""
+  cls = type(model)
+  own = [n for n in KERAS_FIT_HOOKS if getattr(cls, n, None) is not getattr(keras.Model, n, None)]
+  if own:
+    logging.warning(
+      "%s overrides %s, Keras fit()'s hook(s), which the trainer never calls: each step runs "
+      'Trainer.compute_loss(batch, *, training) for the loss and TrainStep.compute_gradients '
+      'for the gradients (docs/guides/custom-steps.md); move that logic there',
+      cls.__name__,
+      ', '.join(own),
+    )
 
 
 def check_metrics(metrics: object) -> None:
@@ -373,8 +393,9 @@ def _warn_nonfinite_loss(loss: Any) -> None:
     )
 
 
-# Methods a step had and no longer calls: an override would never run (an EMA written in
-# `apply_gradients` once counted 0 updates over 60 applied steps, without a word).
+# Methods a step had and no longer calls, or never had under a name users expect: an override
+# would never run (an EMA written in `apply_gradients` once counted 0 updates over 60 applied
+# steps, without a word).
 RETIRED_STEP_METHODS = {
   'apply_gradients': 'each update group is applied by apply_group(index, grads), under its own '
   'finite flag: override apply_group (super().apply_group(index, grads) applies the update)',
@@ -384,6 +405,9 @@ RETIRED_STEP_METHODS = {
   'returns its outputs from step(iterator)',
   'train_loop': 'the compiled loop is trainer.step.loop.TrainLoop; override step(iterator) for '
   'what one step does',
+  # Never a TrainStep method: Keras's Model.train_step, the name a Keras user reaches for.
+  'train_step': 'the step is step(iterator), around compute_gradients(batch) on each replica: '
+  "override compute_gradients for your own forward and backward pass (Keras's train_step)",
 }
 
 
