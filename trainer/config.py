@@ -125,6 +125,13 @@ SCHEMA: dict[str, Key] = {
   'train.log_every': Key(int, 100, 'steps between log lines and summaries', _positive),
   'train.eval_every': Key(int, 0, 'steps between evals; 0 = only at the end', _non_negative),
   'train.checkpoint_every': Key(int, 1000, 'steps between checkpoints, and at the end', _positive),
+  'train.eval_max_batches': Key(
+    int,
+    0,
+    'an eval set of more batches is an error (before training when its length is known, '
+    'else when reached): a looping generator never ends an eval; 0 = no bound',
+    _non_negative,
+  ),
   'train.max_to_keep': Key(int, 3, 'checkpoints kept', _positive),
   'train.jit_compile': Key(
     str,

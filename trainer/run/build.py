@@ -95,7 +95,9 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   # may read self.datasets (e.g. Normalization.adapt): it sees them as build_datasets returned
   # them (checked), a finite train set one pass, not yet repeated for ever.
   trainer.datasets = trainer.build_datasets()
-  prepared, steps_per_epoch = epochs.prepare(trainer.datasets, c.train.batch_size)
+  prepared, steps_per_epoch = epochs.prepare(
+    trainer.datasets, c.train.batch_size, c.train.eval_max_batches
+  )
   epochs.check_length(prepared, steps_per_epoch, c)
   trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
   _check_against_the_run(c, trainer.total_steps, trainer.strategy.num_replicas_in_sync)

@@ -201,7 +201,12 @@ class Runner:
     `stop()` (asked between batches) ended it. A long pass logs its progress."""
     t = self.trainer
     dataset = t.strategy.experimental_distribute_dataset(t.datasets.eval)
-    return self.eval_loop.evaluate(dataset, stop=stop, batch_done=self._eval_progress(step))
+    return self.eval_loop.evaluate(
+      dataset,
+      stop=stop,
+      batch_done=self._eval_progress(step),
+      max_batches=int(self.config.train.eval_max_batches),
+    )
 
   def act(self, kind: str, step: int, metrics=None, checkpoint=None) -> None:
     """Calls every action with one Event."""
