@@ -26,7 +26,7 @@ from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.data import checks
 from trainer.nn import remat
-from trainer.step import contract, distribute, inject, optimizers, precision
+from trainer.step import contract, distribute, inject, optimizers, payoff, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 from trainer.step.train_step import TrainStep
 
@@ -156,6 +156,8 @@ def _build_update(trainer, c) -> None:
   trainer.train_step = trainer.build_train_step()
   _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
   inject.install(trainer.train_step, c.debug)  # config.debug.inject_*: around the step
+  for line in payoff.lines(c, payoff.parameters(trainer.model)):  # a memory option too costly
+    logging.warning(line)
 
 
 def _probe(trainer, batch) -> tuple:
