@@ -97,6 +97,16 @@ def _float8_recipe(v):
   return v
 
 
+def is_address(address: object) -> bool:
+  """'host:port' (an IPv6 host in brackets) with a port in [1, 65535] and no spaces: the one
+  check of a worker's address, for --cluster (trainer/run/cluster.py) and TF_CONFIG
+  (trainer/step/distribute.py)."""
+  if not isinstance(address, str) or any(c.isspace() for c in address):
+    return False
+  host, _, port = address.rpartition(':')
+  return bool(host.strip('[]')) and port.isdigit() and 0 < int(port) < 65536
+
+
 def _loss_scale(v):
   if v in LOSS_SCALES:
     return None
