@@ -27,6 +27,7 @@ def get_config():
   config.train.log_every = 100  # progress line and TensorBoard scalars, in steps
   config.train.eval_every = 0  # eval during training, in steps; 0 = only at the end
   config.train.checkpoint_every = 500  # in steps; also at the end
+  config.train.eval_max_batches = 0  # an eval set of more batches is an error; 0 = no bound
   config.train.max_to_keep = 3  # checkpoints kept
   config.train.jit_compile = 'auto'  # XLA for the per-replica step: auto = on for GPU/TPU
   config.train.intra_op_threads = 0  # TF's pool splitting one op; 0 = TF's choice

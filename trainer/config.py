@@ -97,6 +97,16 @@ def _float8_recipe(v):
   return v
 
 
+def is_address(address: object) -> bool:
+  """'host:port' (an IPv6 host in brackets) with a port in [1, 65535] and no spaces: the one
+  check of a worker's address, for --cluster (trainer/run/cluster.py) and TF_CONFIG
+  (trainer/step/distribute.py)."""
+  if not isinstance(address, str) or any(c.isspace() for c in address):
+    return False
+  host, _, port = address.rpartition(':')
+  return bool(host.strip('[]')) and port.isdigit() and 0 < int(port) < 65536
+
+
 def _loss_scale(v):
   if v in LOSS_SCALES:
     return None
@@ -125,6 +135,13 @@ SCHEMA: dict[str, Key] = {
   'train.log_every': Key(int, 100, 'steps between log lines and summaries', _positive),
   'train.eval_every': Key(int, 0, 'steps between evals; 0 = only at the end', _non_negative),
   'train.checkpoint_every': Key(int, 1000, 'steps between checkpoints, and at the end', _positive),
+  'train.eval_max_batches': Key(
+    int,
+    0,
+    'an eval set of more batches is an error (before training when its length is known, '
+    'else when reached): a looping generator never ends an eval; 0 = no bound',
+    _non_negative,
+  ),
   'train.max_to_keep': Key(int, 3, 'checkpoints kept', _positive),
   'train.jit_compile': Key(
     str,

@@ -103,6 +103,41 @@ def test_a_repeated_eval_set_is_one_line_before_training(tmp_path):
   assert '.repeat()' in message
 
 
+def test_an_eval_set_longer_than_the_bound_is_one_line_before_training(tmp_path):
+  """config.train.eval_max_batches: an eval set tf.data knows to be longer (16 batches of 32
+  here) is refused at the hook check, naming the key."""
+  message = rejected(TinyTrainer, tmp_path, **{'train.eval_max_batches': 10})
+  assert message.startswith('build_datasets returned a Datasets.eval of 16 batches, more than ')
+  assert 'config.train.eval_max_batches=10' in message
+  TinyTrainer(tiny_config(**{'train.eval_max_batches': 16}), str(tmp_path / 'ok'))  # its length
+
+
+def test_an_eval_set_of_unknown_length_past_the_bound_is_one_line_when_reached(tmp_path):
+  """A generator that loops has no known length: the eval stops at the batch past the bound,
+  in one line naming the key, after the trained steps were saved."""
+
+  class Looping(TinyTrainer):
+    def build_datasets(self):
+      datasets = super().build_datasets()
+      x, y = next(iter(datasets.eval))
+
+      def forever():
+        while True:
+          yield x.numpy(), y.numpy()
+
+      spec = datasets.eval.element_spec
+      looping = tf.data.Dataset.from_generator(forever, output_signature=spec)
+      return datasets._replace(eval=looping)
+
+  trainer = Looping(tiny_config(**{'train.steps': 5, 'train.eval_max_batches': 3}), str(tmp_path))
+  with pytest.raises(UserError) as info:
+    trainer.train()
+  message = str(info.value)
+  assert '\n' not in message
+  assert message.startswith('the eval set yielded more than config.train.eval_max_batches=3 ')
+  assert (tmp_path / 'checkpoints' / 'ckpt-5.index').exists()  # saved before the eval
+
+
 # ---- compute_loss ---------------------------------------------------------------------------
 def test_metrics_as_a_list(tmp_path):
   """It said 'compute_loss returned a tuple of 2', which is what the README asks for."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -129,6 +130,20 @@ def test_multi_worker_with_bad_tf_config(monkeypatch):
   monkeypatch.setenv('TF_CONFIG', '{"cluster": {"worker": ["127.0.0.1:1"]}}')  # no task
   with pytest.raises(UserError, match=r'TF_CONFIG is not valid.*"task"'):
     distribute.build(_config(**{'distribute.strategy': 'multi_worker'}))
+
+
+@pytest.mark.parametrize('address', ['my host:2222', 'host:0', ':2222', 'host'])
+def test_tf_config_addresses_follow_the_cluster_flag_rule(monkeypatch, address):
+  """One host:port rule (trainer.config.is_address) for TF_CONFIG and --cluster: an address
+  with a space passed TF_CONFIG's own copy of the check and was refused by --cluster's."""
+  from trainer.run import cluster
+
+  tf_config = json.dumps({'cluster': {'worker': [address]}, 'task': {'type': 'worker', 'index': 0}})
+  monkeypatch.setenv('TF_CONFIG', tf_config)
+  with pytest.raises(UserError, match='is not an address'):
+    distribute.build(_config(**{'distribute.strategy': 'multi_worker'}))
+  with pytest.raises(UserError, match='is not an address'):
+    cluster.parse(address)
 
 
 def test_default_strategy_is_one_replica_and_chief():

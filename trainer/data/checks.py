@@ -8,7 +8,7 @@ from __future__ import annotations
 import tensorflow as tf
 from absl import logging
 
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 
 
 def shape_text(shape) -> str:
@@ -24,9 +24,11 @@ def _spec_summary(spec) -> str:
   ) or str(spec)
 
 
-def check_datasets(datasets, batch_size: int | None = None) -> None:
+def check_datasets(datasets, batch_size: int | None = None, eval_max_batches: int = 0) -> None:
   """Structure checks on build_datasets()'s result, from element_specs (no data is read).
-  With `batch_size` (config.train.batch_size), the train batches' size is checked against it."""
+  With `batch_size` (config.train.batch_size), the train batches' size is checked against it;
+  with `eval_max_batches` (config.train.eval_max_batches > 0), an eval set tf.data knows to be
+  longer is refused."""
   fields = ('train', 'eval', 'train_examples')
   if not all(hasattr(datasets, f) for f in fields):
     raise UserError(
@@ -95,20 +97,29 @@ def check_datasets(datasets, batch_size: int | None = None) -> None:
           f'({_spec_summary(getattr(datasets, other).element_spec)}); add {batch} '
           f'to the {short} dataset'
         )
-  _check_eval_ends(datasets.eval)
+  _check_eval_ends(datasets.eval, eval_max_batches)
   if batch_size:
     _check_train_batch(datasets.train, batch_size)
 
 
-def _check_eval_ends(eval_set) -> None:
+def _check_eval_ends(eval_set, max_batches: int = 0) -> None:
   """An eval is one pass over Datasets.eval: a set tf.data knows to be infinite (a `.repeat()`)
-  would make every eval, the final one included, run for ever. A set of unknown length (a
-  filter, a generator) is trusted; a long eval prints its progress (Runner.evaluate)."""
-  if int(eval_set.cardinality()) == tf.data.INFINITE_CARDINALITY:
+  would make every eval, the final one included, run for ever; one known to be longer than
+  `max_batches` (> 0, config.train.eval_max_batches) is refused too. A set of unknown length (a
+  filter, a generator) is checked against that bound as it is read (EvalLoop.run); a long eval
+  prints its progress (Runner.evaluate)."""
+  cardinality = int(eval_set.cardinality())
+  if cardinality == tf.data.INFINITE_CARDINALITY:
     raise UserError(
       'build_datasets returned an infinite Datasets.eval (its cardinality is INFINITE: a '
       '.repeat()): an eval is one pass over it and would never end; drop the .repeat() '
       'from the eval dataset (only Datasets.train may repeat)'
+    )
+  if max_batches > 0 and cardinality > max_batches:
+    raise ConfigError(
+      f'build_datasets returned a Datasets.eval of {cardinality} batches, more than '
+      f'config.train.eval_max_batches={max_batches}: raise the bound (0 = none) or take fewer '
+      'eval batches (.take(n))'
     )
 
 

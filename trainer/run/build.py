@@ -26,7 +26,7 @@ from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.data import checks
 from trainer.nn import remat
-from trainer.step import contract, distribute, inject, optimizers, precision
+from trainer.step import contract, distribute, inject, optimizers, payoff, precision
 from trainer.step.loss_scale import LossScaler, state_variable
 from trainer.step.train_step import TrainStep
 
@@ -95,7 +95,9 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   # may read self.datasets (e.g. Normalization.adapt): it sees them as build_datasets returned
   # them (checked), a finite train set one pass, not yet repeated for ever.
   trainer.datasets = trainer.build_datasets()
-  prepared, steps_per_epoch = epochs.prepare(trainer.datasets, c.train.batch_size)
+  prepared, steps_per_epoch = epochs.prepare(
+    trainer.datasets, c.train.batch_size, c.train.eval_max_batches
+  )
   epochs.check_length(prepared, steps_per_epoch, c)
   trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
   _check_against_the_run(c, trainer.total_steps, trainer.strategy.num_replicas_in_sync)
@@ -160,6 +162,8 @@ def _build_update(trainer, c) -> None:
     )
   _check_grad_accum(trainer.train_step, c.train.grad_accum_steps)
   inject.install(trainer.train_step, c.debug)  # config.debug.inject_*: around the step
+  for line in payoff.lines(c, payoff.parameters(trainer.model)):  # a memory option too costly
+    logging.warning(line)
 
 
 def _probe(trainer, batch) -> tuple:

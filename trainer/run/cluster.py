@@ -29,6 +29,7 @@ import json
 import os
 import socket
 
+from trainer.config import is_address
 from trainer.errors import UserError
 
 RECORD = 'cluster.json'  # in the workdir: {"workers": N, "addresses": [...]}
@@ -48,14 +49,6 @@ def parse(text: str, flag: str = '--cluster') -> list[str]:
   if repeated:
     raise UserError(f'{flag}={text}: {repeated} is listed twice; each worker needs its own port')
   return addresses
-
-
-def is_address(address) -> bool:
-  """'host:port' (an IPv6 host in brackets) with a port in [1, 65535] and no spaces."""
-  if not isinstance(address, str) or any(c.isspace() for c in address):
-    return False
-  host, _, port = address.rpartition(':')
-  return bool(host.strip('[]')) and port.isdigit() and 0 < int(port) < 65536
 
 
 def is_usable(addresses: list[str], index: int) -> bool:

@@ -28,9 +28,9 @@ from trainer.data import checks
 from trainer.errors import ConfigError, DataError
 
 
-def prepare(datasets, batch_size: int):
+def prepare(datasets, batch_size: int, eval_max_batches: int = 0):
   """(datasets with an endless train, steps per epoch; 0 when unknown)."""
-  checks.check_datasets(datasets, batch_size)
+  checks.check_datasets(datasets, batch_size, eval_max_batches)
   cardinality = int(tf.data.experimental.cardinality(datasets.train))
   from_examples = int(datasets.train_examples or 0) // batch_size
   if cardinality == tf.data.experimental.INFINITE_CARDINALITY:

@@ -2,14 +2,16 @@
 
 At each progress line the policy asks the divergence rule (trainer/insight/divergence.py) about
 the logged loss and records the loss's health (trainer/run/health.py: what makes the next save
-the last healthy checkpoint). When the loss diverged, or the collapse guard stopped the compiled
-loop (CollapseError),
+the last healthy checkpoint). When the loss diverged, the collapse guard stopped the compiled
+loop (CollapseError), or the state is not finite (NonFiniteError: an applied update left a
+weight or an optimizer slot non-finite, trainer/step/state_check.py, or a save found one),
 
   * with `train.recover_tries` left, it restores the last healthy checkpoint and the run goes on
     from its step with the data after the failure, the learning rate multiplied by
     `train.recover_lr_factor` once more (the factor is a variable the schedule reads:
     trainer/step/optimizers.py's Recoverable, checkpointed as 'lr_factor');
-  * else a collapse raises as without recovery, and a divergence stops the run
+  * else a collapse or a non-finite state raises as without recovery (saying so when tries
+    were left but no checkpoint is healthy), and a divergence stops the run
     (DivergenceError) with `numerics.divergence_stop`, or is left to the collapse guard.
 """
 
@@ -19,7 +21,7 @@ from collections.abc import Callable
 
 from absl import logging
 
-from trainer.errors import CollapseError, DivergenceError
+from trainer.errors import DivergenceError, TrainingFailed
 from trainer.insight.divergence import DivergenceMonitor
 from trainer.run import checkpoints, health
 
@@ -76,9 +78,9 @@ class Recovery:
       )
     return step
 
-  def after_collapse(self, error: CollapseError) -> int:
-    """After the collapse guard stopped a compiled call: the restored step, or `error` raised
-    when no try is left."""
+  def after_collapse(self, error: TrainingFailed) -> int:
+    """After the collapse guard stopped a compiled call (CollapseError) or a non-finite state
+    (NonFiniteError): the restored step, or `error` raised when no try is left."""
     return self.recover(str(error), error=error)
 
   def recover(self, reason: str, error: Exception | None = None) -> int:
@@ -129,8 +131,13 @@ class Recovery:
         health.describe(record),
       )
       return failed
+    if self.recoveries < self.tries:  # tries left, but nothing healthy to go back to
+      raise type(error)(
+        f'{error} (config.train.recover_tries={self.tries}: no recovery, for no checkpoint of '
+        'this run is healthy)'
+      ) from None
     if self.recoveries:
-      raise CollapseError(
+      raise type(error)(
         f'{error} ({self.recoveries} recoveries of config.train.recover_tries={self.tries} done)'
       ) from None
     raise error

@@ -139,6 +139,19 @@ class Runner:
     self.saved_at = step
     return path
 
+  def save_or_recover(self, step: int) -> int | None:
+    """The save at a checkpoint step and its 'save' event; None when saved. A state that is not
+    finite (a NaN put in a weight between steps, a variable the per-step check does not read)
+    is a recovery trigger like a collapse: the restored step, or NonFiniteError when no try is
+    left (trainer/run/recovery.py)."""
+    try:
+      checkpoint = self.save()
+    except NonFiniteError as e:
+      self.step = self.recovery.after_collapse(e)
+      return self.step
+    self.act('save', step, checkpoint=checkpoint)
+    return None
+
   def check_finite_state(self) -> None:
     """Raises NonFiniteError when a variable of the checkpoint items (model, optimizer, loss
     scaler, counters, actions' state, a custom step's own plain tf.Variables) holds inf or NaN
@@ -188,7 +201,12 @@ class Runner:
     `stop()` (asked between batches) ended it. A long pass logs its progress."""
     t = self.trainer
     dataset = t.strategy.experimental_distribute_dataset(t.datasets.eval)
-    return self.eval_loop.evaluate(dataset, stop=stop, batch_done=self._eval_progress(step))
+    return self.eval_loop.evaluate(
+      dataset,
+      stop=stop,
+      batch_done=self._eval_progress(step),
+      max_batches=int(self.config.train.eval_max_batches),
+    )
 
   def act(self, kind: str, step: int, metrics=None, checkpoint=None) -> None:
     """Calls every action with one Event."""
@@ -211,7 +229,10 @@ class Runner:
         if not boundary:  # a recovery went back to the last healthy checkpoint's step
           continue
         if step % t.checkpoint_every == 0 or step == total or self.stop_reason is not None:
-          self.act('save', step, checkpoint=self.save())  # before the eval: nothing lost
+          restored = self.save_or_recover(step)  # before the eval: nothing lost
+          if restored is not None:  # the state was not finite: the last healthy checkpoint's
+            step = restored
+            continue
         if step == total or (t.eval_every and step % t.eval_every == 0):
           self.eval_at(watcher, step)
         self.maybe_preempt(watcher, step)
@@ -299,7 +320,7 @@ class Runner:
     beat = self._heartbeat(step, step + n)
     try:
       self.step = step = watcher.call(self.run_steps, iterator, n, on_wait=beat)  # Ctrl-C twice
-    except CollapseError as e:  # its steps ran (all skipped): train time, not start-up
+    except (CollapseError, NonFiniteError) as e:  # its steps ran: train time, not start-up
       ran = max(int(self.trainer.global_step.numpy()) - step, 1)
       self.clock.steps(time.perf_counter() - start, ran, start)
       self.step = self.recovery.after_collapse(e)  # or raises e: no recovery left
@@ -391,6 +412,7 @@ class Runner:
       counters = loop.run(iterator, num_steps)
       skipped = counters.skipped_steps
       step = counters.global_step
+      self.check_updated_state()  # NonFiniteError: an update left the state non-finite
       if counters.consecutive >= guard.max_consecutive_skips > 0:
         guard.check(
           step=step,
@@ -406,6 +428,17 @@ class Runner:
     if loop.forensics and skipped == stop_at:
       self.record_forensics(step - 1)  # the skip was the call's last step
     return step
+
+  def check_updated_state(self) -> None:
+    """After a compiled call: NonFiniteError when an applied update left the weights or the
+    optimizer's state non-finite (the loop stopped right after it: trainer/step/state_check.py);
+    the recovery policy takes it like a collapse."""
+    check = getattr(self.trainer.train_step, 'state_check', None)
+    if check is not None:
+      check.check(
+        checkpoint=self.workdir.latest_checkpoint,
+        healthy=health.describe(self.workdir.healthy_record()),
+      )
 
   def record_forensics(self, step: int) -> None:
     """Replays skipped step `step` eagerly, layer by layer, from the current weights (a skip

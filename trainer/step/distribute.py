@@ -211,7 +211,7 @@ def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
     )
   for kind, addresses in workers.items():
     for address in addresses if isinstance(addresses, list) else [addresses]:
-      if not _is_address(address):
+      if not config.is_address(address):
         raise UserError(
           f'TF_CONFIG: {address!r} in cluster.{kind} is not an address; each '
           'is a string "host:port" with a port in [1, 65535], such as '
@@ -219,14 +219,6 @@ def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
         )
   logging.info('multi_worker: cluster %s, this task %s:%s', workers, task_type, index)
   return tf.distribute.MultiWorkerMirroredStrategy()
-
-
-def _is_address(address: object) -> bool:
-  """'host:port' (an IPv6 host in brackets) with a port in [1, 65535]."""
-  if not isinstance(address, str):
-    return False
-  host, _, port = address.rpartition(':')
-  return bool(host.strip('[]')) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _tpu(tpu: str) -> tf.distribute.TPUStrategy:

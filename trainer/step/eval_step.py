@@ -10,6 +10,7 @@ import keras
 
 import tensorflow as tf
 
+from trainer.errors import ConfigError
 from trainer.step import user_code
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -63,13 +64,20 @@ class EvalLoop:
     totals = {k: totals[k] + self.strategy.reduce(SUM, sums[k], axis=None) for k in totals}
     return totals, count + self.strategy.reduce(SUM, n, axis=None)
 
-  def run(self, dataset, *, stop=None, batch_done=None):
+  def run(self, dataset, *, stop=None, batch_done=None, max_batches: int = 0):
     """One pass: ({name: mean over the examples}, the number of examples), as tensors; None
     when `stop()` ended it. One compiled call per batch, so that between batches
-    `batch_done(batches)` can report progress and `stop()` can end the pass early."""
+    `batch_done(batches)` can report progress and `stop()` can end the pass early. A batch past
+    `max_batches` (> 0: config.train.eval_max_batches) is a ConfigError, before it is added."""
     totals = {k: tf.constant(0.0) for k in self.metric_names}
     count = tf.constant(0.0)
     for batches, batch in enumerate(dataset, start=1):
+      if 0 < max_batches < batches:
+        raise ConfigError(
+          f'the eval set yielded more than config.train.eval_max_batches={max_batches} batches '
+          '(its length is unknown to tf.data: a generator or a filter; one that loops never '
+          'ends an eval): raise the bound (0 = none) or end the eval set'
+        )
       totals, count = self.add(batch, totals, count)
       if stop is not None and stop():
         return None
@@ -77,12 +85,14 @@ class EvalLoop:
         batch_done(batches)
     return {k: v / count for k, v in totals.items()}, count
 
-  def evaluate(self, dataset, *, stop=None, batch_done=None) -> dict[str, float] | None:
+  def evaluate(
+    self, dataset, *, stop=None, batch_done=None, max_batches: int = 0
+  ) -> dict[str, float] | None:
     """Host side: resets the stateful metrics, one pass (`run`), {'loss': ..., <metric>: ...};
     None when `stop()` ended the pass."""
     for metric in self.metrics.values():
       metric.reset_state()
-    done = self.run(dataset, stop=stop, batch_done=batch_done)
+    done = self.run(dataset, stop=stop, batch_done=batch_done, max_batches=max_batches)
     if done is None:
       return None
     results = {k: float(v) for k, v in done[0].items()}

@@ -116,6 +116,8 @@ class TrainLoop:
       self.output_names = sorted(outputs)
     sums += self._stacked(outputs)
     stop = tf.convert_to_tensor(self.step.guard.collapsed())  # the runner raises CollapseError
+    if hasattr(self.step, 'state_check'):  # an update left the state non-finite: NonFiniteError
+      stop = tf.logical_or(stop, self.step.state_check.stopped())
     if self.forensics:  # the runner replays the skipped step (trainer/insight/forensics.py)
       at_skip = self.forensic_stop()
       if not self._kept_on_skip:  # a custom step without apply_or_skip: keep it here

@@ -14,8 +14,10 @@ Variables a model keeps float32 under these modes (a layer with dtype='float32',
 logits, or config.precision.float32_layers) keep float32 weights and the plain update.
 
 `config.optimizer.state_bits=8` (Adam, AdamW; any master_weights): each moment is stored in
-rounding.py's 8-bit block codes (1 + 4/256 bytes per element, against 4): m signed, v unsigned
-with the finer code, since v is what the update divides by. The update dequantizes, computes in
+rounding.py's 8-bit block codes on the dynamic map (1 + 4/256 bytes per element, against 4): m
+signed, v unsigned with twice the bins, since v is what the update divides by. The code
+variables are named '..._dynamic_codes': a checkpoint of the earlier logarithmic code does not
+restore into them (a mismatch, not a misread). The update dequantizes, computes in
 float32 exactly as Keras's Adam, and requantizes.
 
 The managed variables are updated together, in compiled calls of up to CALL_ELEMENTS elements
@@ -269,7 +271,7 @@ class _LowPrecisionAdam(_LowPrecision):
         ):
           codes.append(
             self.add_variable(
-              (blocks(size) * BLOCK,), 'zeros', 'uint8', name=f'{name}_{kind}_codes'
+              (blocks(size) * BLOCK,), 'zeros', 'uint8', name=f'{name}_{kind}_dynamic_codes'
             )
           )
           scales.append(

@@ -9,19 +9,25 @@
                     update) is rounded to nearest for w, and what rounding dropped (s - w) is
                     kept in c.
   quantize /        8-bit block codes: one byte per element, in blocks of BLOCK elements with a
-  dequantize        float32 absmax per block. Logarithmic (dynamic) codes: constant relative
-                    precision over the range, as bitsandbytes' dynamic code (a linear code's
-                    step absmax/127 flushes every element below it to zero, and Adam's v spans
-                    many decades within a block):
-                      signed (m): a sign bit and 127 magnitudes 2^(-k/4) x absmax, plus zero;
-                      unsigned (v): 255 magnitudes 2^(-k/8) x absmax, plus zero; a non-zero
-                      value below the range rounds up to the smallest code, never to zero (a
-                      zero v would make Adam's update m / epsilon).
-                    Values round stochastically between their two neighbouring codes
-                    (probability by linear distance, at 16-bit resolution), so the expected
-                    dequantized value is the float32 value: with round-to-nearest, v's per-step
-                    change of (1 - beta_2) = 0.1 % is far below a code step and v would never
-                    decay.
+  dequantize        float32 absmax per block, on the dynamic map of Dettmers et al. ("8-bit
+                    Optimizers via Block-wise Quantization", 2022; bitsandbytes'
+                    create_dynamic_map, written here from its definition): an exponent picks a
+                    decade of the absmax (10^-7 to 1) and the remaining bits split that decade
+                    linearly, so the largest values of a block, which dominate its error, get
+                    the finest steps (a linear code's step absmax/127 flushes small values to
+                    zero; a purely logarithmic one, used before, had 19 % steps for m):
+                      signed (m): 7 decades of 2^i bins (127 magnitudes) each sign, 0 and 1;
+                        rounded to the nearest code, as bitsandbytes does;
+                      unsigned (v): 7 decades of 2^(i+1) bins (254 magnitudes), 0 and 1;
+                        rounded stochastically between its two neighbouring codes
+                        (probability by linear distance, at 16-bit resolution), so the
+                        expected value is the float32 value: v's per-step change of
+                        (1 - beta_2) = 0.1 % is below a code step, and with round-to-nearest
+                        v would never decay; a non-zero v below the range rounds up to the
+                        smallest code, never to zero (a zero v makes Adam's update m / eps).
+                    On Adam's moments after 30 MNIST MLP steps the block RMS error / absmax is
+                    0.0031 for m (the reference's, bit for bit) and 0.0020 for v (the
+                    reference's nearest rounding: 0.0014); tests/step/test_state_bits.py.
 
 Random bits: `random_bits` draws one unsigned integer per element with TF's stateless Philox
 kernel, 32 bits when one or two 16-bit chunks are needed, 64 bits for three or four;
@@ -38,21 +44,39 @@ import numpy as np
 import tensorflow as tf
 
 BLOCK = 256  # elements per quantization block
-M_LEVELS, V_LEVELS = 127, 255  # non-zero magnitudes of each code
-M_RATIO, V_RATIO = 4, 8  # magnitudes 2^(-k / ratio)
+DECADES = 7  # the dynamic map's exponents: magnitudes in [1e-7, 1) of the block's absmax, and 1
 
 
-def codebook(levels: int, ratio: int, signed: bool) -> np.ndarray:
-  """The float32 value of each byte (absmax 1): unsigned byte k < levels is 2^(-k/ratio), byte
-  `levels` is 0; signed: bit 7 is the sign of the unsigned 7-bit code."""
-  magnitudes = np.append(2.0 ** (-np.arange(levels) / ratio), 0.0).astype(np.float32)
+def _bins(signed: bool) -> list[int]:
+  """Linear bins per decade of the dynamic map, smallest decade first: the sign bit of m leaves
+  7 bits, so decade i holds 2^i bins (m) or 2^(i + 1) (v): 127 or 254 magnitudes in all."""
+  return [2 ** (i if signed else i + 1) for i in range(DECADES)]
+
+
+def magnitudes(signed: bool) -> np.ndarray:
+  """The dynamic map's magnitudes relative to the block's absmax, ascending: 0, then per decade
+  i (values 10^(i-7) to 10^(i-6)) the midpoints of its bins splitting [0.1, 1) x 10^(i-6)
+  evenly, then 1 (Dettmers et al., 8-bit Optimizers via Block-wise Quantization, 2022).
+  129 values for m, 256 for v."""
+  values = [0.0]
+  for i, n in enumerate(_bins(signed)):
+    edges = np.linspace(0.1, 1.0, n + 1)
+    values.extend((10.0 ** (i - DECADES + 1) * (edges[:-1] + edges[1:]) / 2).tolist())
+  return np.array(values + [1.0], np.float32)
+
+
+def codebook(signed: bool) -> np.ndarray:
+  """The float32 value of each byte (absmax 1). Unsigned (v): byte k is magnitude k. Signed (m):
+  bytes 0-128 are the magnitudes (0 to 1), byte 128 + k is -magnitude k for k = 1..127 (no -1:
+  a negative absmax element is stored as -0.993, the nearest)."""
+  mags = magnitudes(signed)
   if not signed:
-    return magnitudes
-  return np.concatenate([magnitudes, -magnitudes]).astype(np.float32)
+    return mags
+  return np.concatenate([mags, -mags[1:128]]).astype(np.float32)
 
 
-M_CODE = codebook(M_LEVELS, M_RATIO, signed=True)  # 256 values
-V_CODE = codebook(V_LEVELS, V_RATIO, signed=False)  # 256 values
+M_CODE = codebook(signed=True)  # 256 values
+V_CODE = codebook(signed=False)  # 256 values
 
 
 def random_bits(seed: tf.Tensor, size: int, chunks: int) -> tf.Tensor:
@@ -101,33 +125,47 @@ def blocks(size: int) -> int:
   return -(-size // BLOCK)
 
 
+def _upper_index(a: tf.Tensor, signed: bool) -> tf.Tensor:
+  """For magnitudes `a` in [0, 1]: the index in `magnitudes(signed)` of the smallest magnitude
+  >= a. The decade from log10, the position from the linear bins, then one correction step each
+  way for log10's rounding (XLA-friendly: no search)."""
+  table = tf.constant(magnitudes(signed))
+  bins = _bins(signed)
+  offsets = tf.constant(np.cumsum([1] + bins[:-1]), tf.float32)  # index of each decade's first
+  counts = tf.constant(bins, tf.float32)
+  decade = tf.floor(tf.math.log(tf.maximum(a, 1e-30)) / np.log(10.0)) + DECADES
+  i = tf.cast(tf.clip_by_value(decade, 0.0, DECADES - 1.0), tf.int32)
+  n, first = tf.gather(counts, i), tf.gather(offsets, i)
+  position = (a / 10.0 ** (tf.cast(i, tf.float32) - DECADES + 1) - 0.1) / 0.9 * n - 0.5
+  last = int(np.sum(bins)) + 1  # the index of 1.0
+  k = tf.cast(tf.clip_by_value(first + tf.math.ceil(position), 1.0, last), tf.int32)
+  k = tf.where(tf.gather(table, k) < a, tf.minimum(k + 1, last), k)
+  k = tf.where(tf.gather(table, tf.maximum(k - 1, 0)) >= a, tf.maximum(k - 1, 0), k)
+  return tf.where(a > 0, k, 0)
+
+
 def quantize(x: tf.Tensor, noise16: tf.Tensor, signed: bool) -> tuple[tf.Tensor, tf.Tensor]:
-  """float32 tensor -> (uint8 codes [blocks * BLOCK], float32 absmax [blocks]), rounded
-  stochastically between neighbouring codes (unbiased) with `noise16` ([blocks * BLOCK] int32
-  in [0, 2^16)). Unsigned: x >= 0, and a non-zero value below the smallest code rounds up to
-  it."""
-  levels, ratio = (M_LEVELS, M_RATIO) if signed else (V_LEVELS, V_RATIO)
-  table = tf.constant(codebook(levels, ratio, signed=False))  # magnitudes, then 0
+  """float32 tensor -> (uint8 codes [blocks * BLOCK], float32 absmax [blocks]) on the dynamic
+  map. Signed (m): to the nearest code, as bitsandbytes does. Unsigned (v, x >= 0): stochastic
+  rounding between the two neighbouring codes with `noise16` ([blocks * BLOCK] int32 in
+  [0, 2^16)), unbiased, and a non-zero value below the smallest code rounds up to it."""
+  table = tf.constant(magnitudes(signed))
   flat = tf.reshape(tf.cast(x, tf.float32), [-1])
   n = int(np.prod(x.shape))
   flat = tf.reshape(tf.pad(flat, [[0, blocks(n) * BLOCK - n]]), [blocks(n), BLOCK])
   absmax = tf.reduce_max(tf.abs(flat), axis=1)
-  r = tf.math.divide_no_nan(tf.abs(flat), absmax[:, None])  # in [0, 1]
-  # The code above r (larger magnitude): k = floor(-ratio * log2 r), clipped to the range.
-  t = -ratio * tf.math.log(tf.maximum(r, 1e-38)) / np.log(2.0)
-  k = tf.cast(tf.clip_by_value(tf.floor(t), 0.0, levels - 1.0), tf.int32)
-  upper = tf.gather(table, k)
-  k = tf.where(upper < r, tf.maximum(k - 1, 0), k)  # log's rounding: keep upper >= r
-  upper = tf.gather(table, k)
-  lower = tf.gather(table, k + 1)  # the next smaller magnitude; k + 1 = levels is zero
-  p_lower = tf.clip_by_value(tf.math.divide_no_nan(upper - r, upper - lower), 0.0, 1.0)
-  if not signed:  # below the range: round up, never to zero
-    p_lower = tf.where(k + 1 == levels, 0.0, p_lower)
-  u = (tf.cast(tf.reshape(noise16, tf.shape(r)), tf.float32) + 0.5) * 2.0**-16  # in (0, 1)
-  code = tf.where(u < p_lower, k + 1, k)
-  code = tf.where(r == 0.0, levels, code)
+  a = tf.minimum(tf.math.divide_no_nan(tf.abs(flat), absmax[:, None]), 1.0)  # in [0, 1]
+  k = _upper_index(a, signed)
+  upper, lower = tf.gather(table, k), tf.gather(table, tf.maximum(k - 1, 0))
   if signed:
-    code = code + tf.where(flat < 0, 128, 0)
+    code = tf.where(a - lower < upper - a, tf.maximum(k - 1, 0), k)
+    code = tf.where(flat < 0, tf.minimum(code, 127), code)  # -1 is not a code: -0.993
+    code = tf.where((flat < 0) & (code > 0), code + 128, code)
+  else:
+    p_lower = tf.clip_by_value(tf.math.divide_no_nan(upper - a, upper - lower), 0.0, 1.0)
+    p_lower = tf.where(k == 1, 0.0, p_lower)  # below the range: round up, never to zero
+    u = (tf.cast(tf.reshape(noise16, tf.shape(a)), tf.float32) + 0.5) * 2.0**-16  # in (0, 1)
+    code = tf.where(u < p_lower, k - 1, k)
   return tf.cast(tf.reshape(code, [-1]), tf.uint8), absmax
 
 

@@ -72,6 +72,7 @@ from trainer.step import user_code
 from trainer.step.forward_state import forward_state
 from trainer.step.loss_scale import overwritten, state_variable, update_scalers
 from trainer.step.skip_guard import SkipGuard
+from trainer.step.state_check import StateCheck
 
 SUM = shared.SUM
 
@@ -142,6 +143,7 @@ class TrainStep:
       groups=[(name, len(g.variables)) for name, g in zip(group_names(groups), groups)],
     )
     self._forward_state = forward_state(self.model)
+    self.state_check = StateCheck()  # the state an applied update wrote is finite
     # Callables traced into the skip branch only (no cost on a finite step): the compiled loop
     # adds forensics' batch keeping here (trainer/step/loop.py).
     self.on_skip: list[Callable[[], Any]] = []
@@ -268,6 +270,7 @@ class TrainStep:
           apply(index, parts[index])
 
       self.strategy.run(replica, args=(grads,))
+      self.state_check.after_apply([self.groups[i] for i in indices], self.global_step)
 
     def on_skip() -> None:
       for variable, value in zip(self._forward_state, saved_state or []):
