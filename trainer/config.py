@@ -298,8 +298,8 @@ SCHEMA: dict[str, Key] = {
     str,
     '',
     'comma-separated layer names computed in float32 '
-    "under a mixed policy (and the layers inside them); '' = "
-    'none (launch.py --advise suggests a value)',
+    "under a mixed policy (and the layers inside them), left out of precision.float8's "
+    "current-scaling recipes under any policy; '' = none (launch.py --advise suggests a value)",
   ),
   'precision.master_weights': Key(
     str,

@@ -347,6 +347,42 @@ def test_probe_measures_the_quantized_outputs(tmp_path, recipe):
 
 
 @pytest.mark.parametrize('recipe', CURRENT)
+def test_float32_layers_are_left_out_under_a_float32_policy_too(tmp_path, recipe):
+  """A float32-compute run quantizes the layers its mixed_bfloat16 twin quantizes: the logits
+  named in precision.float32_layers stay out (mxfp8 would refuse their N = 4)."""
+  trainer = tiny(
+    tmp_path, recipe, **{'precision.policy': 'float32', 'precision.float32_layers': 'logits'}
+  )
+  recipes = {layer.name: getattr(layer, 'float8_recipe', None) for layer in trainer.model.layers}
+  assert recipes == {'d1': recipe, 'e1': recipe, 'logits': None}
+
+
+@pytest.mark.parametrize('recipe', CURRENT)
+def test_probe_compares_a_float8_layer_with_float32_under_a_float32_policy(tmp_path, recipe):
+  """Under float32 compute the probe still runs its float32 reference for a float8 layer (the
+  same layer without float8): feature 0 a million times the others, one tensorwise scale flushes
+  the others' x to zero, so d1's kernel gradient is zero where float32's is not: flushed, not
+  'zero in float32 too'. Per-row and per-block scales keep them."""
+  trainer = tiny(
+    tmp_path, recipe, **{'precision.policy': 'float32', 'precision.float32_layers': 'logits'}
+  )
+  x, y = next(iter(trainer.datasets.eval))
+  x = x.numpy()
+  x[:, 0] = 1e6
+  from trainer.insight.numerics import Probe
+
+  probe = Probe(trainer)
+  assert probe.needs_reference
+  stats, overall = probe.measure((tf.constant(x), y))
+  d1 = stats[trainer.model.get_layer('d1').path]
+  if recipe == 'tensorwise':
+    assert d1['grad_flushed'] > 0.2 and overall['grad_flushed'] > 0  # ReLU: some are zero too
+  else:
+    assert d1['grad_flushed'] < 0.01
+  assert 'call' in trainer.model.get_layer('d1').__dict__  # the reference put float8 back
+
+
+@pytest.mark.parametrize('recipe', CURRENT)
 def test_replay_names_the_float8_layer_that_overflows(tmp_path, recipe):
   """The culprit's float8 GEMM (dequantized products summed in float32) overflows: 64 x ~3e31
   x 1e30 > float32's 3.4e38. Its inputs come from a float8 layer that stays finite."""

@@ -127,6 +127,33 @@ def test_a_longer_run_under_a_cosine_schedule_says_the_rate_follows_the_new_curv
   assert 'the cosine learning-rate schedule now spans the new run length' in caplog.text
 
 
+def test_an_older_spelling_of_float8_is_no_change(run, caplog):
+  """A record from before the float8 recipes says precision.float8=false: resuming it as 'none'
+  (and reading it) changes nothing, so no error, no warning and no new record."""
+  workdir, _ = run
+  record = json.loads((workdir / 'config.json').read_text())
+  assert record['precision']['float8'] == 'none'
+  record['precision']['float8'] = False
+  (workdir / 'config.json').write_text(json.dumps(record))
+  caplog.clear()
+  train(workdir, **{'train.steps': 10})
+  TinyTrainer(tiny_config(**{'train.steps': 10}), str(workdir)).runner.workdir.restore_read_only()
+  assert 'changed config' not in caplog.text and 'another config' not in caplog.text
+  assert not list(workdir.glob('config-step-*.json'))
+
+
+@pytest.mark.parametrize(
+  'old, new, changed',
+  [(False, 'none', []), (True, 'delayed', []), ('false', 'none', []), (True, 'none', ['f8'])],
+)
+def test_changed_keys_compares_float8_as_validation_spells_it(old, new, changed):
+  from trainer.run.config_record import changed_keys
+
+  record = lambda v: {'precision': {'float8': v, 'policy': 'float32'}}
+  keys = changed_keys(record(old), record(new))
+  assert keys == [k.replace('f8', 'precision.float8') for k in changed]
+
+
 def test_changed_config_is_an_error_naming_the_keys_and_writes_nothing(run):
   workdir, _ = run
   before = snapshot(workdir)

@@ -12,6 +12,10 @@ import keras
 import tensorflow as tf
 
 
+# The instance attributes through which a precision.float8 recipe computes a layer's GEMMs.
+FLOAT8_ATTRIBUTES = ('call', 'float8_matmul')
+
+
 def is_float(t) -> bool:
   return isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.is_floating
 
@@ -112,9 +116,19 @@ def recording(model, tape, include_self=False):
 @contextlib.contextmanager
 def float32(layer):
   """The layer and every layer inside it compute in float32, whatever their variables' dtype
-  (float32 under a mixed policy; bfloat16 with precision.master_weights bfloat16_*)."""
+  (float32 under a mixed policy; bfloat16 with precision.master_weights bfloat16_*), and without
+  float8: Keras's float8 layers lose their quantized policy with the float32 one, a
+  precision.float8 recipe's layers their float8 `call` or `float8_matmul` (instance attributes,
+  trainer/nn/float8_layers.py), put back on exit."""
   layers = sublayers(layer, include_self=True)
   saved = [l._dtype_policy for l in layers]  # pylint: disable=protected-access
+  float8 = [
+    (l, name, l.__dict__.pop(name))
+    for l in layers
+    if getattr(l, 'float8_recipe', None)
+    for name in FLOAT8_ATTRIBUTES
+    if name in l.__dict__
+  ]
   for l in layers:
     l._dtype_policy = _float32_compute(l)  # pylint: disable=protected-access
   try:
@@ -122,6 +136,8 @@ def float32(layer):
   finally:
     for l, policy in zip(layers, saved):
       l._dtype_policy = policy  # pylint: disable=protected-access
+    for l, name, value in float8:
+      object.__setattr__(l, name, value)
 
 
 def _float32_compute(layer) -> keras.DTypePolicy:

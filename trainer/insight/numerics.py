@@ -17,7 +17,10 @@ gradient element it then counts:
   flushed    zero in the compute dtype, non-zero in float32 and, at this loss scale, below the
              compute dtype's smallest normal number: lost to the dtype's range (directly, or
              because a gradient upstream of it flushed). A zero of another cause (a ReLU whose
-             input rounded across 0, a sum that cancelled) is not range and not counted;
+             input rounded across 0, a sum that cancelled) is not range and not counted. A
+             precision.float8 recipe's layer (under any policy, float32 too) is measured
+             against itself without float8, and its range moves with its scales: every zero
+             of its gradients or outputs that is non-zero in float32 counts as flushed;
   subnormal  non-zero but below the compute dtype's smallest normal number (float16: 6.1e-5),
              at this scale: kept with fewer significant bits;
   zero       zero in float32 too (dead ReLU units, border pixels): context, not underflow;
@@ -117,17 +120,27 @@ FRACTIONS = {
 }
 
 
-def gradient_counts(target, reference, tiny: float, scale) -> tf.Tensor:
+def is_float8(layer) -> bool:
+  """Whether `layer` computes through a precision.float8 current-scaling recipe (its float32
+  reference is the same layer without float8: hooks.float32)."""
+  return bool(getattr(layer, 'float8_recipe', None))
+
+
+def gradient_counts(target, reference, tiny: float, scale, float8: bool = False) -> tf.Tensor:
   """[6] float32 for one gradient: the largest finite |target| / scale, then the counts of
   flushed, subnormal, zero and non-finite elements and the element count (module docstring).
   `target`: the gradient as computed in the compute dtype at loss scale `scale` (still scaled);
-  `reference`: the same gradient computed in float32, unscaled."""
+  `reference`: the same gradient computed in float32, unscaled. `float8`: a precision.float8
+  recipe's layer, whose range moves with its scales: every zero that is non-zero in float32 is
+  flushed."""
   magnitude = tf.abs(tf.cast(target, tf.float32))
   finite = tf.math.is_finite(magnitude)
   reference = tf.abs(tf.cast(reference, tf.float32))
   zero32 = tf.equal(reference, 0.0)
   zero = tf.equal(magnitude, 0.0)
   in_range = reference * scale >= tiny  # a zero there is rounding, not range
+  if float8:
+    in_range = tf.zeros_like(zero)
 
   def count(mask):
     return tf.reduce_sum(tf.cast(mask, tf.float32))
@@ -148,8 +161,10 @@ def output_counts(layer, values, reference) -> tf.Tensor:
   """[4] float32 for one layer's forward outputs `values` (compute dtype): the largest |output|,
   the counts of flushed and subnormal elements (as for gradients, against the float32 pass's
   outputs `reference`, None without one) and the element count. Outputs of another shape than
-  the reference's (a layer whose float32 call differs) get no flushed count."""
+  the reference's (a layer whose float32 call differs) get no flushed count. A precision.float8
+  recipe's layer: every zero that is non-zero in float32 is flushed (gradient_counts)."""
   tiny = smallest_normal(layer.compute_dtype)
+  floor = math.inf if is_float8(layer) else tiny
   largest_out, flushed, subnormal, count = [], [], [], []
   reference = reference if reference is not None else [None] * len(values)
   for o, r in zip(values, reference):
@@ -161,7 +176,7 @@ def output_counts(layer, values, reference) -> tf.Tensor:
       flushed.append(tf.constant(0.0))
       continue
     r = tf.abs(tf.cast(r, tf.float32))
-    lost = tf.logical_and(tf.equal(o, 0.0), tf.logical_and(r > 0, r < tiny))
+    lost = tf.logical_and(tf.equal(o, 0.0), tf.logical_and(r > 0, r < floor))
     flushed.append(tf.reduce_sum(tf.cast(lost, tf.float32)))
   return tf.stack(
     [tf.reduce_max(tf.stack(largest_out)), tf.add_n(flushed), tf.add_n(subnormal), tf.add_n(count)]
@@ -196,7 +211,7 @@ class Probe:
       {layer.compute_dtype for layer in self.layers if layer.compute_dtype != 'float32'}
     )
     self.needs_reference = bool(self.low_precision) or any(
-      getattr(layer, 'quantization_mode', None) for layer in self.layers
+      getattr(layer, 'quantization_mode', None) or is_float8(layer) for layer in self.layers
     )
     # Eager for the first measurements, compiled once eager has cost about one compilation
     # (trainer/step/eager_then_compiled.py); autograph=False: trainer/step/user_code.py.
@@ -248,7 +263,7 @@ class Probe:
       g = tf.convert_to_tensor(g)
       r = tf.zeros_like(g) if r is None else tf.convert_to_tensor(r)
       tiny = smallest_normal(layer.compute_dtype if layer is not None else tf.float32)
-      rows.append(gradient_counts(g, r, tiny, scale))
+      rows.append(gradient_counts(g, r, tiny, scale, is_float8(layer)))
     return tf.stack(rows), {
       name: output_counts(layer, values, outputs32.get(name, (None, None))[1])
       for name, (layer, values) in outputs.items()

@@ -6,7 +6,9 @@ Each such layer gets an instance attribute `call` (Dense, EinsumDense) or `float
 projections) computing its GEMMs in float8; its variables are not touched, so checkpoints and the
 hooks of the numerics tools (trainer/insight/hooks.py, which wrap an instance's `call`) see the
 same model. Left out: layers computing in float32 under a 16-bit policy (the float32 logits,
-`precision.float32_layers`). `layer.float8_recipe` names the recipe on every quantized layer.
+`precision.float32_layers`) and, under any policy, the layers `precision.float32_layers` names
+(so a float32-compute run quantizes the same layers as its mixed_bfloat16 twin).
+`layer.float8_recipe` names the recipe on every quantized layer.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from trainer.nn import float8_gemm, float8_quant
 KEY = 'config.precision.float8'
 
 
-def apply(model, name: str, policy: str) -> list[str]:
+def apply(model, name: str, policy: str, leave_out: tuple[str, ...] = ()) -> list[str]:
   """Quantizes `model`'s layers with recipe `name` under the global `policy` (a resolved policy
-  name); the quantized layers' paths. ConfigError for a recipe that forbids the policy's float16
+  name), except those named in `leave_out` (precision.float32_layers) and the layers nested in
+  them; the quantized layers' paths. ConfigError for a recipe that forbids the policy's float16
   compute, or an mxfp8 layer whose contraction axes do not divide into 32-element blocks."""
   recipe = float8_gemm.RECIPES[name]
   if policy == 'mixed_float16' and not recipe.float16:
@@ -37,7 +40,7 @@ def apply(model, name: str, policy: str) -> list[str]:
   done = []
   # pylint: disable-next=protected-access
   for layer in model._flatten_layers(include_self=False):
-    if sixteen and layer.compute_dtype == 'float32':
+    if (sixteen and layer.compute_dtype == 'float32') or _named(layer, leave_out):
       continue  # a float32 layer stays float32
     if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
       _check_blocks(layer, recipe, [layer.kernel])
@@ -52,6 +55,14 @@ def apply(model, name: str, policy: str) -> list[str]:
     object.__setattr__(layer, 'float8_recipe', name)
     done.append(layer.path)
   return done
+
+
+def _named(layer, names: tuple[str, ...]) -> bool:
+  """Whether `layer` or a layer it is nested in is one of `names` (a name, or a path as the
+  numerics line prints it): the match precision.float32_layers makes."""
+  parts = (getattr(layer, 'path', None) or layer.name).split('/')
+  paths = {'/'.join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)}
+  return layer.name in names or any(n in paths for n in names)
 
 
 def _check_blocks(layer, recipe, kernels) -> None:

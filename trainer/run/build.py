@@ -123,7 +123,9 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     if type(trainer).build_train_step is base.build_train_step:  # a custom step may differ
       contract.check_gradient(batch, trainer.compute_loss, trainer.model)
     # After the probe: quantizing needs a built model.
-    precision.apply_float8(trainer.model, c.precision.float8, trainer.policy)
+    precision.apply_float8(
+      trainer.model, c.precision.float8, trainer.policy, c.precision.float32_layers
+    )
     _build_update(trainer, c)
   return batch
 

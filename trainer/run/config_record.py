@@ -92,14 +92,24 @@ def read_config(path: str) -> dict | None:
 
 def changed_keys(saved: dict, current: dict) -> list[str]:
   """Keys whose values differ; a key the record lacks counts as unchanged when the current value
-  is the schema's default (the record was written before that key existed)."""
+  is the schema's default (the record was written before that key existed), and an older
+  spelling of the same value is no change (Key.coerce: a record's precision.float8=False is
+  'none', True is 'delayed')."""
   a, b = config_lib.flatten(saved), config_lib.flatten(current)
   changed = []
   for key in config_lib.diff(saved, current):
     if key not in a and key in config_lib.SCHEMA and b.get(key) == config_lib.SCHEMA[key].default:
       continue
+    if key in a and key in b and _spelled(key, a[key]) == _spelled(key, b[key]):
+      continue
     changed.append(key)
   return changed
+
+
+def _spelled(key: str, value):
+  """`value` as config validation spells it (a key outside the schema: as it is)."""
+  coerce = config_lib.SCHEMA[key].coerce if key in config_lib.SCHEMA else None
+  return coerce(value) if coerce is not None else value
 
 
 def describe_change(saved: dict, config, keys: list[str], head: str) -> str:

@@ -79,14 +79,15 @@ def apply(name: str) -> str:
   return policy
 
 
-def apply_float8(model: keras.Model, recipe: str, policy: str) -> None:
+def apply_float8(model: keras.Model, recipe: str, policy: str, float32_layers: str = '') -> None:
   """config.precision.float8 on a built model under the resolved `policy`: 'none' leaves it,
   'delayed' is Keras's (quantize_float8), the others are current-scaling recipes applied to the
-  layers that do not compute in float32 (trainer/nn/float8_layers.py)."""
+  layers that do not compute in float32 and are not named in `float32_layers` (the value of
+  precision.float32_layers; trainer/nn/float8_layers.py)."""
   if recipe == 'delayed':
     quantize_float8(model)
   elif recipe != 'none':
-    layers = float8_layers.apply(model, recipe, policy)
+    layers = float8_layers.apply(model, recipe, policy, parse_layer_names(float32_layers))
     logging.info('float8 %s: %d layers (%s)', recipe, len(layers), ', '.join(layers))
 
 
