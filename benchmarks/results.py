@@ -118,14 +118,15 @@ def machine() -> dict:
   }
 
 
-def commit() -> str:
+def commit(root: str = ROOT) -> str:
   """The checked-out commit, and whether files other than the results pages differ from it."""
-  git = lambda *a: subprocess.run(
-    ['git', *a], cwd=ROOT, capture_output=True, text=True, check=False
-  ).stdout.strip()
-  head = git('rev-parse', '--short', 'HEAD')
+  git = lambda *a: (
+    subprocess.run(['git', *a], cwd=root, capture_output=True, text=True, check=False).stdout
+  )
+  head = git('rev-parse', '--short', 'HEAD').strip()
   if not head:
     return 'unknown (not a git checkout)'
+  # Not stripped: a porcelain line is 'XY path', and X is a space for a change not staged.
   changed = [
     line
     for line in git('status', '--porcelain', '--untracked-files=no').splitlines()

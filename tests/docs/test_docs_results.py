@@ -180,3 +180,19 @@ def test_the_peer_benchmarks_report_writes_their_page(tmp_path, monkeypatch):
   assert (tmp_path / 'out' / 'peer.md').read_text() == table + '\n'
   page = (tmp_path / 'pages' / 'peer_torch.md').read_text()
   assert page.startswith('# Results: peer_torch\n') and table in page and '| load |' in page
+
+
+def test_the_commit_line_counts_changed_files_but_not_results_pages(tmp_path):
+  run = lambda *a: subprocess.run(['git', *a], cwd=tmp_path, check=True, capture_output=True)
+  run('init', '-q')
+  (tmp_path / 'docs' / 'results').mkdir(parents=True)
+  (tmp_path / 'docs' / 'results' / 'x.md').write_text('a\n')
+  (tmp_path / 'code.py').write_text('a\n')
+  run('add', '.')
+  run('-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-qm', 'init')
+  assert not results.commit(str(tmp_path)).endswith('committed')
+  # An unstaged change to a results page alone: its porcelain line starts with a space.
+  (tmp_path / 'docs' / 'results' / 'x.md').write_text('b\n')
+  assert 'not committed' not in results.commit(str(tmp_path))
+  (tmp_path / 'code.py').write_text('b\n')
+  assert results.commit(str(tmp_path)).endswith('with 1 changed file(s) not committed')
