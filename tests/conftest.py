@@ -13,6 +13,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+from tensorflow.python.framework import config as tf_config  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -25,12 +26,25 @@ from tiny import TinyTrainer, tiny_config  # noqa: E402
 
 DATA = os.path.join(ROOT, '..', 'shared', 'data')
 MNIST_DIR = os.path.join(DATA, 'mnist')
+# TensorFlow's switch has no public getter or off (tf.config.experimental has only the enable).
+_OP_DETERMINISM = tf_config.is_op_determinism_enabled()
 
 
 @pytest.fixture(autouse=True)
 def _reset_policy():
   yield
   keras.mixed_precision.set_global_policy('float32')
+
+
+@pytest.fixture(autouse=True)
+def _restore_op_determinism():
+  """A run with config.train.deterministic switches op determinism on for the whole process
+  (trainer/run/build.py); without this every later test of the same xdist worker ran under it
+  (TensorFlow's deterministic kernels fail and word errors differently, test_contract.py). Each
+  test ends with it as the process started (set up after any module fixture, so not read here)."""
+  yield
+  if tf_config.is_op_determinism_enabled() != _OP_DETERMINISM:
+    (tf_config.enable_op_determinism if _OP_DETERMINISM else tf_config.disable_op_determinism)()
 
 
 @pytest.fixture

@@ -1,6 +1,11 @@
-"""A tiny Trainer on synthetic data for the reliability tests: builds in a second, no files."""
+"""A tiny Trainer on synthetic data for the reliability tests: builds in a second, no files.
+launch_tiny runs it through launch.py in a process of its own."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import keras
 import ml_collections
@@ -66,3 +71,55 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
 
 def weights(trainer) -> list[np.ndarray]:
   return [v.numpy() for v in trainer.model.weights]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY_MODULE = '''import tiny
+
+
+class Tiny(tiny.TinyTrainer):
+  """tests/tiny.py's model, for launch.py."""
+'''
+
+
+def tiny_package(folder, package='tinypkg') -> str:
+  """folder/<package>/tiny_model.py holding TINY_MODULE; returns its dotted path."""
+  path = os.path.join(folder, package)
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, '__init__.py'), 'w') as f:
+    f.write('')
+  with open(os.path.join(path, 'tiny_model.py'), 'w') as f:
+    f.write(TINY_MODULE)
+  return f'{package}.tiny_model'
+
+
+def launch_tiny(workdir, *args, model: str, path) -> subprocess.CompletedProcess:
+  """launch.py with configs/mnist_mlp.py and `model` (the dotted path of a module holding one
+  TinyTrainer subclass, importable from the folder `path`): float32, batch 32, a log line and a
+  checkpoint every 5 steps; `args` add flags (train.steps, --mode, ...) or override these."""
+  env = dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL='3',
+    PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests'), str(path)]),
+  )
+  return subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'launch.py'),
+      '--config=configs/mnist_mlp.py',
+      f'--workdir={workdir}',
+      f'--config.model={model}',
+      '--config.train.batch_size=32',
+      '--config.train.steps_per_loop=5',
+      '--config.train.log_every=5',
+      '--config.train.checkpoint_every=5',
+      '--config.precision.policy=float32',
+      *args,
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )

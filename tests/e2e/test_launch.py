@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import tiny
 from conftest import ROOT
 
 
@@ -107,45 +108,10 @@ def test_tensorflows_tf_data_options_warning_is_hidden_and_others_are_not():
   assert "a warning of the user's own" in result.stderr
 
 
-TINY_MODULE = '''import tiny
-
-
-class Tiny(tiny.TinyTrainer):
-  """tests/tiny.py's model, for launch.py."""
-'''
-
-
 def launch_tiny(tmp_path, *args):
-  """launch.py with tests/tiny.py's model (a module of a package in tmp_path), 5 steps a line."""
-  package = tmp_path / 'tinypkg'
-  package.mkdir(exist_ok=True)
-  (package / '__init__.py').write_text('')
-  (package / 'tiny_model.py').write_text(TINY_MODULE)
-  env = dict(
-    os.environ,
-    TF_CPP_MIN_LOG_LEVEL='3',
-    PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests'), str(tmp_path)]),
-  )
-  return subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, 'launch.py'),
-      '--config=configs/mnist_mlp.py',
-      f'--workdir={tmp_path / "run"}',
-      '--config.model=tinypkg.tiny_model',
-      '--config.train.batch_size=32',
-      '--config.train.steps_per_loop=5',
-      '--config.train.log_every=5',
-      '--config.train.checkpoint_every=5',
-      '--config.precision.policy=float32',
-      *args,
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  """launch.py with tests/tiny.py's model (a module of a package in tmp_path), run in
+  tmp_path/run."""
+  return tiny.launch_tiny(tmp_path / 'run', *args, model=tiny.tiny_package(tmp_path), path=tmp_path)
 
 
 def test_a_run_that_ends_diverged_exits_3_with_one_line(tmp_path):

@@ -1,18 +1,13 @@
 """`config.model` as a dotted module path: a model in a package outside models/."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import models
+import tiny
 from trainer.errors import ConfigError
-
-from conftest import ROOT
-
-TESTS = os.path.join(ROOT, 'tests')
 
 
 def make_package(tmp_path, body: str, name='my_project', module='tiny_model'):
@@ -83,31 +78,8 @@ def test_launch_trains_a_model_from_a_package_outside_models(tmp_path):
 
   src = make_package(tmp_path, ONE, name='outside_pkg')
   workdir = tmp_path / 'run'
-  env = {
-    **os.environ,
-    'PYTHONPATH': os.pathsep.join([ROOT, TESTS, str(src)]),
-    'TF_CPP_MIN_LOG_LEVEL': '3',
-  }
-  launch = lambda *a: subprocess.run(
-    [
-      sys.executable,
-      'launch.py',
-      '--config=configs/mnist_mlp.py',
-      f'--workdir={workdir}',
-      '--config.model=outside_pkg.tiny_model',
-      '--config.train.batch_size=32',
-      '--config.train.steps=10',
-      '--config.train.steps_per_loop=5',
-      '--config.train.log_every=5',
-      '--config.train.checkpoint_every=5',
-      '--config.precision.policy=float32',
-      *a,
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
+  launch = lambda *a: tiny.launch_tiny(
+    workdir, '--config.train.steps=10', *a, model='outside_pkg.tiny_model', path=src
   )
   result = launch()
   assert result.returncode == 0, result.stderr[-3000:]
