@@ -77,6 +77,12 @@ _DATA = flags.DEFINE_string(
 )
 _CONTENDERS = flags.DEFINE_list('contenders', list(CONTENDERS), 'Which contenders run.')
 _PRECISIONS = flags.DEFINE_list('precisions', list(POLICY), 'float32 and/or bfloat16.')
+_COMPILE_PRECISIONS = flags.DEFINE_list(
+  'compile_precisions',
+  ['float32'],
+  'Precisions nanogpt_compile runs in (nanoGPT computes in float32 on a CPU whatever --dtype '
+  'says, so its bfloat16 run repeats the float32 one).',
+)
 _ROUNDS = flags.DEFINE_integer('rounds', 1, 'Interleaved rounds.')
 _STEPS = flags.DEFINE_integer('steps', 2000, 'Iterations (--max_iters; ours train.steps).')
 _LOAD = flags.DEFINE_integer('load', 0, 'Busy loops running beside each run (0 = none).')
@@ -320,21 +326,28 @@ def main(argv):
   del argv
   started = results_page.start()
   steps, rounds = (20, 1) if _QUICK.value else (_STEPS.value, _ROUNDS.value)
+  plan = [
+    (precision, round_, contender)
+    for precision in _PRECISIONS.value
+    for round_ in range(rounds)
+    for contender in _CONTENDERS.value
+    if contender != 'nanogpt_compile' or precision in _COMPILE_PRECISIONS.value
+  ]
   results = []
-  for precision in _PRECISIONS.value:
-    for round_ in range(rounds):
-      for contender in _CONTENDERS.value:
-        result = measure(contender, precision, steps)
-        result['round'] = round_
-        print(json.dumps(result), flush=True)
-        results.append(result)
-  body = f'{notes()}\n\n{table(results)}\n\n{threads_table(results)}'
+  for precision, round_, contender in plan:
+    result = measure(contender, precision, steps)
+    result['round'] = round_
+    print(json.dumps(result), flush=True)
+    results.append(result)
+    # The page after every run: a run cut short leaves the runs it finished.
+    done = '' if len(results) == len(plan) else f' Partial: {len(results)} of {len(plan)} runs.'
+    body = f'{notes()}{done}\n\n{table(results)}\n\n{threads_table(results)}'
+    results_page.write('peer_nanogpt', body, started=started, quick=_QUICK.value)
+    if _OUT.value:
+      os.makedirs(_OUT.value, exist_ok=True)
+      with open(os.path.join(_OUT.value, 'peer_nanogpt.json'), 'w') as f:
+        json.dump(results, f, indent=1)
   print(body)
-  results_page.write('peer_nanogpt', body, started=started, quick=_QUICK.value)
-  if _OUT.value:
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, 'peer_nanogpt.json'), 'w') as f:
-      json.dump(results, f, indent=1)
 
 
 if __name__ == '__main__':
