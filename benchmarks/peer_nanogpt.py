@@ -138,6 +138,7 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     except OSError:
       continue
     name = stat[stat.index('(') + 1 : stat.rindex(')')]
+    name = 'main thread' if int(tid) == pid else name  # the Python thread that runs the loop
     fields = stat[stat.rindex(')') + 2 :].split()
     out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
   return out
