@@ -245,6 +245,11 @@ def measure(contender: str, precision: str, steps: int) -> dict:
     finally:
       load_cpu = stop(loops)
   parsed = (parse_ours if contender == 'ours' else parse_nanogpt)(lines)
+  if _OUT.value:  # the child's output, time-stamped from its start
+    os.makedirs(_OUT.value, exist_ok=True)
+    name = f'{contender}_{precision}_{time.strftime("%H%M%S")}.log'
+    with open(os.path.join(_OUT.value, name), 'w') as f:
+      f.writelines(f'{t:9.3f} {text}\n' for t, text in lines)
   return {
     'contender': contender,
     'precision': precision,
