@@ -21,6 +21,8 @@ nanogpt, ...), so all see the same machine:
                    compilation is inside the whole-process figure and inside iteration 0
   ours             `launch.py --config=configs/nanogpt_cpu.py` (float32, or
                    --config.precision.policy=mixed_bfloat16)
+  ours+KEY=VALUE   the same with --config.KEY=VALUE (several: ours+K1=V1+K2=V2), to race a
+                   setting against the config as written
 nanoGPT's train.py on a CPU ignores --dtype for the math: its autocast context is
 `nullcontext()` when device_type is 'cpu', so --dtype=bfloat16 trains in float32 (the page
 says so beside the numbers).
@@ -93,7 +95,8 @@ _OUT = flags.DEFINE_string('out', '', "Folder for peer_nanogpt.json; '' = none."
 
 def command(contender: str, precision: str, steps: int, out_dir: str) -> tuple[list[str], str]:
   """(argv, cwd) of one run."""
-  if contender == 'ours':
+  if contender.startswith('ours'):  # 'ours', or 'ours+KEY=VALUE+...': config overrides
+    overrides = [*_SET.value, *contender.split('+')[1:]]
     warmup = min(100, steps // 2)
     argv = [
       sys.executable,
@@ -112,7 +115,7 @@ def command(contender: str, precision: str, steps: int, out_dir: str) -> tuple[l
         f'--config.train.log_every={spl}',
         f'--config.train.checkpoint_every={steps}',
       ]
-    return argv + [f'--config.{s}' for s in _SET.value], ROOT
+    return argv + [f'--config.{s}' for s in overrides], ROOT
   argv = [_TORCH_PYTHON.value, 'train.py', *RECIPE]
   argv += [
     f'--compile={contender == "nanogpt_compile"}',
@@ -244,10 +247,10 @@ def measure(contender: str, precision: str, steps: int) -> dict:
       lines, wall, cpu, threads = run(argv, cwd)
     finally:
       load_cpu = stop(loops)
-  parsed = (parse_ours if contender == 'ours' else parse_nanogpt)(lines)
+  parsed = (parse_ours if contender.startswith('ours') else parse_nanogpt)(lines)
   if _OUT.value:  # the child's output, time-stamped from its start
     os.makedirs(_OUT.value, exist_ok=True)
-    name = f'{contender}_{precision}_{time.strftime("%H%M%S")}.log'
+    name = f'{contender.replace("+", "_")}_{precision}_{time.strftime("%H%M%S")}.log'
     with open(os.path.join(_OUT.value, name), 'w') as f:
       f.writelines(f'{t:9.3f} {text}\n' for t, text in lines)
   return {
@@ -281,7 +284,7 @@ def table(results: list[dict]) -> str:
     med = lambda k: statistics.median(r[k] for r in rs) if rs[0][k] is not None else None
     ours = cells.get((precision, 'ours'))
     ratio = '-'
-    if ours and contender != 'ours':
+    if ours and not contender.startswith('ours'):
       ratio = ', '.join(f'{o["wall_s"] / r["wall_s"]:.2f}' for o, r in zip(ours, rs))
     lines.append(
       f'| {precision} | {contender} | {len(rs)} | '
