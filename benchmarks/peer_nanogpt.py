@@ -79,11 +79,11 @@ _DATA = flags.DEFINE_string(
 )
 _CONTENDERS = flags.DEFINE_list('contenders', list(CONTENDERS), 'Which contenders run.')
 _PRECISIONS = flags.DEFINE_list('precisions', list(POLICY), 'float32 and/or bfloat16.')
-_COMPILE_PRECISIONS = flags.DEFINE_list(
-  'compile_precisions',
+_EXTRA_PRECISIONS = flags.DEFINE_list(
+  'extra_precisions',
   ['float32'],
-  'Precisions nanogpt_compile runs in (nanoGPT computes in float32 on a CPU whatever --dtype '
-  'says, so its bfloat16 run repeats the float32 one).',
+  'Precisions the contenders other than nanogpt and ours run in (nanoGPT computes in float32 on '
+  'a CPU whatever --dtype says, so nanogpt_compile in bfloat16 repeats its float32 run).',
 )
 _ROUNDS = flags.DEFINE_integer('rounds', 1, 'Interleaved rounds.')
 _STEPS = flags.DEFINE_integer('steps', 2000, 'Iterations (--max_iters; ours train.steps).')
@@ -340,7 +340,7 @@ def main(argv):
     for precision in _PRECISIONS.value
     for round_ in range(rounds)
     for contender in _CONTENDERS.value
-    if contender != 'nanogpt_compile' or precision in _COMPILE_PRECISIONS.value
+    if contender in ('nanogpt', 'ours') or precision in _EXTRA_PRECISIONS.value
   ]
   results = []
   for precision, round_, contender in plan:
