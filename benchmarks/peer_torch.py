@@ -2,6 +2,7 @@
 
   python -m benchmarks.peer_torch --out=/tmp/peer                  # both shapes, 1 round
   python -m benchmarks.peer_torch --quick                          # ~1 minute: checks it works
+  python -m benchmarks.peer_torch --sides=ours,torch,torch_compile --shapes=shakespeare
 
 Not a test. PyTorch lives in its own virtual environment, never in TensorFlow's:
   python3 -m venv /work/torchvenv
@@ -13,6 +14,9 @@ the run length changed.
 
 Shapes: nanogpt_cpu (configs/nanogpt_cpu.py: context 64, batch 12, 2000 steps) and shakespeare
 (configs/shakespeare.py: context 128, batch 64, cut to 300 steps with no eval during training).
+Sides (--sides): ours, torch (eager) and torch_compile (the same model under torch.compile,
+inductor's CPU C++ backend: it needs a C++ compiler; its compilation is in the first step, and so
+in the train and process figures, and apart in 'first call' with 'steady' the steps after it).
 Precisions: float32 (both eager float32) and bfloat16 (ours mixed_bfloat16, PyTorch
 torch.autocast(bfloat16)). Rounds interleave the sides: for each shape and precision,
 ours, PyTorch, ours, PyTorch, ... so both see the same machine load.
@@ -73,6 +77,11 @@ _TORCH_THREADS = flags.DEFINE_integer(
   'core). On a machine shared with other jobs its default '
   'OpenMP threads spin waiting for each other (see '
   'docs/references.md).',
+)
+_SIDES = flags.DEFINE_list(
+  'sides',
+  ['ours', 'torch'],
+  'Sides to run, interleaved: ours, torch (eager), torch_compile (torch.compile, inductor).',
 )
 _OUT = flags.DEFINE_string('out', '', "Folder for peer.md and peer.json; '' = print only.")
 _SET = flags.DEFINE_multi_string(
@@ -149,8 +158,14 @@ def tf_child(settings: dict) -> dict:
     import tensorflow as tf
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    clock = trainer.runner.clock  # trainer/run/goodput.py: the first compiled call, the later ones
+    first_s, first_n = clock.first_call or (0.0, 0)
+    later_s, later_n = clock.later
     return {
       'side': 'ours',
+      'first_call_s': first_s,
+      'first_call_steps': first_n,
+      'steady_ms': 1000 * later_s / later_n if later_n else None,
       'val_loss': float(metrics['loss']),
       'train_wall_s': wall - eval_wall,
       'train_cpu_s': cpu - eval_cpu,
@@ -179,42 +194,72 @@ def _median(results, key):
   return statistics.median(r[key] for r in results)
 
 
+SIDE_NAMES = {'ours': 'ours', 'torch': 'PyTorch', 'torch_compile': 'PyTorch torch.compile'}
+
+
+def _first(r):
+  """Seconds of the first call: ours the first compiled call (tracing, compilation and its
+  steps_per_loop steps), PyTorch the first step (with torch.compile: its compilation)."""
+  return r.get('first_call_s', r.get('first_step_s'))
+
+
 def tables(cells: dict) -> str:
   lines = [
     '| shape | precision | side | steps | train ms/step | train CPU-ms/step | train cores '
-    '| process wall s | process CPU-s | process cores | val loss (full split) |',
-    '|---|---|---|---|---|---|---|---|---|---|---|',
+    '| first call s | steady ms/step | process wall s | process CPU-s | process cores '
+    '| val loss (full split) |',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for (shape, precision), runs in cells.items():
-    for side in ('ours', 'torch'):
+    for side, name in SIDE_NAMES.items():
       rs = [r for r in runs if r['side'] == side]
       if not rs:
         continue
       steps = rs[0]['steps']
       wall, cpu = _median(rs, 'train_wall_s'), _median(rs, 'train_cpu_s')
       pwall, pcpu = _median(rs, 'process_wall_s'), _median(rs, 'process_cpu_s')
+      first = statistics.median(_first(r) for r in rs)
+      steady = [r['steady_ms'] for r in rs if r.get('steady_ms') is not None]
       lines.append(
-        f'| {shape} | {precision} | {"ours" if side == "ours" else "PyTorch"} | '
+        f'| {shape} | {precision} | {name} | '
         f'{steps} | {1000 * wall / steps:.1f} | {1000 * cpu / steps:.1f} | '
-        f'{cpu / wall:.2f} | {pwall:.0f} | {pcpu:.0f} | {pcpu / pwall:.2f} | '
+        f'{cpu / wall:.2f} | {first:.1f} | '
+        f'{statistics.median(steady) if steady else float("nan"):.1f} | '
+        f'{pwall:.0f} | {pcpu:.0f} | {pcpu / pwall:.2f} | '
         f'{_median(rs, "val_loss"):.4f} |'
       )
   lines += [
     '',
-    '| shape | precision | ours / PyTorch train wall per step | ours / PyTorch train '
-    'CPU per step | val loss ours - PyTorch |',
-    '|---|---|---|---|---|',
+    '| shape | precision | against | ours / it, train wall per step | ours / it, train CPU per '
+    'step | ours / it, steady step | ours / it, process wall | val loss ours - it |',
+    '|---|---|---|---|---|---|---|---|',
   ]
   for (shape, precision), runs in cells.items():
     ours = [r for r in runs if r['side'] == 'ours']
-    torch_ = [r for r in runs if r['side'] == 'torch']
-    if ours and torch_:
-      lines.append(
-        f'| {shape} | {precision} | '
-        f'{_median(ours, "train_wall_s") / _median(torch_, "train_wall_s"):.2f} | '
-        f'{_median(ours, "train_cpu_s") / _median(torch_, "train_cpu_s"):.2f} | '
-        f'{_median(ours, "val_loss") - _median(torch_, "val_loss"):+.4f} |'
+    for side in ('torch', 'torch_compile'):
+      other = [r for r in runs if r['side'] == side]
+      if not (ours and other):
+        continue
+      steady = [r.get('steady_ms') for r in ours + other]
+      steady_ratio = (
+        f'{_median(ours, "steady_ms") / _median(other, "steady_ms"):.2f}'
+        if None not in steady
+        else '-'
       )
+      lines.append(
+        f'| {shape} | {precision} | {SIDE_NAMES[side]} | '
+        f'{_median(ours, "train_wall_s") / _median(other, "train_wall_s"):.2f} | '
+        f'{_median(ours, "train_cpu_s") / _median(other, "train_cpu_s"):.2f} | '
+        f'{steady_ratio} | '
+        f'{_median(ours, "process_wall_s") / _median(other, "process_wall_s"):.2f} | '
+        f'{_median(ours, "val_loss") - _median(other, "val_loss"):+.4f} |'
+      )
+  lines += [
+    '',
+    'First call: ours, the first compiled call (tracing, compilation and its steps_per_loop '
+    'steps); PyTorch, the first step (with torch.compile, its compilation). Steady: ours, the '
+    'later compiled calls per step; PyTorch, the steps after the first.',
+  ]
   return '\n'.join(lines)
 
 
@@ -237,26 +282,24 @@ def main(argv):
       runs = cells[(shape, precision)] = []
       for round_ in range(1 if _QUICK.value else _ROUNDS.value):
         tf_settings = {'shape': shape, 'precision': precision, 'steps': steps, 'set': _SET.value}
-        for side, command in (
-          (
-            'ours',
-            [
-              sys.executable,
-              '-m',
-              'benchmarks.peer_torch',
-              f'--tf_child={json.dumps(tf_settings)}',
-            ],
-          ),
-          (
-            'torch',
-            [
-              _TORCH_PYTHON.value,
-              os.path.join(ROOT, 'benchmarks', 'peer_torch_model.py'),
-              json.dumps(torch_settings(config, precision)),
-            ],
-          ),
-        ):
-          result = run_child(command)
+        commands = {
+          'ours': [
+            sys.executable,
+            '-m',
+            'benchmarks.peer_torch',
+            f'--tf_child={json.dumps(tf_settings)}',
+          ],
+        }
+        for side in ('torch', 'torch_compile'):
+          settings = dict(torch_settings(config, precision), compile=side == 'torch_compile')
+          commands[side] = [
+            _TORCH_PYTHON.value,
+            os.path.join(ROOT, 'benchmarks', 'peer_torch_model.py'),
+            json.dumps(settings),
+          ]
+        for side in _SIDES.value:
+          result = run_child(commands[side])
+          result['side'] = side
           result.update(shape=shape, precision=precision, round=round_)
           print(json.dumps(result), flush=True)
           runs.append(result)

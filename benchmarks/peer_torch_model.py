@@ -20,7 +20,9 @@ the loss is the mean per-character cross-entropy in float32. Evaluation as ours:
 non-overlapping window of the validation split once, the mean over windows of their mean
 per-character loss. bfloat16: torch.autocast('cpu', torch.bfloat16) around the forward pass and
 the loss (float32 master weights), in training and evaluation; the logits are cast to float32
-before the cross-entropy. Eager mode: torch.compile is off.
+before the cross-entropy. Eager mode unless the settings say 'compile': then the model is
+`torch.compile(model)` (inductor, its CPU C++ backend), compiled at the first step, which is timed
+apart ('first_step_s'); 'steady_ms' is the mean step after the first.
 
 Lockstep (benchmarks/peer_lockstep.py): settings 'init' (an .npz of this model's state_dict,
 exported from ours) and 'windows' (an .npy [steps, batch, context + 1] of the training windows,
@@ -132,6 +134,8 @@ def main(settings):
   if s.get('init'):
     with np.load(s['init']) as weights:
       model.load_state_dict({k: torch.from_numpy(weights[k]) for k in weights.files})
+  if s.get('compile'):
+    model = torch.compile(model)  # compiles at the first call (the first step)
   fixed = torch.from_numpy(np.load(s['windows']).astype(np.int64)) if s.get('windows') else None
   train_t = torch.from_numpy(train)
   offsets = torch.arange(context + 1)
@@ -158,6 +162,8 @@ def main(settings):
     optimizer.step()
     if s.get('losses'):
       losses.append(float(loss))
+    if step == 0:
+      first_step = time.perf_counter() - wall0
   train_wall, train_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
 
   wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -185,7 +191,9 @@ def main(settings):
         'torch': torch.__version__,
         'threads': torch.get_num_threads(),
         'interop_threads': torch.get_num_interop_threads(),
-        'compile': False,
+        'compile': bool(s.get('compile')),
+        'first_step_s': first_step,
+        'steady_ms': 1000 * (train_wall - first_step) / max(s['steps'] - 1, 1),
         'parameters': sum(p.numel() for p in model.parameters()),
         'peak_rss_mib': usage.ru_maxrss / 1024,
         'losses': losses,

@@ -63,11 +63,12 @@ def get_config():
   config.optimizer.epsilon = 1e-8  # torch.optim.AdamW's default
 
   config.precision.policy = 'float32'
-  # XLA for the step under float32 and mixed_float16. 'auto' leaves it off on a CPU, where it
-  # slows our other models (the CNN, the MLP, the Shakespeare-shape LM); at this small shape it
-  # fuses the chain of small ops into fewer multi-threaded kernels. Not under mixed_bfloat16: XLA's
-  # CPU backend computes bfloat16 matmuls in float32 (its optimized HLO holds float32 dots only),
-  # so without XLA (oneDNN's bfloat16 kernels) the step is as fast and the first call about 2 s
-  # shorter (docs/references.md measures all three).
-  config.train.jit_compile = 'float32,mixed_float16'
+  # XLA for the step under mixed_float16 only. On the AVX512 CPU this project used first, XLA
+  # fused the chain of small ops at this shape into fewer multi-threaded kernels and paid under
+  # float32; on the AVX2-only CPU it runs on now, XLA leaves the steady step about where it was
+  # and costs its compilation (the first 100 steps end later, the run uses more CPU-seconds):
+  # `python -m benchmarks.peer_nanogpt` races `ours+train.jit_compile=false` against the config
+  # (docs/references.md links the pages). Not under mixed_bfloat16 either: XLA's CPU backend
+  # computes bfloat16 matmuls in float32 (its optimized HLO holds float32 dots only).
+  config.train.jit_compile = 'mixed_float16'
   return config
