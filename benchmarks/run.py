@@ -64,7 +64,9 @@ _POLICIES = flags.DEFINE_list(
   '(the one the steps_per_loop and jit_compile rows use) are always '
   'included.',
 )
-_MEMORY_STEPS = flags.DEFINE_integer('memory_steps', None, 'Steps per memory subprocess.')
+_MEMORY_STEPS = flags.DEFINE_integer(
+  'memory_steps', None, 'Steps per memory subprocess (default 50, quick 2); 0 skips memory.'
+)
 _MEMORY_CHILD = flags.DEFINE_string('memory_child', None, 'Internal: model:policy to measure.')
 
 POLICIES = ('float32', 'mixed_bfloat16', 'mixed_float16')
@@ -112,7 +114,9 @@ def settings() -> dict:
     'steps_per_loop': 2 if quick else 10,  # sections 1-3: ours and fit (= steps_per_execution)
     'loop_sweep': (1, 2, 4) if quick else (1, 10, 100),  # section 4
     'matmul_n': 256 if quick else 2048,
-    'memory_steps': _MEMORY_STEPS.value or (2 if quick else 50),
+    'memory_steps': _MEMORY_STEPS.value
+    if _MEMORY_STEPS.value is not None
+    else (2 if quick else 50),
     'policies': [
       p for p in POLICIES if p in _POLICIES.value or p == 'float32' or p == default_policy()
     ],
@@ -571,8 +575,8 @@ def main(argv):
       results['peak_flops'][dtype] = value
       logging.warning('matmul peak %s: %.1f GFLOP/s', dtype, value / 1e9)
 
-  for name in names:  # first, while this process is small
-    memory_mib[name] = memory(name, s)
+  for name in names:  # first, while this process is small; --memory_steps=0 skips memory
+    memory_mib[name] = memory(name, s) if s['memory_steps'] else {}
   measure_peaks()
   for name in names:
     results['models'][name] = bench_model(name, s)
