@@ -2,7 +2,9 @@
 
   <workdir>/config.json               the config the run started with (never rewritten by a resume)
   <workdir>/config-step-<N>.json      the whole config of a resume at step N that changed keys
-  <workdir>/checkpoints/              tf.train.CheckpointManager's ckpt-N files and state file
+  <workdir>/checkpoints/              tf.train.CheckpointManager's ckpt-N files and state file,
+                                      healthy.json (the last healthy checkpoint) and evaluated.json
+                                      (the step of the last eval that completed)
   <workdir>/tensorboard/              tf.summary events (train/..., eval/...)
   <workdir>/train.lock                while a training process runs (trainer/run/lock.py)
 
@@ -63,6 +65,7 @@ from trainer.run import lock as workdir_lock
 from trainer.errors import ConfigError, UserError
 
 HEALTHY = 'healthy.json'  # in checkpoints/: the last healthy checkpoint (trainer/run/health.py)
+EVALUATED = 'evaluated.json'  # in checkpoints/: the step of the last eval that completed
 CHECKPOINTS = 'checkpoints'
 TENSORBOARD = 'tensorboard'
 
@@ -241,6 +244,24 @@ class Workdir:
       return None
     return record
 
+  def record_eval(self, step: int) -> None:
+    """Records that the eval at `step` completed, its actions' state saved (the chief writes
+    checkpoints/evaluated.json): the checkpoint of an eval step is written before its eval, so
+    a resume from it redoes the eval unless this record is at or past its step (Runner)."""
+    if not self.is_chief:
+      return
+    os.makedirs(self.checkpoint_dir, exist_ok=True)  # an eval before the first save
+    write_json(os.path.join(self.checkpoint_dir, EVALUATED), {'step': int(step)})
+
+  def evaluated_step(self) -> int | None:
+    """The step of the last eval that completed (`record_eval`); None when none did, or the run
+    folder was written before the record existed. Reads only (every worker: the chief's)."""
+    try:
+      with open(os.path.join(self.checkpoint_dir, EVALUATED)) as f:
+        return int(json.load(f)['step'])
+    except (OSError, ValueError, KeyError, TypeError):
+      return None
+
   def healthy_path(self) -> str | None:
     record = self.healthy_record()
     return os.path.join(self.checkpoint_dir, record['checkpoint']) if record else None
@@ -378,6 +399,9 @@ class Workdir:
       for record_step, name in config_records(self.path):
         if record_step >= 0:
           os.remove(name)  # the record of checkpoints that are gone
+      evaluated = os.path.join(self.checkpoint_dir, EVALUATED)
+      if os.path.lexists(evaluated):  # of steps a new run has not reached: it would say done
+        os.remove(evaluated)
       write_json(os.path.join(self.path, CONFIG), current)
       return
     saved = read_config(self.path)
