@@ -97,7 +97,9 @@ class Runner:
     self.checkpoint = tf.train.Checkpoint(**self.items)
     self.forensics = forensics.RateLimiter(c.numerics.forensics_first, c.numerics.forensics_every)
     self.stop_reason: str | None = None
-    self.workdir = Workdir(t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items)
+    self.workdir = Workdir(
+      t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items, policy=t.policy
+    )
     self.is_chief = self.workdir.is_chief  # writes the run folder (multi_worker)
     self.recovery = recovery.Recovery(
       c,
