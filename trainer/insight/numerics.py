@@ -37,9 +37,10 @@ and over its forward output (a float8-quantized layer's too: its `quantized_call
 
 They go to TensorBoard under `numerics/<layer>/...` (<layer>: its path in the model, e.g.
 mnist_mlp/dense, for layers with and without weights alike: `layer_paths`) and
-`numerics/gradient_{flushed,subnormal,zero}`, and one console line gives the flushed fraction and the worst layer by it. Under bfloat16
-(float32's exponent range) and float32 nothing is flushed by range, and the line says so. The
-train step itself is unchanged: off costs nothing, on costs one probe (two passes) per interval.
+`numerics/gradient_{flushed,subnormal,zero}`, and one console line gives the flushed fraction
+and the worst layer by it. Under bfloat16 (float32's exponent range) and float32 nothing is
+flushed by range, and the line says so. The train step itself is unchanged: off costs nothing,
+on costs one probe (two passes) per interval.
 """
 
 from __future__ import annotations
@@ -90,10 +91,10 @@ def layer_name(layer) -> str:
 
 def layer_paths(model) -> dict[int, str]:
   """{id(layer): its path} for every layer inside `model`, one naming scheme for all: Keras's
-  `layer.path` ('<model>/.../<name>', set when the layer's build runs), and for a layer Keras
-  never built (one without weights: Dropout, Activation, Flatten) its parent's path and its own
-  name, as Keras would have named it. (Keras's path alone left those layers with their bare
-  name, so their TensorBoard tags lacked the model prefix the others have.)"""
+  `layer.path` ('<model>/.../<name>', set when the layer's build runs), and for a layer whose
+  build never runs (marked built at construction, without weights: Dropout, Activation) its
+  parent's path and its own name, as Keras names the built ones. (Keras's path alone left those
+  layers with their bare name: their TensorBoard tags lacked the model prefix.)"""
   paths: dict[int, str] = {}
 
   def walk(parent, prefix: str) -> None:
