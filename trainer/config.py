@@ -606,6 +606,29 @@ def check_master_weights_policy(config, policy: str) -> None:
     )
 
 
+def loss_scale_note(config, policy: str) -> str | None:
+  """The warning line for config.precision.loss_scale='dynamic' under the float32 policy (the
+  config's, or what 'auto' resolved to: `policy`); None otherwise. Not a ConfigError: the run is
+  correct, and a config written for a GPU (auto, dynamic) must still run where auto is float32.
+  A loss scale keeps float16 gradients above float16's smallest normal number; float32
+  gradients do not underflow there, so the scale only adds a multiply, an unscale and a scale
+  update to every step. 'auto' is none under float32: silent."""
+  p = config.precision
+  if p.loss_scale != 'dynamic' or policy != 'float32':
+    return None
+  resolved = (
+    "config.precision.policy='auto' resolved to float32 on this machine"
+    if p.policy == 'auto'
+    else "config.precision.policy='float32'"
+  )
+  return (
+    f"config.precision.loss_scale='dynamic' does nothing useful under float32 ({resolved}): "
+    "float32 gradients do not underflow as float16's do, and the scale costs every step a "
+    "multiply, an unscale and a scale update; set loss_scale='auto' (dynamic under "
+    "mixed_float16 only) or 'none'"
+  )
+
+
 def _check_low_precision(config) -> None:
   """master_weights and state_bits: what they need ('auto' checked once resolved, by build)."""
   p, o = config.precision, config.optimizer

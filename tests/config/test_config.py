@@ -155,3 +155,46 @@ def test_a_hand_built_section_reads_the_schema_default(monkeypatch):
   del precision['hysteresis']
   _schema_default(monkeypatch, 'precision.hysteresis', 4)
   assert loss_scale.LossScaler.from_config(precision, 'mixed_float16').hysteresis == 4
+
+
+def _precision(policy, loss_scale):
+  config = config_lib.defaults()
+  config.precision.policy, config.precision.loss_scale = policy, loss_scale
+  return config_lib.validate(config)
+
+
+@pytest.mark.parametrize(
+  'policy, loss_scale, resolved, says',
+  [
+    ('float32', 'dynamic', 'float32', "config.precision.policy='float32'"),
+    ('auto', 'dynamic', 'float32', "'auto' resolved to float32 on this machine"),
+    ('auto', 'auto', 'float32', None),  # auto is none under float32: silent
+    ('float32', 'none', 'float32', None),
+    ('mixed_float16', 'dynamic', 'mixed_float16', None),
+    ('auto', 'dynamic', 'mixed_float16', None),
+  ],
+)
+def test_dynamic_loss_scale_under_float32_is_a_note(policy, loss_scale, resolved, says):
+  note = config_lib.loss_scale_note(_precision(policy, loss_scale), resolved)
+  if says is None:
+    assert note is None
+    return
+  assert note.startswith("config.precision.loss_scale='dynamic'") and says in note, note
+  assert '\n' not in note
+
+
+def test_the_build_warns_once_about_dynamic_loss_scale_under_float32(tmp_path, caplog):
+  from tiny import TinyTrainer, tiny_config
+
+  def warned(loss_scale):
+    caplog.clear()
+    with caplog.at_level('WARNING'):
+      TinyTrainer(
+        tiny_config(**{'precision.policy': 'float32', 'precision.loss_scale': loss_scale}),
+        str(tmp_path / loss_scale),
+      )
+    return [r.getMessage() for r in caplog.records if 'loss_scale' in r.getMessage()]
+
+  (line,) = warned('dynamic')
+  assert "config.precision.loss_scale='dynamic' does nothing useful under float32" in line
+  assert warned('auto') == []

@@ -70,6 +70,34 @@ def test_statistics_name_layers_and_are_written(tmp_path, caplog):
   assert stats['wide/loud']['headroom_bits'] == -math.inf
 
 
+def test_every_numerics_tag_names_its_layer_by_one_path_scheme(tmp_path):
+  """Layers without weights (Dropout, Activation) have no Keras `path` (it is set when a build
+  runs), and their tags were numerics/drop/... beside numerics/gappy/first/...: every layer's
+  tags now carry its path in the model."""
+
+  class Gappy(TinyTrainer):
+    def build_model(self):
+      return keras.Sequential(
+        [
+          keras.Input((8,)),
+          keras.layers.Dense(16, name='first'),
+          keras.layers.Dropout(0.1, name='drop'),
+          keras.layers.Activation('relu', name='act'),
+          keras.layers.Dense(4, dtype='float32', name='logits'),
+        ],
+        name='gappy',
+      )
+
+  trainer = Gappy(tiny_config(**{'numerics.every': 5, 'train.steps': 5}), str(tmp_path / 'w'))
+  trainer.train()
+  tags = set(events.read_scalars(str(tmp_path / 'w')))
+  numerics = [t[len('numerics/') :] for t in tags if t.startswith('numerics/')]
+  layers = {t.rsplit('/', 1)[0] for t in numerics if '/' in t}  # not gradient_flushed, ...
+  assert layers == {'gappy/first', 'gappy/drop', 'gappy/act', 'gappy/logits'}, sorted(tags)
+  assert {'numerics/gappy/drop/output_max', 'numerics/gappy/act/headroom_bits'} <= tags
+  assert 'numerics/gappy/first/grad_flushed' in tags
+
+
 def test_underflow_fraction_follows_the_scale(tmp_path):
   """float16 gradients of ~1e-6 (below the smallest normal, 6.1e-5) underflow at scale 1 and
   not at scale 2**15."""

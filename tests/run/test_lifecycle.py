@@ -1,6 +1,7 @@
 """Eval-only, export, init_from and the profiler, on short real MNIST MLP runs."""
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -67,6 +68,76 @@ def test_eval_under_another_config_than_the_run_says_so(trained, caplog):
   caplog.clear()  # an eval-only override of what is not computed: no warning
   lifecycle.evaluate_checkpoint(_trainer(_config('mixed_bfloat16', batch_size=64), workdir))
   assert 'another config' not in caplog.text
+
+
+def _tiny(policy, workdir):
+  config = tiny.tiny_config(**{'precision.policy': policy, 'train.steps': 5})
+  return tiny.TinyTrainer(config, str(workdir))
+
+
+def _warned(caplog, evaluate) -> list[str]:
+  caplog.clear()
+  with caplog.at_level('WARNING'):
+    evaluate()
+  return [r.getMessage() for r in caplog.records if 'trained' in r.getMessage()]
+
+
+def test_eval_warning_states_the_policy_that_trained_and_the_one_that_runs(tmp_path, caplog):
+  """Under 'auto' the warning named the config's words only ('auto' -> 'float32'), not what ran
+  in training nor what runs here; a run folder now records the policy it trained in
+  (checkpoints/policy.json)."""
+  from trainer.step import precision
+
+  here = precision.resolve('auto')[0]
+  other = 'mixed_bfloat16' if here == 'float32' else 'float32'
+  workdir = tmp_path / 'w'
+  _tiny('auto', workdir).train()
+  record = json.loads((workdir / 'checkpoints' / 'policy.json').read_text())
+  assert record == {'policy': here, 'config': 'auto'}
+  (line,) = _warned(caplog, lambda: lifecycle.evaluate_checkpoint(_tiny(other, workdir)))
+  assert (
+    f"(config.precision.policy: 'auto' -> '{other}'); this config is used: the run trained in "
+    f"{here} ('auto' on its machine), this runs in {other}"
+  ) in line
+  # The policy 'auto' trained in, spelled out, computes what the run computed: no warning.
+  assert _warned(caplog, lambda: lifecycle.evaluate_checkpoint(_tiny(here, workdir))) == []
+  # Trained where 'auto' resolved otherwise (policy.json as that machine wrote it): the same
+  # config computes in another policy here, which the line says.
+  record['policy'] = other
+  (workdir / 'checkpoints' / 'policy.json').write_text(json.dumps(record))
+  (line,) = _warned(caplog, lambda: lifecycle.evaluate_checkpoint(_tiny('auto', workdir)))
+  assert (
+    f"trained in {other} ('auto' on its machine), this runs in {here} ('auto' on this machine)"
+  ) in line
+  assert f'--config.precision.policy={other}' in line and '\n' not in line
+
+
+@pytest.mark.parametrize(
+  'trained, trained_setting, now, setting, says',
+  [
+    ('mixed_bfloat16', 'mixed_bfloat16', 'float32', 'float32', ''),  # the change names both
+    ('float32', 'auto', 'float32', 'float32', ''),  # the same policy
+    (None, 'auto', 'float32', 'auto', ''),  # auto both times, unknown then: nothing to say
+    (
+      None,
+      'auto',
+      'float32',
+      'float32',
+      "trained in what 'auto' resolved to on its machine (not recorded), this runs in float32",
+    ),
+    (
+      'mixed_bfloat16',
+      'mixed_bfloat16',
+      'float32',
+      'auto',
+      "trained in mixed_bfloat16, this runs in float32 ('auto' on this machine)",
+    ),
+  ],
+)
+def test_policy_note(trained, trained_setting, now, setting, says):
+  from trainer.run.config_record import policy_note
+
+  assert policy_note(trained, trained_setting, now, setting) == says
 
 
 def test_eval_reads_a_run_whose_config_record_is_damaged(tmp_path):

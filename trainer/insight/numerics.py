@@ -35,10 +35,12 @@ and over its forward output (a float8-quantized layer's too: its `quantized_call
   headroom_bits  log2(largest finite value of the compute dtype / output_max): how many
                  doublings the activations can take before they overflow.
 
-They go to TensorBoard under `numerics/<layer>/...` and `numerics/gradient_{flushed,subnormal,
-zero}`, and one console line gives the flushed fraction and the worst layer by it. Under bfloat16
-(float32's exponent range) and float32 nothing is flushed by range, and the line says so. The
-train step itself is unchanged: off costs nothing, on costs one probe (two passes) per interval.
+They go to TensorBoard under `numerics/<layer>/...` (<layer>: its path in the model, e.g.
+mnist_mlp/dense, for layers with and without weights alike: `layer_paths`) and
+`numerics/gradient_{flushed,subnormal,zero}`, and one console line gives the flushed fraction
+and the worst layer by it. Under bfloat16 (float32's exponent range) and float32 nothing is
+flushed by range, and the line says so. The train step itself is unchanged: off costs nothing,
+on costs one probe (two passes) per interval.
 """
 
 from __future__ import annotations
@@ -85,6 +87,26 @@ def leaf_layers(model) -> list:
 
 def layer_name(layer) -> str:
   return getattr(layer, 'path', None) or layer.name
+
+
+def layer_paths(model) -> dict[int, str]:
+  """{id(layer): its path} for every layer inside `model`, one naming scheme for all: Keras's
+  `layer.path` ('<model>/.../<name>', set when the layer's build runs), and for a layer whose
+  build never runs (marked built at construction, without weights: Dropout, Activation) its
+  parent's path and its own name, as Keras names the built ones. (Keras's path alone left those
+  layers with their bare name: their TensorBoard tags lacked the model prefix.)"""
+  paths: dict[int, str] = {}
+
+  def walk(parent, prefix: str) -> None:
+    # pylint: disable-next=protected-access  (Keras's own walk over a layer's direct children)
+    for layer in parent._flatten_layers(include_self=False, recursive=False):
+      path = getattr(layer, 'path', None) or f'{prefix}/{layer.name}'
+      if id(layer) not in paths:  # a shared layer: its first place
+        paths[id(layer)] = path
+        walk(layer, path)
+
+  walk(model, getattr(model, 'path', None) or model.name)
+  return paths
 
 
 @contextlib.contextmanager
@@ -197,6 +219,7 @@ class Probe:
     self.trainer = trainer
     model = trainer.model
     self.layers = leaf_layers(model)
+    self.paths = layer_paths(model)  # what every statistic and tag names a layer by
     variables = list(trainer.train_step.variables)
     # Float8 layers' scale and amax-history variables: their "gradients" are new values.
     self.variables = [v for v, new_value in zip(variables, overwritten(variables)) if not new_value]
@@ -241,7 +264,7 @@ class Probe:
       def record(layer, output):
         values = [o for o in tf.nest.flatten(output) if hasattr(o, 'dtype') and o.dtype.is_floating]
         if values:
-          into[layer_name(layer)] = (layer, values)  # a layer called twice: its last call
+          into[self.name(layer)] = (layer, values)  # a layer called twice: its last call
 
       return record
 
@@ -269,6 +292,10 @@ class Probe:
       for name, (layer, values) in outputs.items()
     }
 
+  def name(self, layer) -> str:
+    """The layer's path (`layer_paths`); Keras's own for a layer outside the model's tree."""
+    return self.paths.get(id(layer)) or layer_name(layer)
+
   def next_batch(self):
     """The first eval batch, every time: measurements at different steps compare the same
     examples, and the train pipeline is never read here. A second iterator over
@@ -287,7 +314,7 @@ class Probe:
     stats: dict[str, dict[str, float]] = {}
     sums: dict[str, np.ndarray] = {}
     for row, layer in zip(rows.numpy().astype(np.float64), self.owners):
-      name = layer_name(layer) if layer is not None else '?'
+      name = self.name(layer) if layer is not None else '?'
       if name not in sums:
         sums[name] = np.zeros(6)
       sums[name] = np.concatenate(
@@ -303,7 +330,7 @@ class Probe:
     overall = {
       k: float(total[i] / total[COUNT]) if total[COUNT] else 0.0 for k, i in FRACTIONS.items()
     }
-    dtypes = {layer_name(layer): layer.compute_dtype for layer in self.layers}
+    dtypes = {self.name(layer): layer.compute_dtype for layer in self.layers}
     for name, row in output_max.items():
       value, flushed, subnormal, count = (float(x) for x in row.numpy())
       entry = stats.setdefault(name, {})

@@ -120,3 +120,30 @@ def describe_change(saved: dict, config, keys: list[str], head: str) -> str:
     for k in keys[:4]
   )
   return f'{head} ({shown}{f" and {len(keys) - 4} more" if len(keys) > 4 else ""})'
+
+
+def saved_policy(saved: dict | None) -> str | None:
+  """config.precision.policy of a config record (None when it has none)."""
+  precision = saved.get('precision') if isinstance(saved, dict) else None
+  policy = precision.get('policy') if isinstance(precision, dict) else None
+  return None if policy is None else str(policy)
+
+
+def policy_note(trained: str | None, trained_setting: str, now: str | None, setting: str) -> str:
+  """'trained in X (...), this runs in Y (...)': the policies that ran, when 'auto' was the
+  setting on a side (`trained_setting`: the run's, `setting`: this config's) and they differ
+  (`trained` None: what 'auto' resolved to was not recorded). '' when both settings are explicit
+  (the config change names them), they agree, or `now` (this process's policy) is unknown."""
+  if 'auto' not in (trained_setting, setting) or now is None or trained == now:
+    return ''
+  if trained is None and trained_setting == setting:
+    return ''  # 'auto' both times, its resolution then unknown: nothing to tell
+  then = (
+    "what 'auto' resolved to on its machine (not recorded)"
+    if trained is None
+    else f"{trained} ('auto' on its machine)"
+    if trained_setting == 'auto'
+    else trained
+  )
+  here = f"{now} ('auto' on this machine)" if setting == 'auto' else now
+  return f'trained in {then}, this runs in {here}'

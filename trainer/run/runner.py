@@ -13,7 +13,9 @@ and a 'log' event (and the recovery policy's look at the loss); at a checkpoint 
 step, a requested stop) a finite-checked save and a 'save' event; at an eval step (and the last
 step) an eval and an 'eval' event, after the save, so that an eval that fails or hangs loses no
 trained step; when the eval changed the actions' checkpointed state (best eval, evals without
-improvement) the step is saved again with it. A preemption notice saves and raises `Preempted`.
+improvement) the step is saved again with it, and the run folder records the eval as done. A
+resumed run whose restored step was due an eval that did not complete (Ctrl-C or a kill during
+it) evaluates that step first. A preemption notice saves and raises `Preempted`.
 Every event goes to the built-in actions first (the numerics line, the config's early stopping
 and best checkpoint), then to the trainer's `build_actions()`, all through the same API
 (trainer/run/actions.py).
@@ -95,7 +97,9 @@ class Runner:
     self.checkpoint = tf.train.Checkpoint(**self.items)
     self.forensics = forensics.RateLimiter(c.numerics.forensics_first, c.numerics.forensics_every)
     self.stop_reason: str | None = None
-    self.workdir = Workdir(t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items)
+    self.workdir = Workdir(
+      t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items, policy=t.policy
+    )
     self.is_chief = self.workdir.is_chief  # writes the run folder (multi_worker)
     self.recovery = recovery.Recovery(
       c,
@@ -220,6 +224,7 @@ class Runner:
     t, total = self.config.train, self.trainer.total_steps
     step = self.start()
     with self.running(step) as (watcher, iterator):
+      self.redo_cut_eval(watcher, step)
       while step < total and self.stop_reason is None:
         # Calls end on multiples of steps_per_loop (eval_every and checkpoint_every are
         # multiples of it): a resume from another step (a longer train.steps, a changed
@@ -233,7 +238,7 @@ class Runner:
           if restored is not None:  # the state was not finite: the last healthy checkpoint's
             step = restored
             continue
-        if step == total or (t.eval_every and step % t.eval_every == 0):
+        if self.eval_due(step):
           self.eval_at(watcher, step)
         self.maybe_preempt(watcher, step)
         self.ticker.draw(step)  # the live bar, on a terminal
@@ -363,6 +368,31 @@ class Runner:
       self.stop_reason is not None and self.saved_at != step
     ):
       self.act('save', step, checkpoint=self.save())
+    self.workdir.record_eval(step)  # after that save: a resume redoes no eval it has
+
+  def eval_due(self, step: int) -> bool:
+    """Whether the outer loop evaluates at loop boundary `step`: the last step and every
+    eval_every."""
+    every = self.config.train.eval_every
+    return step == self.trainer.total_steps or bool(every and step % every == 0)
+
+  def redo_cut_eval(self, watcher, step: int) -> None:
+    """Before a resumed run trains on: the eval due at the restored `step`, when the run folder
+    does not record it completed (Workdir.record_eval). The checkpoint of an eval step is
+    written before its eval, so an eval cut by Ctrl-C or a kill would otherwise never happen.
+    A run folder from before the record redoes it too (it cannot tell)."""
+    done = self.workdir.evaluated_step()
+    if step == 0 or not self.eval_due(step) or (done is not None and done >= step):
+      return
+    logging.info(
+      'the run folder records no completed eval at step %d, the restored step (cut by Ctrl-C or '
+      'a kill): evaluating it now',
+      step,
+    )
+    # Restored from ckpt-<step>: an eval that changes the actions' state saves it again.
+    self.saved_at = step
+    self.eval_at(watcher, step)
+    self.maybe_preempt(watcher, step)
 
   def _actions_values(self) -> list:
     return [np.array(v.numpy()) for v in self.actions_state.variables]

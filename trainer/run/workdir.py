@@ -2,7 +2,10 @@
 
   <workdir>/config.json               the config the run started with (never rewritten by a resume)
   <workdir>/config-step-<N>.json      the whole config of a resume at step N that changed keys
-  <workdir>/checkpoints/              tf.train.CheckpointManager's ckpt-N files and state file
+  <workdir>/checkpoints/              tf.train.CheckpointManager's ckpt-N files and state file,
+                                      healthy.json (the last healthy checkpoint), evaluated.json
+                                      (the step of the last eval that completed) and policy.json
+                                      (the precision policy the newest checkpoints trained in)
   <workdir>/tensorboard/              tf.summary events (train/..., eval/...)
   <workdir>/train.lock                while a training process runs (trainer/run/lock.py)
 
@@ -22,7 +25,8 @@ bookkeeping, diagnostics, where the data is, how the run is distributed) may cha
 warning; any other change is a ConfigError naming the keys, unless
 `config.train.accept_config_change=True`. An accepted change is recorded as config-step-<N>.json
 (N = the step resumed from); config.json stays the first run's record. Eval, export and diagnose
-warn when the config differs from the record in what the restored model computes (COMPUTES).
+warn when the config differs from the record in what the restored model computes (COMPUTES), or
+computes in another policy than the run trained in ('auto' resolves per machine: policy.json).
 A workdir with no checkpoint holds no progress to protect: a new config replaces config.json (and
 drops the config-step records of the checkpoints that are gone).
 
@@ -56,13 +60,17 @@ from trainer.run.config_record import (
   computes,
   config_records,
   describe_change,
+  policy_note,
   read_config,
+  saved_policy,
 )
 from trainer.step import distribute
 from trainer.run import lock as workdir_lock
 from trainer.errors import ConfigError, UserError
 
 HEALTHY = 'healthy.json'  # in checkpoints/: the last healthy checkpoint (trainer/run/health.py)
+EVALUATED = 'evaluated.json'  # in checkpoints/: the step of the last eval that completed
+POLICY = 'policy.json'  # in checkpoints/: the resolved policy of the process that saved last
 CHECKPOINTS = 'checkpoints'
 TENSORBOARD = 'tensorboard'
 
@@ -116,12 +124,15 @@ class Workdir:
     *,
     strategy: tf.distribute.Strategy,
     items=None,
+    policy: str | None = None,
   ):
     self.path = local_path(path)
     self.checkpoint = checkpoint
     self.items = checkpoint if items is None else items
     self.config = config
     self.strategy = strategy
+    self.policy = policy  # the resolved precision policy this process runs in (None: unknown)
+    self._policy_recorded = False  # policy.json written by this process's first save
     self.is_chief = distribute.is_chief(strategy)
     self.checkpoint_dir = os.path.join(self.path, CHECKPOINTS)
     self.scratch: str | None = None  # a non-chief worker's temporary checkpoint folder
@@ -142,14 +153,39 @@ class Workdir:
     except ConfigError:  # a damaged record: the checkpoint may still be read
       saved = {}
     changed = changed_keys(saved, json.loads(json.dumps(self.config.to_dict()))) if saved else []
-    if other := [k for k in changed if computes(k)]:
+    other = [k for k in changed if computes(k)]
+    trained = self.trained_policy(saved)
+    if trained is not None and trained == self.policy and 'precision.policy' in other:
+      other.remove('precision.policy')  # another spelling ('auto') of what the run trained in
+    now = self.config.precision.policy
+    note = policy_note(trained, saved_policy(saved) or now, self.policy, now)
+    if other:
       logging.warning(
-        '%s; this config is used',
+        '%s; this config is used%s',
         describe_change(
           saved, self.config, other, f'the run in {self.path} was trained with another config'
         ),
+        f': the run {note}' if note else '',
+      )
+    elif note:  # the same config, 'auto' resolved to another policy here
+      logging.warning(
+        "the run in %s %s (config.precision.policy='auto' resolves per machine); pass "
+        '--config.precision.policy=%s to compute as it trained',
+        self.path,
+        note,
+        trained,
       )
     return checkpoints.restore_newest_readable(self.items, self.checkpoint_dir, read_only=True)
+
+  def trained_policy(self, saved: dict | None = None) -> str | None:
+    """The precision policy the run's newest checkpoints trained in: policy.json's, else the
+    config record's `saved` unless it is 'auto' (what it resolved to was not recorded: None)."""
+    try:
+      with open(os.path.join(self.checkpoint_dir, POLICY)) as f:
+        return str(json.load(f)['policy'])
+    except (OSError, ValueError, KeyError, TypeError):
+      setting = saved_policy(saved)
+      return None if setting in (None, 'auto') else setting
 
   # ---- training --------------------------------------------------------------------------------
   def restore_for_training(self, init: Callable[[], object] | None = None) -> str | None:
@@ -218,6 +254,12 @@ class Workdir:
     if asynchronous:
       checkpoints.sync(self.checkpoint, self._manager, step)
     logging.info('saved checkpoint %s', path)
+    if self.policy is not None and not self._policy_recorded:  # once: a process has one policy
+      write_json(
+        os.path.join(self.checkpoint_dir, POLICY),
+        {'policy': self.policy, 'config': self.config.precision.policy},
+      )
+      self._policy_recorded = True
     if healthy:
       write_json(
         os.path.join(self.checkpoint_dir, HEALTHY),
@@ -240,6 +282,24 @@ class Workdir:
     ):
       return None
     return record
+
+  def record_eval(self, step: int) -> None:
+    """Records that the eval at `step` completed, its actions' state saved (the chief writes
+    checkpoints/evaluated.json): the checkpoint of an eval step is written before its eval, so
+    a resume from it redoes the eval unless this record is at or past its step (Runner)."""
+    if not self.is_chief:
+      return
+    os.makedirs(self.checkpoint_dir, exist_ok=True)  # an eval before the first save
+    write_json(os.path.join(self.checkpoint_dir, EVALUATED), {'step': int(step)})
+
+  def evaluated_step(self) -> int | None:
+    """The step of the last eval that completed (`record_eval`); None when none did, or the run
+    folder was written before the record existed. Reads only (every worker: the chief's)."""
+    try:
+      with open(os.path.join(self.checkpoint_dir, EVALUATED)) as f:
+        return int(json.load(f)['step'])
+    except (OSError, ValueError, KeyError, TypeError):
+      return None
 
   def healthy_path(self) -> str | None:
     record = self.healthy_record()
@@ -378,6 +438,9 @@ class Workdir:
       for record_step, name in config_records(self.path):
         if record_step >= 0:
           os.remove(name)  # the record of checkpoints that are gone
+      evaluated = os.path.join(self.checkpoint_dir, EVALUATED)
+      if os.path.lexists(evaluated):  # of steps a new run has not reached: it would say done
+        os.remove(evaluated)
       write_json(os.path.join(self.path, CONFIG), current)
       return
     saved = read_config(self.path)
