@@ -13,6 +13,8 @@ CPU-second of the process, each as a ratio to `fit`:
             per-step check whether to stop for a forensic replay is gone;
   no_guard  ours with precision.max_consecutive_skips = 0: the collapse guard's per-step check
             is gone;
+  no_state_check  ours without the finite check of the state an applied update wrote
+            (trainer/step/state_check.py);
   fit       Keras `model.fit`, steps_per_execution = steps_per_loop.
 A diagnostic, not a test: every contender but `ours` and `fit` drops something the trainer keeps.
 """
@@ -37,6 +39,11 @@ _MODEL = flags.DEFINE_string('model', 'mnist_cnn', 'Module in models/.')
 _POLICY = flags.DEFINE_string('policy', 'float32', 'Precision policy.')
 _SPL = flags.DEFINE_integer('steps_per_loop', 10, 'Steps per compiled call.')
 _CALLS = flags.DEFINE_integer('calls', 4, 'Compiled calls per contender per round.')
+_CONTENDERS = flags.DEFINE_list(
+  'contenders',
+  ['ours', 'no_cond', 'bare', 'no_forensics', 'no_guard', 'no_state_check', 'fit'],
+  'Contenders to race (fit is always included: the ratios are to it).',
+)
 
 
 def ablated(trainer_class, keep_checks: bool):
@@ -83,6 +90,18 @@ def ablated(trainer_class, keep_checks: bool):
   return Ablated
 
 
+def without_state_check(trainer_class):
+  """`trainer_class` whose step skips StateCheck.after_apply (traced: nothing is read)."""
+
+  class NoStateCheck(trainer_class):
+    def build_train_step(self):
+      step = super().build_train_step()
+      step.state_check.after_apply = lambda groups, global_step: None
+      return step
+
+  return NoStateCheck
+
+
 def measure_and_print(argv):
   del argv
   logging.set_verbosity(logging.ERROR)
@@ -104,8 +123,10 @@ def measure_and_print(argv):
     'bare': (ablated(trainer_class, keep_checks=False), config),
     'no_forensics': (trainer_class, no_forensics),
     'no_guard': (trainer_class, no_guard),
+    'no_state_check': (without_state_check(trainer_class), config),
     'fit': (trainer_class, config),
   }
+  contenders = {k: v for k, v in contenders.items() if k in _CONTENDERS.value or k == 'fit'}
   built = {}
   for name, (cls, cfg) in contenders.items():
     contender = (KerasFit if name == 'fit' else Ours)(cls, cfg)
