@@ -496,6 +496,7 @@ class Runner:
         skipped=skipped,
         steps_per_sec=steps_per_sec,
         nonfinite_loss=nonfinite,
+        steps=counts.get('steps', 0),
       )
     )
     self.write_scalars(
