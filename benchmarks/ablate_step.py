@@ -37,6 +37,9 @@ from benchmarks import run as bench_run  # noqa: E402  (its flags: --rounds, --d
 
 _MODEL = flags.DEFINE_string('model', 'mnist_cnn', 'Module in models/.')
 _POLICY = flags.DEFINE_string('policy', 'float32', 'Precision policy.')
+_LOSS_SCALE = flags.DEFINE_string(
+  'loss_scale', 'auto', "config.precision.loss_scale: 'auto', 'none', 'dynamic' or a number."
+)
 _SPL = flags.DEFINE_integer('steps_per_loop', 10, 'Steps per compiled call.')
 _CALLS = flags.DEFINE_integer('calls', 4, 'Compiled calls per contender per round.')
 _CONTENDERS = flags.DEFINE_list(
@@ -112,7 +115,12 @@ def measure_and_print(argv):
   rounds = bench_run._ROUNDS.value or 6
   trainer_class = models.get_trainer_class(_MODEL.value)
   spl = _SPL.value
-  config = variant(model_config(_MODEL.value), policy=_POLICY.value, steps_per_loop=spl)
+  config = variant(
+    model_config(_MODEL.value),
+    policy=_POLICY.value,
+    loss_scale=_LOSS_SCALE.value,
+    steps_per_loop=spl,
+  )
   no_forensics = config.copy_and_resolve_references()
   no_forensics.numerics.forensics_first = no_forensics.numerics.forensics_every = 0
   no_guard = config.copy_and_resolve_references()

@@ -2,8 +2,9 @@
 
 The tests live in folders named after the packages they test (tests/step/, tests/run/, ...;
 tests/e2e/ for the runs through launch.py and the benchmarks). The shared helpers (tiny.py,
-docblocks.py, the *_run(s).py scripts) stay here in tests/, and every test folder is on sys.path,
-so a test imports a helper or another test's function by module name wherever it lives.
+docblocks.py, local_cluster.py, the *_run(s).py scripts) stay here in tests/, and every test
+folder is on sys.path, so a test imports a helper or another test's function by module name
+wherever it lives.
 """
 
 import os

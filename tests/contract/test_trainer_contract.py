@@ -159,14 +159,25 @@ class InfLoss(TinyTrainer):
 
 
 def test_nonfinite_loss_shows_and_stops_the_run(tmp_path, caplog):
-  trainer = InfLoss(
-    tiny_config(**{'precision.max_consecutive_skips': 8, 'train.steps': 30}), str(tmp_path / 'w')
+  """The first line (steps 0-9, the loss inf from step 5) shows the mean of the finite steps
+  and, right after it, that 5 of its 10 steps are left out (it was said after the scale)."""
+  config = tiny_config(
+    **{
+      'precision.max_consecutive_skips': 8,
+      'train.steps': 30,
+      'train.steps_per_loop': 10,
+      'train.log_every': 10,
+      'train.checkpoint_every': 10,
+    }
   )
+  trainer = InfLoss(config, str(tmp_path / 'w'))
   with caplog.at_level('INFO'), pytest.raises(CollapseError, match='loss was not'):
     trainer.train()
   assert int(trainer.train_step.skipped_steps.numpy()) == 0  # applied: gradients were finite
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('step 10/')]
-  assert 'non-finite loss in 5 steps' in lines[0]
+  metrics = lines[0].split(' | ')[1]
+  assert metrics.endswith(' (non-finite loss in 5 of 10 steps; means of the other 5)'), lines
+  assert np.isfinite(float(metrics.split()[1])), lines  # the loss: the mean of steps 0-4
 
 
 def test_stateful_metrics_leave_out_nonfinite_loss_steps(tmp_path):

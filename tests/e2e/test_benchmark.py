@@ -9,20 +9,34 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 
 def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
+  """float32 only (with the machine's default policy, float32 on an AVX2-only CPU) on the MLP:
+  every contender and every ratio row of the full run, the fewest steps. The loss-scaled
+  policies go through the same code in the slow test below (float16 and bfloat16 are emulated
+  on such a CPU: their contenders took most of the 9 minutes this test once ran)."""
+  check_quick_benchmark(tmp_path, 'mnist_mlp', ['float32'])
+
+
+@pytest.mark.slow  # ~9 min on the 2-core AVX2 CPU: mixed_float16's contenders are emulated
+def test_quick_benchmark_with_a_loss_scaled_policy(tmp_path):
+  check_quick_benchmark(tmp_path, 'mnist_cnn', ['float32', 'mixed_float16'])
+
+
+def check_quick_benchmark(tmp_path, name: str, wanted: list[str]) -> None:
+  """Runs `benchmarks/run.py --quick` on model `name` in the policies `wanted`; checks that
+  benchmark.json/.md/.png and the results page hold every section, contender and ratio."""
   out = tmp_path / 'bench'
-  # Two policies keep it short; the full run adds mixed_bfloat16 through the same code (emulated
-  # on a CPU without AVX512_BF16, where its contenders took most of this test's minutes).
   done = subprocess.run(
     [
       sys.executable,
       os.path.join(ROOT, 'benchmarks', 'run.py'),
       '--quick',
-      '--models=mnist_cnn',
-      '--policies=float32,mixed_float16',
+      f'--models={name}',
+      f'--policies={",".join(wanted)}',
       f'--out={out}',
       f'--results_dir={tmp_path}',
     ],
@@ -33,25 +47,25 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
     env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
   )
   assert done.returncode == 0, done.stderr[-3000:]
-  for name in ('benchmark.json', 'benchmark.md', 'benchmark.png'):
-    assert (out / name).stat().st_size > 0, name
+  for file in ('benchmark.json', 'benchmark.md', 'benchmark.png'):
+    assert (out / file).stat().st_size > 0, file
 
   results = json.loads((out / 'benchmark.json').read_text())
   machine = results['machine']
   assert machine['cores'] >= 1 and machine['cpu'] and machine['tensorflow']
   assert all(results['peak_flops'][d] > 0 for d in ('float32', 'bfloat16', 'float16'))
   policies = results['settings']['policies']
-  assert {'float32', 'mixed_float16'} <= set(policies)
-  model = results['models']['mnist_cnn']
+  assert set(wanted) <= set(policies)
+  model = results['models'][name]
   assert model['flops_per_step'] > 0
   assert model['host_ops_in_train_loop'] == []  # nothing a finite step runs calls the host
   assert model['host_ops_on_skipped_steps_only'] == ['PrintV2']  # the skip report, and only it
   rounds = results['settings']['rounds']
-  for name, contender in model['contenders'].items():
-    assert len(contender['rounds']) == rounds and all(r > 0 for r in contender['rounds']), name
+  for label, contender in model['contenders'].items():
+    assert len(contender['rounds']) == rounds and all(r > 0 for r in contender['rounds']), label
     for clock in ('steps_per_sec', 'steps_per_cpu_sec'):
       stats = contender[clock]
-      assert 0 < stats['min'] <= stats['median'] <= stats['max'], (name, clock)
+      assert 0 < stats['min'] <= stats['median'] <= stats['max'], (label, clock)
   default = model['default_policy']
   expected = {f'{kind} {p}' for kind in ('ours', 'fit') for p in policies}
   auto = {p: 'dynamic' if p == 'mixed_float16' else 'none' for p in policies}
@@ -68,9 +82,17 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
     if n != results['settings']['steps_per_loop']
   }
   expected.add(f'ours {default} jit_compile')
+  expected |= {f'ours {default} optimizer.fused=False', f'fit {default} optimizer.fused=True'}
   expected |= {f'fit {default} lso=ours', f'fit {default} lso=keras'}  # issue 36's pair
   assert expected <= set(model['contenders'])
   assert model['fit_lso_ours_over_keras']['median'] > 0
+  assert model['jit_speedup']['median'] > 0
+  assert all(stats['median'] > 0 for stats in model['fused_optimizer'].values())
+  assert set(model['fused_optimizer']) == {
+    'ours_unfused_over_fit',
+    'ours_over_fit_fused',
+    'fit_fused_over_fit',
+  }
   for p in policies:
     assert model['ours_over_fit'][p]['median'] > 0
     assert model['cpu_time']['ours_over_fit'][p]['median'] > 0
@@ -80,7 +102,10 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
     memory = model['memory'][p]
     assert 0 < memory['imported_mib'] <= memory['built_mib'] <= memory['peak_mib']
     assert memory['step_mib'] == memory['peak_mib'] - memory['imported_mib']
-  assert set(model['memory']) == set(policies)  # no remat rows: the CNN marks no blocks
+  for n in results['settings']['loop_sweep']:
+    if n != results['settings']['steps_per_loop']:
+      assert model['ours_over_fit'][f'{default} steps_per_loop={n}']['median'] > 0
+  assert set(model['memory']) == set(policies)  # no remat rows: these models mark no blocks
   assert (
     set(model['targets_met'])
     == set(model['targets_met_cpu_time'])
@@ -90,8 +115,10 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
   table = (out / 'benchmark.md').read_text()
   assert machine['cpu'] in table and machine['tensorflow'] in table
   for heading in (
-    '## mnist_cnn',
+    f'## {name}',
     'Ours vs Keras fit',
+    'Where ours / fit comes from',
+    "fit with our LossScaleOptimizer / with Keras's",
     'Cost of loss scaling',
     'speed-up, FLOP utilisation, memory',
     'steps_per_loop and jit_compile',
@@ -100,7 +127,7 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
     assert heading in table, heading
   for p in policies:
     assert f'| {p} |' in table
-  assert '## mnist_cnn' in results_page(tmp_path, 'run')  # the same tables, as the results page
+  assert f'## {name}' in results_page(tmp_path, 'run')  # the same tables, as the results page
 
 
 def results_page(folder, name: str) -> str:
@@ -113,14 +140,16 @@ def results_page(folder, name: str) -> str:
 
 def test_step_ablation_runs_every_contender(tmp_path):
   """benchmarks/ablate_step.py builds its stripped-down steps on the public TrainStep contract;
-  one short round of each, on the MLP, so it never rots. No claim about speed. In mixed_float16
-  (a mixed policy, with its loss scale): mixed_bfloat16 is emulated and slow on this CPU."""
+  one short round of each, on the MLP, so it never rots. No claim about speed. In float32 with
+  a dynamic loss scale (the loss-scaled step, at float32's speed: in mixed_float16, emulated on
+  an AVX2-only CPU, this test took 192 s on one loaded xdist worker)."""
   done = subprocess.run(
     [
       sys.executable,
       os.path.join(ROOT, 'benchmarks', 'ablate_step.py'),
       '--model=mnist_mlp',
-      '--policy=mixed_float16',
+      '--policy=float32',
+      '--loss_scale=dynamic',
       '--rounds=1',
       '--calls=1',
       f'--results_dir={tmp_path}',

@@ -70,6 +70,24 @@ def test_bar_on_a_terminal_only():
   assert progress.Progress(total=1, log_every=1, stream=io.StringIO()).live is False
 
 
+def test_the_line_says_which_steps_its_means_leave_out():
+  """The means are over the steps whose loss was finite: the line says how many of its steps
+  were not, right after the means (NaN when none was finite)."""
+  common = dict(step=10, total=100, learning_rate=1e-3, scale=1.0, skipped=0, steps_per_sec=1.0)
+  some = progress.line(
+    metrics={'loss': 0.5, 'accuracy': 0.75}, nonfinite_loss=3, steps=10, **common
+  )
+  assert (
+    '| loss 0.5000 accuracy 0.7500 (non-finite loss in 3 of 10 steps; means of the other 7) |'
+    in some
+  )
+  nan = float('nan')
+  every = progress.line(metrics={'loss': nan}, nonfinite_loss=10, steps=10, **common)
+  assert '| loss nan (non-finite loss in 10 of 10 steps) |' in every
+  finite = progress.line(metrics={'loss': 0.5}, steps=10, **common)
+  assert '| loss 0.5000 |' in finite and 'non-finite' not in finite
+
+
 def test_resumed_run_writes_a_tensorboard_point_at_its_first_call(tiny_trainer):
   # log_every 20 is far away: without the first-call line a resumed run would show nothing
   # until step 20.

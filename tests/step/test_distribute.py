@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,9 +13,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+from local_cluster import ENV, run_two_workers
 
 DATA = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
-ENV = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
 # float32, 3 SGD steps: only the order of the two half-batch sums differs (measured ~3e-8).
 # A gradient summed twice, averaged instead of summed, or clipped by a per-replica norm moves
 # the weights by ~1e-2.
@@ -186,53 +185,12 @@ def test_launch_splits_the_cpu_into_two_replicas_that_skip_together(tmp_path):
 
 
 # ---- multi_worker: two processes on loopback ports ------------------------------------------
-def _free_ports(n):
-  sockets = [socket.socket() for _ in range(n)]
-  for s in sockets:
-    s.bind(('127.0.0.1', 0))
-  ports = [s.getsockname()[1] for s in sockets]
-  for s in sockets:
-    s.close()
-  return ports
-
-
 def run_workers(workdir, out, steps, *extra):
   """Runs tests/multi_worker_run.py as the two workers of one cluster on free loopback ports;
   returns ([worker0's results, worker1's] with their final 'weights' when they finished), [their
   logs]); asserts both exited with code 0."""
-  ports = _free_ports(2)
-  cluster = {'worker': [f'127.0.0.1:{p}' for p in ports]}
-  procs = []
-  for index in range(2):
-    tf_config = json.dumps({'cluster': cluster, 'task': {'type': 'worker', 'index': index}})
-    procs.append(
-      subprocess.Popen(
-        [
-          sys.executable,
-          os.path.join(ROOT, 'tests', 'multi_worker_run.py'),
-          str(workdir),
-          str(out),
-          str(steps),
-          *extra,
-        ],
-        env={**ENV, 'TF_CONFIG': tf_config},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-      )
-    )
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=300)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-4000:]
+  script = os.path.join(ROOT, 'tests', 'multi_worker_run.py')
+  logs = run_two_workers([sys.executable, script, str(workdir), str(out), str(steps), *extra])
   results = []
   for name in ('worker0', 'worker1'):
     with open(out / f'{name}.json') as f:

@@ -5,15 +5,11 @@ stay finite, identical to the initial ones and to the other worker's."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 from conftest import ROOT
-from test_distribute import _free_ports
-
-ENV = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
-
+from local_cluster import run_two_workers
 
 # 2 TF processes: 84 s wall on the 2 shared cores (26 s CPU); the loop case alone needs the
 # same two process starts and cluster set-up, so there is no quick subset.
@@ -23,30 +19,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope='module')
 def workers(tmp_path_factory):
   out = tmp_path_factory.mktemp('lso_mwms')
-  cluster = {'worker': [f'127.0.0.1:{p}' for p in _free_ports(2)]}
-  script = os.path.join(ROOT, 'tests', 'lso_multi_worker_run.py')
-  procs = []
-  for index in range(2):
-    tf_config = json.dumps({'cluster': cluster, 'task': {'type': 'worker', 'index': index}})
-    procs.append(
-      subprocess.Popen(
-        [sys.executable, script, str(out)],
-        env={**ENV, 'TF_CONFIG': tf_config},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-      )
-    )
-  try:
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-4000:]
+  run_two_workers(
+    [sys.executable, os.path.join(ROOT, 'tests', 'lso_multi_worker_run.py'), str(out)]
+  )
   found = [json.loads((out / f'worker{i}.json').read_text()) for i in range(2)]
   assert [w['replicas'] for w in found] == [2, 2]
   return found

@@ -1,5 +1,7 @@
 """The compiled step: skip semantics, the global step, clipping, checkpoints."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -471,6 +473,56 @@ def test_the_skip_line_names_a_non_finite_learning_rate(tmp_path, capfd):
     'skipped step 1 (non-finite learning rate, no update): loss scale 32768'
   ]
   assert int(trainer.train_step.skipped_steps.numpy()) == 1
+
+
+class InfFromStep1(TinyTrainer):
+  """Every training gradient is non-finite from global step 1 on: a run that skips every step."""
+
+  def compute_loss(self, batch, *, training):
+    loss, metrics = super().compute_loss(batch, training=training)
+    if training:
+      loss = loss * tf.where(self.global_step >= 1, float('inf'), 1.0)
+    return loss, metrics
+
+
+def test_a_run_of_skips_is_its_first_line_then_one_line_per_progress_line(tmp_path, capfd, caplog):
+  """A skip right after a skip gets no line of its own; the host sums them up, one line before
+  each progress line. It printed 19 lines here, one per step."""
+  config = tiny_config(
+    **{
+      'train.steps': 20,
+      'train.log_every': 10,
+      'precision.max_consecutive_skips': 0,
+      'numerics.forensics_first': 0,
+      'numerics.forensics_every': 0,
+      'numerics.divergence_factor': 0,  # the logged loss is NaN: not a divergence here
+    }
+  )
+  trainer = InfFromStep1(config, str(tmp_path / 'w'))
+  with caplog.at_level('INFO'):
+    trainer.train()
+  assert int(trainer.train_step.skipped_steps.numpy()) == 19
+  lines = _skip_lines(capfd.readouterr().err)
+  assert len(lines) == 1, lines
+  assert lines[0].startswith(
+    'skipped step 1 (non-finite gradients, no update): loss scale 1, non-finite in 4 of 4 '
+    'variables, first: '
+  )
+  logged = [r.getMessage() for r in caplog.records]
+  progress_at = [i for i, m in enumerate(logged) if m.startswith('step ') and '/20 (' in m]
+  summaries = {i: m for i, m in enumerate(logged) if ' more skipped steps ' in m}
+  # The first call (5 steps), log_every, the end: each interval skipped, each gets one line,
+  # right before its progress line.
+  assert len(progress_at) >= 3 and [i + 1 for i in summaries] == progress_at, logged
+  covered = []
+  for message in summaries.values():
+    first, last, count = re.match(
+      r'steps (\d+)-(\d+): (\d+) more skipped steps in a row', message
+    ).groups()
+    assert int(count) == int(last) - int(first) + 1, message
+    assert message.endswith('loss scale 1 at the last skip'), message
+    covered += range(int(first), int(last) + 1)
+  assert covered == list(range(2, 20))  # every skip after the first, once
 
 
 def test_apply_or_skip_takes_one_flag_per_group(tmp_path):

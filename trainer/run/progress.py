@@ -46,21 +46,32 @@ def line(
   skipped: int,
   steps_per_sec: float,
   nonfinite_loss: int = 0,
+  steps: int = 0,
 ) -> str:
   """The progress line. `learning_rate` and `scale` are one value, or one per update group
   ({group name: value}, `learning_rates` and `loss_scales`): each group's shown when there are
-  several."""
+  several. `metrics` are means over the `steps` steps since the last line whose loss was
+  finite; the `nonfinite_loss` others are said right after them, where the means are read."""
   first = next(iter(scale.values())) if isinstance(scale, dict) else scale
   _last_values.clear()
   _last_values.update({'loss': metrics.get('loss', float('nan')), 'scale': first, 'step': step})
-  shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items())
+  shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items()) + _nonfinite(nonfinite_loss, steps)
   return (
     f'step {step}/{total} ({100.0 * step / max(total, 1):.0f}%) | {shown} | '
     f'{_named("lr", learning_rate, lambda v: f"{v:.2e}")} | '
     f'{_named("scale", scale, lambda v: f"{v:g}")} | skipped {skipped} | '
-    + (f'non-finite loss in {nonfinite_loss} steps | ' if nonfinite_loss else '')
-    + f'{steps_per_sec:.1f} steps/s | ETA {_eta(total - step, steps_per_sec)}'
+    f'{steps_per_sec:.1f} steps/s | ETA {_eta(total - step, steps_per_sec)}'
   )
+
+
+def _nonfinite(count: int, steps: int) -> str:
+  """' (non-finite loss in 3 of 10 steps; means of the other 7)' after the metrics when a step's
+  loss was not finite (its outputs are left out of the means; none left: the means are NaN)."""
+  if not count:
+    return ''
+  of = f' of {steps}' if steps >= count else ''
+  rest = f'; means of the other {steps - count}' if steps > count else ''
+  return f' (non-finite loss in {count}{of} steps{rest})'
 
 
 def group_name(group, index: int) -> str:

@@ -513,6 +513,9 @@ class Runner:
     rates, scales = progress.learning_rates(groups), progress.loss_scales(groups)
     skipped = int(tr.train_step.skipped_steps.numpy())
     nonfinite = counts.get('nonfinite_loss', 0)
+    unprinted = tr.train_step.guard.unprinted()  # skips right after a skip: one line for all
+    if unprinted:
+      logging.warning(unprinted)
     logging.info(
       progress.line(
         step=step,
@@ -523,6 +526,7 @@ class Runner:
         skipped=skipped,
         steps_per_sec=steps_per_sec,
         nonfinite_loss=nonfinite,
+        steps=counts.get('steps', 0),
       )
     )
     self.write_scalars(

@@ -10,6 +10,10 @@ nothing. The guard lives inside the compiled loop:
     the cause (non-finite gradients, gradients the debug injection made non-finite, or a
     non-finite learning rate), that group's loss scale and the first variables whose gradients
     were non-finite; a finite step pays only the reset of one scalar counter;
+  * that line is printed for the first skip of a run of skips in a row only; the skips right
+    after a skip are counted instead, and the host logs one line for them at its next progress
+    line (`unprinted`): a run that skips every step logs one line per log interval, not one per
+    step, and the first skip's cause and variables stay in the log;
   * it counts bad steps in a row (skipped, or applied with a non-finite loss); when
     `max_consecutive_skips` (> 0) is reached the loop
     stops early, and `check()` (host side, between compiled calls) raises `CollapseError` naming
@@ -25,6 +29,7 @@ from typing import Any
 import tensorflow as tf
 
 from trainer.errors import CollapseError
+from trainer.step.apply_or_skip import SKIP_SCOPE
 from trainer.step.loss_scale import state_variable
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -93,6 +98,10 @@ class SkipGuard(tf.Module):
       tf.zeros([len(self.names)], tf.int32), tf.int32, 'nonfinite_per_variable'
     )
     self.last_scale = state_variable(0.0, tf.float32, 'scale_at_last_skip')  # for forensics
+    # The step of the last skip (a skip right after it gets no line of its own), and the skips
+    # without a line since the host last read them: [count, first step, last step].
+    self.last_skip = state_variable(tf.constant(-2, tf.int64), tf.int64, 'last_skipped_step')
+    self.unprinted_skips = state_variable(tf.zeros([3], tf.int64), tf.int64, 'unprinted_skips')
     # config.debug.inject_nonfinite_*, when on (trainer/step/inject.py sets it): the skip line
     # names an injected skip as such.
     self.injection: Any = None
@@ -107,7 +116,42 @@ class SkipGuard(tf.Module):
     scales = tf.stack([tf.cast(s, tf.float32) for s in scales])
     first = tf.argmax(tf.cast(skipped, tf.int32))  # the first skipped group: the replay's scale
     self.last_scale.assign(tf.gather(scales, first))
-    tf.print(self._line(step, counts, skipped, scales), output_stream=sys.stderr)
+    step = tf.cast(step, tf.int64)
+    after_skip = tf.equal(step, self.last_skip + 1)  # read before the assign (program order)
+    self.last_skip.assign(step)
+    tf.cond(
+      after_skip,
+      lambda: self._count_unprinted(step),
+      lambda: self._print(self._line(step, counts, skipped, scales)),
+    )
+
+  @staticmethod
+  def _print(line) -> tf.Tensor:
+    # Its own branch function: the scope again keeps the print a skip-only op by name
+    # (benchmarks/run.py checks that no host op runs on a finite step).
+    with tf.name_scope(SKIP_SCOPE):
+      tf.print(line, output_stream=sys.stderr)
+    return tf.constant(True)
+
+  def _count_unprinted(self, step) -> tf.Tensor:
+    count, first = self.unprinted_skips[0], self.unprinted_skips[1]
+    self.unprinted_skips.assign(tf.stack([count + 1, tf.where(count > 0, first, step), step]))
+    return tf.constant(True)
+
+  def unprinted(self) -> str | None:
+    """Host side, at a progress line: one line for the skips printed without their own line
+    since the last call (each came right after a skip, whose line was printed), or None; they
+    are counted from zero again."""
+    count, first, last = (int(v) for v in self.unprinted_skips.numpy())
+    if count == 0:
+      return None
+    self.unprinted_skips.assign(tf.zeros([3], tf.int64))
+    runs = 'in a row' if count == last - first + 1 else 'each right after another skip'
+    return (
+      f'steps {first}-{last}: {count} more skipped steps {runs}, without a line each (the '
+      'first skip of a run has its line above); loss scale '
+      f'{float(self.last_scale.numpy()):g} at the last skip'
+    )
 
   def _line(self, step, counts, skipped, scales) -> tf.Tensor:
     """'skipped step N (<cause>, no update): loss scale S, non-finite in K of M variables,
