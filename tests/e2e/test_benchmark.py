@@ -162,7 +162,15 @@ def test_step_ablation_runs_every_contender(tmp_path):
   )
   assert done.returncode == 0, done.stderr[-3000:]
   rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:] if line.strip()}
-  assert set(rows) == {'ours', 'no_cond', 'bare', 'no_forensics', 'no_guard', 'fit'}, done.stdout
+  assert set(rows) == {
+    'ours',
+    'no_cond',
+    'bare',
+    'no_forensics',
+    'no_guard',
+    'no_state_check',
+    'fit',
+  }, done.stdout
   assert all(float(row[1]) > 0 for row in rows.values())  # steps per second
   assert done.stdout.strip() in results_page(tmp_path, 'ablate_step')  # what it printed
 
