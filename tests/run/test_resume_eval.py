@@ -61,7 +61,11 @@ def eval_steps(workdir) -> list[int]:
   return [step for step, _ in read_scalars(str(workdir)).get('eval/loss', [])]
 
 
-@pytest.mark.parametrize('how, raised', [('raise', KeyboardInterrupt), ('signal', Preempted)])
+# The SIGINT case trains the MLP twice more (about 40 s): slow; the raised case stays quick.
+@pytest.mark.parametrize(
+  'how, raised',
+  [('raise', KeyboardInterrupt), pytest.param('signal', Preempted, marks=pytest.mark.slow)],
+)
 def test_an_eval_cut_by_ctrl_c_is_redone_on_resume(mnist_dir, tmp_path, caplog, how, raised):
   workdir = tmp_path / 'w'
   first = SmallEvalMlp(mlp_config(mnist_dir), str(workdir))
