@@ -536,7 +536,8 @@ def import_keras() -> None:
     import keras  # noqa: F401
 
     return
-  sys.modules['matplotlib'] = None  # type: ignore[assignment]  (`import matplotlib...` fails)
+  # None in sys.modules: `import matplotlib...` raises ImportError while Keras loads.
+  sys.modules['matplotlib'] = None  # type: ignore[assignment]
   try:
     import keras  # noqa: F401
   finally:
