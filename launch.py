@@ -21,6 +21,8 @@ from __future__ import annotations
 import ast
 import datetime
 import difflib
+import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -391,6 +393,7 @@ def main(argv):
 
   workers.dispatch(flags.FLAGS, sys.argv, _CONFIG.value, _default_workdir)
   # Imported here so that --help and flag errors do not wait for TensorFlow.
+  import_keras()
   import models
   from trainer.errors import UserError
   from trainer.run.preemption import Preempted
@@ -507,6 +510,44 @@ def quiet_tensorflow() -> None:
       kept = [l for l in lines if not _START_UP_LINE.match(l)]
       if kept:
         print('\n'.join(kept), file=sys.stderr)
+
+
+class _OnFirstUse:
+  """Stands for a module that is imported when one of its attributes is first read."""
+
+  def __init__(self, name: str):
+    self._name = name
+
+  def __getattr__(self, attr: str):
+    return getattr(importlib.import_module(self._name), attr)
+
+
+def import_keras() -> None:
+  """Imports Keras without matplotlib. `import keras` loads keras.visualization, whose modules
+  import matplotlib.pyplot and matplotlib.patches at module level for their plotting functions
+  (each in a try/except ImportError): when matplotlib is installed that is a good part of a
+  second of every launch, for functions training never calls. matplotlib is hidden while Keras
+  loads, then each such module attribute Keras left at None (`plt`, `patches`) becomes a
+  stand-in that imports the module on first use, so those functions still work. Nothing is
+  done when Keras or matplotlib is already imported, or matplotlib is not installed."""
+  if 'keras' in sys.modules or 'matplotlib' in sys.modules:
+    return
+  if importlib.util.find_spec('matplotlib') is None:
+    import keras  # noqa: F401
+
+    return
+  # None in sys.modules: `import matplotlib...` raises ImportError while Keras loads.
+  sys.modules['matplotlib'] = None  # type: ignore[assignment]
+  try:
+    import keras  # noqa: F401
+  finally:
+    del sys.modules['matplotlib']
+  for name, module in list(sys.modules.items()):
+    if not name.startswith('keras.') or module is None:
+      continue
+    for attr, real in (('plt', 'matplotlib.pyplot'), ('patches', 'matplotlib.patches')):
+      if attr in vars(module) and vars(module)[attr] is None:
+        setattr(module, attr, _OnFirstUse(real))
 
 
 # absl's C++ lines before InitializeLog: "I0000 00:00:<time> <thread> <file>:<line>] ..." and

@@ -5,7 +5,10 @@ iterations of `python train.py config/train_shakespeare_char.py --device=cpu --c
 --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4
 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0`). nanoGPT estimates it from
 20 random batches of 12 windows of the validation split (eval_iters=20); our trainer evaluates
-the whole split. benchmarks/references.py reports both.
+the whole split. benchmarks/references.py reports both. Evaluation work: nanoGPT's recipe
+evaluates 9 times (iterations 0, 250, ..., 2000) on 20 batches of each split, 360 forward
+batches; ours once, at the end, 146 batches (the validation split): less, so whole-process
+timings against nanoGPT's train.py do not charge ours extra evaluation (docs/references.md).
 The recipe: train_shakespeare_char.py's AdamW (lr 1e-3, beta2 0.99, 100 warm-up steps, cosine to
 min_lr 1e-4 at step 2000) with train.py's weight decay 0.1 and clip 1.0, PyTorch's epsilon 1e-8.
 The model is ours (models/transformer_lm.py: untied embeddings, biases, learned positions), the

@@ -6,7 +6,8 @@ config.train.remat each block recomputes its activations in the backward pass.
 What stays float32 under a mixed policy:
   * every variable (the layers build float32 weights; trainer/nn/layers.py);
   * the attention softmax and its -inf causal mask (CausalSelfAttention);
-  * layer normalization (Keras computes its statistics in float32 and casts the result back);
+  * layer normalization (statistics and result in float32, cast back; trainer/nn/layers.py:
+    LayerNorm, Keras's layer with its backward pass written out);
   * the logits (`dtype='float32'` on the last layer) and the cross-entropy.
 The matmuls and the residual stream run in the policy's compute dtype.
 
@@ -32,7 +33,12 @@ from trainer import Datasets, Trainer
 from trainer.nn import remat
 from trainer.data import shakespeare
 from trainer.errors import ConfigError, DataError, UserError
-from trainer.nn.layers import CausalSelfAttention, TokenAndPositionEmbedding, gelu_float32
+from trainer.nn.layers import (
+  CausalSelfAttention,
+  LayerNorm,
+  TokenAndPositionEmbedding,
+  gelu_float32,
+)
 
 MODEL_DEFAULTS = dict(
   context=128,
@@ -78,7 +84,7 @@ class TransformerBlock(keras.layers.Layer):
     self.d_model, self.num_heads = int(d_model), int(num_heads)
     self.mlp_ratio, self.dropout = int(mlp_ratio), float(dropout)
     n, p = self.name, self.dtype_policy
-    self.ln1 = keras.layers.LayerNormalization(epsilon=1e-5, name=f'{n}_ln1', dtype=p)
+    self.ln1 = LayerNorm(epsilon=1e-5, name=f'{n}_ln1', dtype=p)
     self.attention_kind, self.attention_chunk = attention, int(attention_chunk)
     self.attention = CausalSelfAttention(
       num_heads,
@@ -88,7 +94,7 @@ class TransformerBlock(keras.layers.Layer):
       name=f'{n}_attention',
       dtype=p,
     )
-    self.ln2 = keras.layers.LayerNormalization(epsilon=1e-5, name=f'{n}_ln2', dtype=p)
+    self.ln2 = LayerNorm(epsilon=1e-5, name=f'{n}_ln2', dtype=p)
     # GELU in float32: bfloat16 element-wise erf is emulated on a CPU (trainer/nn/layers.py).
     self.mlp_in = keras.layers.Dense(
       mlp_ratio * d_model, activation=gelu_float32, name=f'{n}_mlp_in', dtype=p
@@ -163,7 +169,7 @@ def build_transformer(vocab_size: int, m, config=None) -> keras.Model:
       attention_chunk=m.attention_chunk,
       name=f'block{i}',
     )(x)
-  x = keras.layers.LayerNormalization(epsilon=1e-5, name='final_ln')(x)
+  x = LayerNorm(epsilon=1e-5, name='final_ln')(x)
   logits = keras.layers.Dense(vocab_size, dtype='float32', name='logits')(x)  # float32 logits
   return keras.Model(tokens, logits, name='transformer_lm')
 

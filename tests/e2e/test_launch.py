@@ -108,6 +108,28 @@ def test_tensorflows_tf_data_options_warning_is_hidden_and_others_are_not():
   assert "a warning of the user's own" in result.stderr
 
 
+def test_launch_imports_keras_without_matplotlib_and_keras_plots_still_work(tmp_path):
+  """`import keras` loads matplotlib.pyplot and .patches (keras.visualization) when matplotlib is
+  installed, for plotting functions training never calls; launch.py hides it while Keras loads,
+  and Keras's plotting functions import it when called."""
+  pytest.importorskip('matplotlib')
+  png = tmp_path / 'gallery.png'
+  code = (
+    'import sys, launch; launch.import_keras(); '
+    "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib')); "
+    'import numpy as np, keras; '
+    f'keras.visualization.plot_image_gallery(np.zeros([2, 8, 8, 3]), path={str(png)!r}); '
+    "print('matplotlib.pyplot' in sys.modules)"
+  )
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', MPLBACKEND='Agg')
+  result = subprocess.run(
+    [sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split('\n')[:2] == ['[]', 'True']
+  assert png.stat().st_size > 0
+
+
 def launch_tiny(tmp_path, *args):
   """launch.py with tests/tiny.py's model (a module of a package in tmp_path), run in
   tmp_path/run."""

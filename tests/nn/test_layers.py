@@ -270,3 +270,45 @@ def test_gelu_float32_gradient_keeps_relative_accuracy_in_the_left_tail():
   normal = np.abs(want) > 1e-30  # float32 still holds it with full relative precision
   relative = np.abs(dx[normal] - want[normal]) / np.abs(want[normal])
   assert relative.max() < 1e-4, (xs[normal][relative.argmax()], relative.max())
+
+
+@pytest.mark.parametrize('policy', ['float32', 'mixed_bfloat16'], indirect=True)
+def test_layer_norm_equals_keras_layer_normalization_value_and_gradients(policy):
+  """LayerNorm's written-out backward pass gives Keras's LayerNormalization's values and its
+  gradients for the input, gamma and beta (to float32 rounding; under mixed_bfloat16 to the
+  rounding of the bfloat16 output), with the same weights and dtypes, and has fewer ops."""
+  from trainer.nn.layers import LayerNorm
+
+  x = 1 + 3 * tf.random.stateless_normal([4, 5, 16], seed=[1, 2])
+  ours, keras_ln = LayerNorm(epsilon=1e-5), keras.layers.LayerNormalization(epsilon=1e-5)
+  for layer in (ours, keras_ln):
+    layer.build(x.shape)
+    layer.gamma.assign(1 + 0.1 * tf.random.stateless_normal([16], seed=[3, 4]))
+    layer.beta.assign(0.1 * tf.random.stateless_normal([16], seed=[5, 6]))
+  dy = tf.random.stateless_normal([4, 5, 16], seed=[7, 8])
+
+  def value_and_grads(layer):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = layer(x)
+      loss = tf.reduce_sum(tf.cast(y, tf.float32) * dy)
+    return [y, *tape.gradient(loss, [x, layer.gamma, layer.beta])]
+
+  got, want = value_and_grads(ours), value_and_grads(keras_ln)
+  assert [t.dtype for t in got] == [t.dtype for t in want]
+  assert got[0].dtype == (tf.bfloat16 if policy == 'mixed_bfloat16' else tf.float32)
+  tol = 1e-2 if policy == 'mixed_bfloat16' else 1e-5
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(tf.cast(g, tf.float32), tf.cast(w, tf.float32), atol=tol, rtol=tol)
+  if policy == 'float32':  # what it is for: fewer ops in the step's graph, forward and backward
+
+    def ops(layer):
+      def f(t):
+        with tf.GradientTape() as tape:
+          tape.watch(t)
+          y = layer(t)
+        return tape.gradient(y, [t, *layer.trainable_variables])
+
+      return len(tf.function(f).get_concrete_function(x).graph.get_operations())
+
+    assert ops(ours) < ops(keras_ln)

@@ -186,6 +186,62 @@ def masked_softmax(scores: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
   return forward(scores)
 
 
+def layer_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float) -> tf.Tensor:
+  """(x - mean) / sqrt(var + epsilon) * gamma + beta over the last axis, in float32 whatever x's
+  dtype (returned float32: the caller casts), with its backward pass written out.
+
+  TensorFlow has no layer-norm kernel on a CPU: Keras's LayerNormalization is about eight
+  element-wise ops and reductions forward, and autodiff through them about twice as many
+  backward (each gradient of a broadcast product, the moments' gradients, their sum). Here the
+  backward pass is the closed form, from the normalized input xhat and the per-row 1/std:
+    g = dy * gamma;  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    dgamma = sum over rows of dy * xhat;  dbeta = sum over rows of dy.
+  What it keeps: xhat when x is float32; under a mixed policy x itself, in its 16-bit dtype
+  (xhat is recomputed from it), so the tape keeps no float32 copy of a 16-bit activation.
+  """
+  low = x.dtype != tf.float32
+
+  @tf.custom_gradient
+  def forward(x, gamma, beta):
+    x32 = tf.cast(x, tf.float32)
+    mean = tf.reduce_mean(x32, axis=-1, keepdims=True)
+    centered = x32 - mean
+    rstd = tf.math.rsqrt(tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True) + epsilon)
+    xhat = centered * rstd
+    kept = x if low else xhat
+
+    def backward(dy):
+      xh = (tf.cast(kept, tf.float32) - mean) * rstd if low else kept
+      dy = tf.cast(dy, tf.float32)
+      g = dy * gamma
+      rows = list(range(len(dy.shape) - 1))
+      dx = rstd * (
+        g
+        - tf.reduce_mean(g, axis=-1, keepdims=True)
+        - xh * tf.reduce_mean(g * xh, axis=-1, keepdims=True)
+      )
+      return tf.cast(dx, x.dtype), tf.reduce_sum(dy * xh, rows), tf.reduce_sum(dy, rows)
+
+    return xhat * gamma + beta, backward
+
+  return forward(x, tf.cast(gamma, tf.float32), tf.cast(beta, tf.float32))
+
+
+@keras.saving.register_keras_serializable(package='trainer')
+class LayerNorm(keras.layers.LayerNormalization):
+  """keras.layers.LayerNormalization (same weights, names, config and float32 statistics) whose
+  call over the last axis with both gamma and beta runs `layer_norm`; any other configuration
+  runs Keras's own call."""
+
+  def call(self, inputs):
+    rank = len(inputs.shape)
+    last = self.axis in ([-1], [rank - 1])
+    if not (last and self.gamma is not None and self.beta is not None) or self.rms_scaling:
+      return super().call(inputs)
+    out = layer_norm(inputs, self.gamma, self.beta, self.epsilon)
+    return tf.cast(out, self.compute_dtype)
+
+
 _SQRT_HALF = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 
