@@ -5,17 +5,20 @@
 
 For each model (the MNIST MLP and CNN: test accuracy; the Shakespeare LM: validation loss) and
 each value of precision.float8 ('none' is the mixed_bfloat16 baseline), one training run from
-the same seed under mixed_bfloat16 with dynamic loss scaling, then:
+the same seed under mixed_bfloat16 with dynamic loss scaling (--policy=float32: float32 compute,
+no loss scaling, the layers that are float32 under mixed_bfloat16 left out of float8), then:
   * the gap to the baseline (accuracy points, or nats/char);
   * per quantized layer, the share of its values saturated (scaled beyond the format's largest)
     or flushed (nonzero, quantized to zero): the activations x and weights w as the forward GEMM
     quantizes them, the output gradients g as the input-gradient GEMM does, measured eagerly on
     one evaluation batch after training (trainer/nn/float8_gemm.observe; the current-scaling
     recipes only, Keras's delayed layers are not instrumented);
-  * the emulated step's cost: seconds per compiled train step, as a ratio to the baseline's. The
-    float8 casts are emulated on a CPU (quantize, dequantize, float32 GEMM): the ratio is the
-    emulation's overhead, not float8 hardware's speed-up, and the machine may be shared (its
-    load average is in the header).
+  * the emulated step's cost: wall seconds and CPU-seconds of the process per compiled train
+    step, and their ratios to the baseline's (CPU-seconds move less when other processes share
+    the cores). The float8 casts are emulated on a CPU (quantize, dequantize, float32 GEMM): the
+    ratio is the emulation's overhead, not float8 hardware's speed-up, and the machine may be
+    shared (its load is in the header). benchmarks/float8_step_cost.py compares ways of running
+    the emulation.
 Writes docs/results/float8.md (benchmarks/results.py: a header of command, commit, machine, load).
 """
 
@@ -41,9 +44,10 @@ MODELS = {  # name: (config file, data folder, metric, higher is better)
   'transformer_lm': ('shakespeare.py', 'tinyshakespeare', 'loss', False),
 }
 # The layers that compute in float32 under mixed_bfloat16 (the logits), named so that a float32
-# run leaves them out of float8 too (precision.float32_layers); the MNIST models' logits have
-# Keras's per-process names, so under float32 their logits are quantized as well.
-FLOAT32_LAYERS = {'transformer_lm': 'logits'}
+# run leaves them out of float8 too (precision.float32_layers). The MNIST models' logits have
+# Keras's per-process names: each run starts from a cleared Keras session, where they are the
+# second Dense layer's (one_run checks that the named layer is the model's last).
+FLOAT32_LAYERS = {'transformer_lm': 'logits', 'mnist_mlp': 'dense_1', 'mnist_cnn': 'dense_1'}
 FULL = {'mnist_mlp': 4680, 'mnist_cnn': 2340, 'transformer_lm': 750}  # the configs' lengths
 
 _MLP = flags.DEFINE_integer('mlp_steps', 936, 'Train steps of the MNIST MLP.')
@@ -108,30 +112,38 @@ def shares(trainer) -> dict[str, dict[str, tuple[float, float]]]:
   }
 
 
-def seconds_per_step(trainer, steps: int) -> float:
+def seconds_per_step(trainer, steps: int) -> tuple[float, float]:
+  """(wall seconds, CPU-seconds of this process) per compiled train step: CPU-seconds move less
+  than wall seconds when other processes share the cores."""
   it = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
   trainer.runner.train_loop.run(it, 2)  # warm: the compiled loop and the iterator
-  start = time.perf_counter()
+  start, cpu = time.perf_counter(), time.process_time()
   trainer.runner.train_loop.run(it, steps)
-  return (time.perf_counter() - start) / steps
+  return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
 
 def one_run(model: str, recipe: str, steps: int) -> dict:
+  import keras
   import models
   from trainer.errors import UserError
 
   workdir = os.path.join(_WORK.value, f'{model}-{recipe}-{steps}')
   subprocess.run(['rm', '-rf', workdir], check=True)
+  keras.backend.clear_session()  # Keras's layer names from 'dense' again (FLOAT32_LAYERS)
+  config = config_for(model, recipe, steps)
   try:
-    trainer = models.get_trainer_class(model)(config_for(model, recipe, steps), workdir)
+    trainer = models.get_trainer_class(model)(config, workdir)
   except UserError as e:  # e.g. mxfp8 on a layer whose axes are not whole blocks
     return {'error': f'{type(e).__name__}: {e}'}
+  left_out = config.precision.float32_layers
+  if left_out and model.startswith('mnist') and trainer.model.layers[-1].name != left_out:
+    raise RuntimeError(f'{model}: precision.float32_layers={left_out!r} is not its logits layer')
   start = time.perf_counter()
   metrics = trainer.train()
-  out = {'metric': metrics[MODELS[model][2]], 'train_seconds': time.perf_counter() - start}
+  out: dict = {'metric': metrics[MODELS[model][2]], 'train_seconds': time.perf_counter() - start}
   out['skipped'] = int(trainer.train_step.skipped_steps.numpy())
   out['shares'] = shares(trainer) if recipe not in ('none', 'delayed') else {}
-  out['step_seconds'] = seconds_per_step(trainer, _COST.value)
+  out['step_seconds'], out['step_cpu'] = seconds_per_step(trainer, _COST.value)
   return out
 
 
@@ -148,21 +160,22 @@ def table(model: str, steps: int, results: dict) -> list[str]:
     f'### {model} ({metric}; {steps} steps, {length}; {_POLICY.value} compute)',
     '',
     f'| recipe | {metric} | gap to none ({_POLICY.value}; {unit}) | skipped steps '
-    '| step cost vs none |',
-    '| --- | --- | --- | --- | --- |',
+    '| ms per step (wall; CPU) | step cost vs none (wall; CPU) |',
+    '| --- | --- | --- | --- | --- | --- |',
   ]
   for recipe, r in results.items():
     if 'error' in r:
-      lines.append(f'| {recipe} | - | not run: {r["error"]} | - | - |')
+      lines.append(f'| {recipe} | - | not run: {r["error"]} | - | - | - |')
       continue
     gap = r['metric'] - base['metric'] if 'metric' in base else float('nan')
     if metric == 'accuracy':
       gap *= 100
-    cost = r['step_seconds'] / base['step_seconds'] if 'step_seconds' in base else float('nan')
+    ratio = lambda k: r[k] / base[k] if k in base else float('nan')  # noqa: E731
     worse = (gap < 0) == higher and gap != 0
     lines.append(
       f'| {recipe} | {r["metric"]:.4f} | {gap:+.3f}{" (worse)" if worse else ""} '
-      f'| {r["skipped"]} | {cost:.2f}x |'
+      f'| {r["skipped"]} | {1e3 * r["step_seconds"]:.1f}; {1e3 * r["step_cpu"]:.1f} '
+      f'| {ratio("step_seconds"):.2f}x; {ratio("step_cpu"):.2f}x |'
     )
   lines.append('')
   rows = [

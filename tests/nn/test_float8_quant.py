@@ -98,7 +98,7 @@ def test_a_million_random_values_equal_the_reference(fmt, compiled):
   x = random_values(0 if fmt == 'e4m3fn' else 1)
   for scaling, axis in CASES:
     fn = lambda t, s=scaling, a=axis: fq.qdq(t, fmt, s, a)  # noqa: E731
-    fn = tf.function(fn, jit_compile=True) if compiled else fn
+    fn = fq.fused(fmt, scaling, axis) if compiled else fn  # the GEMMs' XLA-compiled q/dq
     assert_bits_equal(fn(tf.constant(x)), ref_qdq(x, fmt, scaling, axis))
     # bfloat16 inputs: rounded to bfloat16 first, then the same.
     xb = tf.cast(tf.constant(x), tf.bfloat16)
@@ -146,8 +146,9 @@ def test_edge_cases_of_the_scalings(fmt):
     np.float32,
   )
   for scaling, axis in [('tensor', -1), ('axis', 1), ('axis', 0), ('block', 1), ('block', 0)]:
-    got = fq.qdq(tf.constant(rows), fmt, scaling, axis).numpy()
-    assert_bits_equal(got, ref_qdq(rows, fmt, scaling, axis))
+    want = ref_qdq(rows, fmt, scaling, axis)
+    assert_bits_equal(fq.qdq(tf.constant(rows), fmt, scaling, axis).numpy(), want)
+    assert_bits_equal(fq.fused(fmt, scaling, axis)(tf.constant(rows)).numpy(), want)  # XLA
   got = fq.qdq(tf.constant(rows), fmt, 'block', 1).numpy()
   assert got[1, 0] == fmax  # saturated, as the MX spec allows
   assert np.isnan(got[2, :32]).all() and (got[2, 32:] == 1).all()  # the NaN's block only
@@ -175,3 +176,29 @@ def test_counts_of_saturated_and_flushed_values(fmt):
   np.testing.assert_array_equal(fq.counts(tf.constant(block), fmt, 'block').numpy(), [1, 0, 31])
   x = np.array([fmax, 2.0**-40, -(2.0**-41), 1.0, 0.0], np.float32)  # scale 1: two flushed
   np.testing.assert_array_equal(fq.counts(tf.constant(x), fmt, 'tensor').numpy(), [0, 2, 4])
+
+
+@pytest.mark.parametrize('fmt', ['e4m3fn', 'e5m2'])
+def test_tensor_and_axis_scalings_round_without_saturating(fmt):
+  """Their scaled values stay within fmax * (1 + 2^-23), which rounds to fmax unsaturated: their
+  q/dq skips the saturation (no clip in the graph) with the same bits. MX blocks reach beyond
+  fmax * (1 + 1/28), where the unsaturated cast overflows: the block scaling saturates."""
+  fmax = float(ml_dtypes.finfo(DTYPES[fmt]).max)
+  x = np.float32(fmax) * np.array([1, 1 + 2.0**-23, 1 + 2.0**-22, 1.03, 1.0357], np.float32)
+  x = np.r_[x, -x, 0.0, np.nan, np.inf].astype(np.float32)
+  for fn in (fq.rounded, tf.function(fq.rounded, jit_compile=True)):
+    assert_bits_equal(fn(tf.constant(x), fmt), ref_cast(x, fmt))
+  assert not np.isfinite(fq.rounded(tf.constant([fmax * 1.08]), fmt).numpy()).any()
+  for scaling, clipped in (('tensor', False), ('axis', False), ('block', True)):
+    fn = tf.function(lambda t, s=scaling: fq.qdq(t, fmt, s, 1))
+    graph = fn.get_concrete_function(tf.TensorSpec([4, 64], tf.float32)).graph
+    assert any(op.type == 'Minimum' for op in graph.get_operations()) == clipped, scaling
+  # Amaxes whose element scales to above fmax (fmax / amax rounded up, times amax): still fmax.
+  a = np.float32(1) + np.arange(1, 2048, dtype=np.float32) / np.float32(1024)
+  over = a[(np.float32(fmax) / a) * a > np.float32(fmax)]
+  assert over.size
+  x = np.r_[over[:8], -over[:8], 0.5].astype(np.float32)
+  for i in range(8):  # each one the amax of its tensor
+    t = np.r_[x[i], 0.5, -0.25].astype(np.float32)
+    got = fq.qdq(tf.constant(t), fmt, 'tensor').numpy()
+    assert_bits_equal(got, ref_qdq(t, fmt, 'tensor'))

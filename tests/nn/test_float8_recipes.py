@@ -67,6 +67,47 @@ def test_gemm_and_its_gradients_equal_the_reference(recipe):
 
 
 @pytest.mark.parametrize('recipe', CURRENT)
+def test_each_operand_is_quantized_in_one_xla_computation_with_the_same_bits(recipe, monkeypatch):
+  """The GEMMs' q/dq runs as one XLA computation per operand (float8_quant.fused), in a graph not
+  compiled with XLA too: no float8 cast is left in the graph itself. 'tensorwise' quantizes x, w
+  and g once each (its backward GEMMs reuse the forward's operands), the per-row and per-block
+  recipes each of them along both of its contraction axes. The results are those of the q/dq
+  run op by op, bit for bit."""
+  from tensorflow.python.framework import dtypes as tf_dtypes
+
+  from trainer.nn import float8_quant
+
+  x, w, g = operands(3)
+  r = float8_gemm.RECIPES[recipe]
+
+  def step(x, w):
+    with tf.GradientTape() as tape:
+      tape.watch([x, w])
+      y = float8_gemm.matmul(x, w, r)
+    return [y, *tape.gradient(y, [x, w], output_gradients=tf.constant(g))]
+
+  graph = tf.function(step).get_concrete_function(tf.constant(x), tf.constant(w)).graph
+  library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+  compiled = [
+    op
+    for op in graph.get_operations()
+    if op.type in ('PartitionedCall', 'StatefulPartitionedCall')
+    and library[op.get_attr('f').name].attr['_XlaMustCompile'].b
+  ]
+  assert len(compiled) == (3 if recipe == 'tensorwise' else 6)
+  float8 = (tf_dtypes.float8_e4m3fn, tf_dtypes.float8_e5m2)
+  assert not [
+    op for op in graph.get_operations() if op.type == 'Cast' and op.get_attr('DstT') in float8
+  ]
+  fused = [t.numpy() for t in step(tf.constant(x), tf.constant(w))]
+  monkeypatch.setattr(
+    float8_quant, 'fused', lambda f, s, a=-1: lambda t: float8_quant.qdq(t, f, s, a)
+  )
+  for a, b in zip(fused, [t.numpy() for t in step(tf.constant(x), tf.constant(w))]):
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize('recipe', CURRENT)
 def test_loss_scaled_gradients_quantize_to_the_same_values(recipe):
   """The scaled gradient is quantized: its scales follow the loss scale, so with a power of two
   the unscaled gradients are bit-identical; an overflow poisons them (the step skips)."""

@@ -76,24 +76,24 @@ def _note(name, operand, t, fmt, scaling, axis):
 def matmul(x: tf.Tensor, w: tf.Tensor, recipe: Recipe, name: str = '') -> tf.Tensor:
   """x [M, K] @ w [K, N] as `recipe`'s float8 GEMM, forward and backward; in x's dtype. `name`
   (a layer's path) labels its operands for `observe`."""
-  qdq = float8_quant.qdq
   fwd, grd, scaling = recipe.forward, recipe.gradient, recipe.scaling
+  qdq = lambda t, fmt, axis: float8_quant.fused(fmt, scaling, axis)(t)  # noqa: E731
 
   @tf.custom_gradient
   def gemm(x, w):
-    xq, wq = qdq(x, fwd, scaling, 1), qdq(w, fwd, scaling, 0)
+    xq, wq = qdq(x, fwd, 1), qdq(w, fwd, 0)
     _note(name, 'x', x, fwd, scaling, 1)
     _note(name, 'w', w, fwd, scaling, 0)
 
     def grad(g):
       _note(name, 'g', g, grd, scaling, 1)
       if scaling == 'tensor':  # one scale per tensor: the forward's operands serve again
-        gq = qdq(g, grd, scaling)
+        gq = qdq(g, grd, 1)
         dx = tf.matmul(gq, wq, transpose_b=True)
         dw = tf.matmul(xq, gq, transpose_a=True)
       else:
-        dx = tf.matmul(qdq(g, grd, scaling, 1), qdq(w, fwd, scaling, 1), transpose_b=True)
-        dw = tf.matmul(qdq(x, fwd, scaling, 0), qdq(g, grd, scaling, 0), transpose_a=True)
+        dx = tf.matmul(qdq(g, grd, 1), qdq(w, fwd, 1), transpose_b=True)
+        dw = tf.matmul(qdq(x, fwd, 0), qdq(g, grd, 0), transpose_a=True)
       return tf.cast(dx, x.dtype), tf.cast(dw, w.dtype)
 
     return tf.cast(tf.matmul(xq, wq), x.dtype), grad

@@ -27,6 +27,8 @@ Invariants, shared with the NumPy reference in tests/nn/test_float8_quant.py:
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import tensorflow as tf
 from tensorflow.python.framework import dtypes as tf_dtypes
@@ -50,9 +52,16 @@ def amax(x: tf.Tensor, axis=None) -> tf.Tensor:
 def cast_saturated(x: tf.Tensor, fmt: str) -> tf.Tensor:
   """float32 x rounded to nearest even into `fmt` with finite values saturated at +-fmax, back in
   float32 (exact: every float8 value is a float32)."""
-  dtype, fmax, _ = FORMATS[fmt]
-  x = tf.where(tf.math.is_finite(x), tf.clip_by_value(x, -fmax, fmax), x)
-  return tf.cast(tf.cast(x, dtype), tf.float32)
+  fmax = FORMATS[fmt][1]
+  return rounded(tf.where(tf.math.is_finite(x), tf.clip_by_value(x, -fmax, fmax), x), fmt)
+
+
+def rounded(x: tf.Tensor, fmt: str) -> tf.Tensor:
+  """float32 x rounded to nearest even into `fmt` and back, not saturated: cast_saturated's
+  result wherever |x| < fmax * (1 + 1/28), which rounds to +-fmax (e4m3fn: fmax = 448, the step
+  above it would be 480, its NaN; e5m2: fmax = 57344, the step above it 65536, its inf); beyond
+  that, e4m3fn gives NaN and e5m2 inf."""
+  return tf.cast(tf.cast(x, FORMATS[fmt][0]), tf.float32)
 
 
 def pow2_floor(s: tf.Tensor) -> tf.Tensor:
@@ -105,7 +114,23 @@ def qdq(x: tf.Tensor, fmt: str, scaling: str, axis: int = -1) -> tf.Tensor:
   """x quantized to `fmt` with `scaling` ('tensor', 'axis' or 'block' along `axis`) and
   dequantized, in float32."""
   y, back = scaled(x, fmt, scaling, axis)
-  return back(cast_saturated(y, fmt))
+  # The tensor and axis scales keep every finite |y| <= fmax * (1 + 2^-23): scale <= fmax / amax
+  # rounded once (the axis scale rounded down to a power of two on top), |x| <= amax, the product
+  # rounded once. So saturating first would change no bit (`rounded`), and 4 of the chain's
+  # element-wise passes go. An MX block's x / X reaches 2^(emax + 1) > fmax: it must saturate.
+  return back(cast_saturated(y, fmt) if scaling == 'block' else rounded(y, fmt))
+
+
+@functools.cache
+def fused(fmt: str, scaling: str, axis: int = -1):
+  """`qdq` with these arguments as one XLA computation (jit_compile, one compilation per input
+  shape): its element-wise chain fused into a few passes instead of one op, one pass and one
+  buffer each, in a step that is not compiled with XLA (inside one, it is inlined). Bit for bit
+  `qdq` (tests/nn/test_float8_quant.py compares both with the reference, eagerly and under XLA).
+  The GEMMs stay outside: their products are what they were."""
+  return tf.function(
+    lambda x: qdq(x, fmt, scaling, axis), jit_compile=True, autograph=False, reduce_retracing=True
+  )
 
 
 def counts(x: tf.Tensor, fmt: str, scaling: str, axis: int = -1) -> tf.Tensor:
