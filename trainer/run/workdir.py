@@ -180,12 +180,20 @@ class Workdir:
   def trained_policy(self, saved: dict | None = None) -> str | None:
     """The precision policy the run's newest checkpoints trained in: policy.json's, else the
     config record's `saved` unless it is 'auto' (what it resolved to was not recorded: None)."""
+    recorded = self._record_field(POLICY, 'policy', str)
+    if recorded is not None:
+      return recorded
+    setting = saved_policy(saved)
+    return None if setting in (None, 'auto') else setting
+
+  def _record_field(self, name: str, key: str, kind: Callable):
+    """`kind(value)` of `key` in checkpoints/<name> (a JSON record), None when the file is
+    missing or damaged. Reads only."""
     try:
-      with open(os.path.join(self.checkpoint_dir, POLICY)) as f:
-        return str(json.load(f)['policy'])
+      with open(os.path.join(self.checkpoint_dir, name)) as f:
+        return kind(json.load(f)[key])
     except (OSError, ValueError, KeyError, TypeError):
-      setting = saved_policy(saved)
-      return None if setting in (None, 'auto') else setting
+      return None
 
   # ---- training --------------------------------------------------------------------------------
   def restore_for_training(self, init: Callable[[], object] | None = None) -> str | None:
@@ -295,11 +303,7 @@ class Workdir:
   def evaluated_step(self) -> int | None:
     """The step of the last eval that completed (`record_eval`); None when none did, or the run
     folder was written before the record existed. Reads only (every worker: the chief's)."""
-    try:
-      with open(os.path.join(self.checkpoint_dir, EVALUATED)) as f:
-        return int(json.load(f)['step'])
-    except (OSError, ValueError, KeyError, TypeError):
-      return None
+    return self._record_field(EVALUATED, 'step', int)
 
   def healthy_path(self) -> str | None:
     record = self.healthy_record()
