@@ -438,7 +438,7 @@ class Runner:
     while True:
       if loop.forensics:  # the compiled loop stops after the next skip that gets forensics
         stop_at = self.forensics.next_after(skipped)
-        loop.stop_at_skip.assign(stop_at)
+        loop.stop_after_skip(stop_at)
       counters = loop.run(iterator, num_steps)
       skipped = counters.skipped_steps
       step = counters.global_step

@@ -64,6 +64,7 @@ class TrainLoop:
     # this count (the host sets it; 0 = never): the host sees that step's pre-step weights and
     # its batch.
     self.stop_at_skip = state_variable(0, tf.int64, 'stop_at_skip')
+    self._stop_at_skip = 0  # its value, known on the host (`stop_after_skip`)
     # The sums of the step's outputs, one per name (sized on the first call: `run`).
     self.sums = state_variable(tf.zeros([0]), tf.float32, 'output_sums', shape=[None])
     self.output_names: list[str] | None = None  # learned when the loop traces
@@ -155,6 +156,13 @@ class TrainLoop:
         value = tf.constant(0.0)
       values.append(value)
     return tf.stack(values)
+
+  def stop_after_skip(self, count: int) -> None:
+    """Host side: the next calls stop right after the skip that brings skipped_steps to `count`
+    (0 = never). Written only when it changes: an eager assign per call costs 0.1-0.3 ms."""
+    if count != self._stop_at_skip:
+      self.stop_at_skip.assign(count)
+      self._stop_at_skip = count
 
   def forensic_stop(self) -> tf.Tensor:
     """True right after the skip the host asked to stop at (stop_at_skip; 0 = never)."""
