@@ -94,12 +94,12 @@ def ablated(trainer_class, keep_checks: bool):
 
 
 def without_state_check(trainer_class):
-  """`trainer_class` whose step skips StateCheck.after_apply (traced: nothing is read)."""
+  """`trainer_class` whose loop skips StateCheck.after_call (traced: nothing is read)."""
 
   class NoStateCheck(trainer_class):
     def build_train_step(self):
       step = super().build_train_step()
-      step.state_check.after_apply = lambda groups, global_step: None
+      step.state_check.after_call = lambda groups, first, end: None
       return step
 
   return NoStateCheck

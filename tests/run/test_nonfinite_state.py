@@ -2,9 +2,9 @@
 
 A finite step can leave an optimizer slot non-finite (a gradient above ~1.8e19 squares to inf in
 Adam's second moment), and a NaN put in a weight behind a ReLU trains on with a finite loss. The
-first is caught right after that step (trainer/step/state_check.py), a non-finite state at a save
-too; both are recovery triggers like a collapse (trainer/run/recovery.py), never a stop with
-train.recover_tries unused."""
+first is caught at the end of that step's compiled call (trainer/step/state_check.py), a
+non-finite state at a save too; both are recovery triggers like a collapse (trainer/run/
+recovery.py), never a stop with train.recover_tries unused."""
 
 import logging
 import math
@@ -55,16 +55,25 @@ def recoveries(caplog):
   return [r.getMessage() for r in caplog.records if r.getMessage().startswith('recovery ')]
 
 
-def test_a_finite_step_that_overflows_a_slot_stops_at_that_step(tmp_path):
-  trainer = SpikeTrainer(tiny_config(**FAST), str(tmp_path))
+@pytest.mark.parametrize('steps_per_loop', [5, 1])
+def test_a_finite_step_that_overflows_a_slot_stops_at_the_end_of_its_call(tmp_path, steps_per_loop):
+  config = tiny_config(**{**FAST, 'train.steps_per_loop': steps_per_loop})
+  trainer = SpikeTrainer(config, str(tmp_path))
   with pytest.raises(NonFiniteError) as info:
     trainer.train()
   message = str(info.value)
   assert '\n' not in message
-  # The spike's step, not the save at step 10 that found it before.
-  assert message.startswith('step 7: the training state is not finite after its update'), message
+  # The spike's call (its step alone when a call is one step), not the save at step 10 that
+  # found it before.
+  expected = (
+    'steps 5-9: the training state is not finite after the updates of these steps'
+    if steps_per_loop == 5
+    else 'step 7: the training state is not finite after its update'
+  )
+  assert message.startswith(expected), message
   assert 'velocity' in message
-  assert int(trainer.global_step.numpy()) == 8  # the loop stopped right after it
+  # The loop stopped at the end of that call.
+  assert int(trainer.global_step.numpy()) == (10 if steps_per_loop == 5 else 8)
 
 
 def test_a_slot_overflow_is_recovered_from(tmp_path, caplog):
@@ -78,7 +87,7 @@ def test_a_slot_overflow_is_recovered_from(tmp_path, caplog):
   finally:
     SpikeTrainer.SPIKE = 7
   lines = recoveries(caplog)
-  assert len(lines) == 1 and 'step 27: the training state is not finite' in lines[0], lines
+  assert len(lines) == 1 and 'steps 25-29: the training state is not finite' in lines[0], lines
   assert 'last healthy: ckpt-20, step 20' in lines[0]
   assert int(trainer.global_step.numpy()) == 40 and math.isfinite(metrics['loss'])
   assert all(np.isfinite(w).all() for w in weights(trainer))
@@ -102,7 +111,7 @@ class Pooled(TinyTrainer):
     )
 
 
-@pytest.mark.parametrize('at', [25, 30])  # caught by the next step's check; by the save at 30
+@pytest.mark.parametrize('at', [25, 30])  # caught at the end of the next call; by the save at 30
 def test_a_nan_planted_in_a_weight_is_recovered_from(tmp_path, caplog, at):
   class Planted(Pooled):
     def build_actions(self):
@@ -115,7 +124,9 @@ def test_a_nan_planted_in_a_weight_is_recovered_from(tmp_path, caplog, at):
     metrics = trainer.train()
   lines = recoveries(caplog)
   assert len(lines) == 1 and 'the training state is not finite' in lines[0], lines
-  assert '/bias' in lines[0] and ('after its update' in lines[0]) == (at == 25), lines
+  assert '/bias' in lines[0] and ('after the updates of these steps' in lines[0]) == (at == 25), (
+    lines
+  )
   assert int(trainer.global_step.numpy()) == 40 and math.isfinite(metrics['loss'])
   assert all(np.isfinite(w).all() for w in weights(trainer))
 

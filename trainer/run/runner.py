@@ -438,7 +438,7 @@ class Runner:
     while True:
       if loop.forensics:  # the compiled loop stops after the next skip that gets forensics
         stop_at = self.forensics.next_after(skipped)
-        loop.stop_at_skip.assign(stop_at)
+        loop.stop_after_skip(stop_at)
       counters = loop.run(iterator, num_steps)
       skipped = counters.skipped_steps
       step = counters.global_step
@@ -461,7 +461,7 @@ class Runner:
 
   def check_updated_state(self) -> None:
     """After a compiled call: NonFiniteError when an applied update left the weights or the
-    optimizer's state non-finite (the loop stopped right after it: trainer/step/state_check.py);
+    optimizer's state non-finite (checked at the end of the call: trainer/step/state_check.py);
     the recovery policy takes it like a collapse."""
     check = getattr(self.trainer.train_step, 'state_check', None)
     if check is not None:

@@ -139,6 +139,7 @@ class Workdir:
     # TensorFlow's CheckpointManager and summary writer, and the lock (untyped: Any).
     self._manager: Any = None
     self._writer: Any = None
+    self._scalars: _ScalarWrites | None = None  # write_scalars' compiled writes, per writer
     self._lock: Any = None
     # A save not yet recorded: its background write may be running (sync).
     self._pending: tuple | None = None
@@ -311,9 +312,10 @@ class Workdir:
 
   def write_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
     self.open_for_writing(step)
-    with self._writer.as_default(step=step):
-      for k, v in values.items():
-        tf.summary.scalar(f'{prefix}/{k}', v)
+    if self._scalars is None or self._scalars.writer is not self._writer:
+      self._scalars = _ScalarWrites(self._writer)
+    tags = tuple(f'{prefix}/{k}' for k in values)
+    self._scalars.write(tags, [float(v) for v in values.values()], step)
     self._writer.flush()
 
   @property
@@ -457,3 +459,27 @@ class Workdir:
         "the first run's record)",
         step,
       )
+
+
+class _ScalarWrites:
+  """TensorBoard scalars through one compiled call per set of tags (a progress line's, an
+  eval's), not one eager `tf.summary.scalar` per tag: eager, a progress line's 7 tags took
+  about 9 ms here (1.3 ms a tag), 2-3 % of the MNIST MLP's 100 steps between two lines. The
+  values are written as float32, as the eager calls wrote them."""
+
+  def __init__(self, writer):
+    self.writer = writer
+    self._compiled: dict[tuple[str, ...], Any] = {}
+
+  def write(self, tags: tuple[str, ...], values: list[float], step: int) -> None:
+    compiled = self._compiled.get(tags)
+    if compiled is None:
+      writer = self.writer
+
+      def write(values, step):
+        with writer.as_default():
+          for i, tag in enumerate(tags):
+            tf.summary.scalar(tag, values[i], step=step)
+
+      compiled = self._compiled[tags] = tf.function(write, autograph=False)
+    compiled(tf.constant(values, tf.float32), tf.constant(step, tf.int64))

@@ -5,10 +5,11 @@ its steps; the step does not know it exists. A call (`run(iterator, n)`) runs `s
 `n` times in a `tf.while_loop`, adds each step's outputs to a float32 vector carried through the
 loop (one entry per output name, in sorted order), stores it in the variable `sums` at its end
 and returns the counters (global step, skipped steps, the collapse guard's bad steps in a row);
-nothing else goes back to the host. The loop stops early when the guard's limit is reached or,
-with forensics on, right after the skip the host asked for (`stop_at_skip`), with that step's
-batch kept on the device (`kept_batch`, trainer/step/kept_batch.py). At log time the host reads
-`read_outputs()`.
+nothing else goes back to the host. At its end it checks the state the call's updates wrote
+(`step.state_check`, trainer/step/state_check.py: once per call). The loop stops early when the
+guard's limit is reached or, with forensics on, right after the skip the host asked for
+(`stop_at_skip`), with that step's batch kept on the device (`kept_batch`, trainer/step/
+kept_batch.py). At log time the host reads `read_outputs()`.
 
 The step is traced once, inside the loop, and the output names are learned there: the first call
 traces the loop, sizes `sums` to the names, then runs it. (A variable created during the trace
@@ -63,6 +64,7 @@ class TrainLoop:
     # this count (the host sets it; 0 = never): the host sees that step's pre-step weights and
     # its batch.
     self.stop_at_skip = state_variable(0, tf.int64, 'stop_at_skip')
+    self._stop_at_skip = 0  # its value, known on the host (`stop_after_skip`)
     # The sums of the step's outputs, one per name (sized on the first call: `run`).
     self.sums = state_variable(tf.zeros([0]), tf.float32, 'output_sums', shape=[None])
     self.output_names: list[str] | None = None  # learned when the loop traces
@@ -91,6 +93,9 @@ class TrainLoop:
     def one_step(done, stop, sums):
       return done + 1, *self._one_step(batches, sums)
 
+    step = self.step
+    first_step = step.global_step.read_value()
+
     _, _, sums = tf.while_loop(
       keep_going,
       one_step,
@@ -99,7 +104,8 @@ class TrainLoop:
     )
     self.sums.assign(sums)
     self._recording = None
-    step = self.step
+    if hasattr(step, 'state_check'):  # the runner raises NonFiniteError (step/state_check.py)
+      step.state_check.after_call(step.groups, first_step, step.global_step.read_value())
     return tf.stack(
       [
         step.global_step.read_value(),
@@ -116,8 +122,6 @@ class TrainLoop:
       self.output_names = sorted(outputs)
     sums += self._stacked(outputs)
     stop = tf.convert_to_tensor(self.step.guard.collapsed())  # the runner raises CollapseError
-    if hasattr(self.step, 'state_check'):  # an update left the state non-finite: NonFiniteError
-      stop = tf.logical_or(stop, self.step.state_check.stopped())
     if self.forensics:  # the runner replays the skipped step (trainer/insight/forensics.py)
       at_skip = self.forensic_stop()
       if not self._kept_on_skip:  # a custom step without apply_or_skip: keep it here
@@ -152,6 +156,13 @@ class TrainLoop:
         value = tf.constant(0.0)
       values.append(value)
     return tf.stack(values)
+
+  def stop_after_skip(self, count: int) -> None:
+    """Host side: the next calls stop right after the skip that brings skipped_steps to `count`
+    (0 = never). Written only when it changes: an eager assign per call costs 0.1-0.3 ms."""
+    if count != self._stop_at_skip:
+      self.stop_at_skip.assign(count)
+      self._stop_at_skip = count
 
   def forensic_stop(self) -> tf.Tensor:
     """True right after the skip the host asked to stop at (stop_at_skip; 0 = never)."""

@@ -1,4 +1,4 @@
-"""After each applied update: the state it wrote is finite, or the loop stops at that step.
+"""After each compiled call: the state its updates wrote is finite, or the run stops there.
 
 A step is skipped when a gradient or the learning rate is not finite (trainer/step/
 train_step.py); that alone does not keep the state finite. A finite gradient above about 1.8e19
@@ -6,19 +6,22 @@ squares to inf in Adam's second moment (the weights stay finite: the update divi
 inf), and a finite learning rate times a finite step can overflow a weight; a NaN planted in a
 weight behind a ReLU trains on with a finite loss and finite gradients. Such a state cannot be
 put back without a copy of every weight and slot (a second optimizer state in memory), so the
-step is not skipped: after its update, the weights and the floating optimizer variables of the
-groups it applied are checked finite, and when one is not the loop stops right after that step
-(`stopped`, read by trainer/step/loop.py) and the host raises NonFiniteError naming the step and
-the variables (`check`). The runner treats that like a collapse: with `train.recover_tries` it
+step is not skipped: at the end of each compiled call (trainer/step/loop.py) the weights and the
+floating optimizer variables of every group are checked finite, and when one is not the call's
+steps are recorded (`bad_steps`) and the host raises NonFiniteError naming them and the
+variables (`check`). The runner treats that like a collapse: with `train.recover_tries` it
 restores the last healthy checkpoint (trainer/run/recovery.py), else the run stops in one line.
 
-Cost: the check of trainer/step/loss_scale.py's `all_finite`, one float32 sum per variable (a
-finite total proves every element finite; only a non-finite total checks element by element),
-so one read of each weight and slot per applied step (305k floats on the MNIST MLP with Adam,
-next to the step's 39M multiply-adds); no copy. Measured there (float32, batch 128, compiled
-calls of 100 steps, with and without the check, interleaved, on 2 cores at load 9-12): the
-ratio of median call times was 1.08 in one run and 0.81 in another, i.e. below what this
-loaded machine resolves. A jit-compiled check was no faster.
+Once per call, not once per step: a non-finite weight or slot stays non-finite through every
+later update (NaN and inf absorb the additions, decays and products an optimizer applies, and a
+step whose gradients they make non-finite is skipped), so a check at the call's end misses
+nothing a check after each step would find. What it gives up is the step: the error names the
+call's steps (`train.steps_per_loop` of them; one step when that is 1), and the steps after the
+bad update run on the non-finite state until the call ends (their skips are logged as such;
+a recovery or the stop discards them). What it saves: the check is one float32 sum per variable
+(trainer/step/loss_scale.py's `all_finite`: a finite total proves every element finite), about
+20 small ops on the MNIST MLP with Adam, which once per step cost about 3 % of its 3 ms step
+(benchmarks/ablate_step.py, contender `no_state_check`).
 """
 
 from __future__ import annotations
@@ -46,44 +49,47 @@ def checked_variables(groups) -> list:
 
 
 class StateCheck(tf.Module):
-  """Create it under the strategy's scope. `after_apply` runs in cross-replica context on the
-  apply branch of the step; `stopped` in the loop; `check` on the host between calls."""
+  """Create it under the strategy's scope. `after_call` runs in cross-replica context at the end
+  of the compiled loop; `check` on the host between calls."""
 
   def __init__(self):
     super().__init__(name='state_check')
-    # The global step of the first applied step that left the state non-finite; -1: none.
-    self.bad_step = state_variable(-1, tf.int64, 'nonfinite_state_step')
-    self._checked: list = []  # what the traced checks read (names for `check`)
+    # The first and last global step of the first call whose updates left the state
+    # non-finite; -1: none.
+    self.bad_steps = state_variable([-1, -1], tf.int64, 'nonfinite_state_steps', shape=[2])
+    self._checked: list = []  # what the traced check reads (names for `check`)
 
-  def after_apply(self, groups, step) -> None:
-    """Cross-replica, right after `groups` applied their update at global step `step`."""
+  def after_call(self, groups, first_step, end_step) -> None:
+    """Cross-replica, after the call's steps `first_step` .. `end_step` - 1 (global steps)."""
     variables = checked_variables(groups)
-    self._checked.extend(v for v in variables if all(v is not w for w in self._checked))
+    self._checked = variables
     finite = all_finite([tf.convert_to_tensor(v) for v in variables])
-    first = tf.logical_and(tf.logical_not(finite), self.bad_step < 0)
-    self.bad_step.assign(tf.where(first, tf.cast(step, tf.int64), self.bad_step))
-
-  def stopped(self) -> tf.Tensor:
-    """A bool tensor: a checked update left the state non-finite (the loop stops)."""
-    return self.bad_step >= 0
+    first = tf.logical_and(tf.logical_not(finite), self.bad_steps[0] < 0)
+    steps = tf.cast(tf.stack([first_step, end_step - 1]), tf.int64)
+    self.bad_steps.assign(tf.where(first, steps, self.bad_steps))
 
   def check(self, *, checkpoint: str | None, healthy: str | None = None) -> None:
-    """Host side: raises NonFiniteError when an update left the state non-finite, naming the
-    step and the first variables; resets the flag first (a recovery goes on)."""
-    step = int(self.bad_step.numpy())
-    if step < 0:
+    """Host side: raises NonFiniteError when a call's updates left the state non-finite,
+    naming its steps and the first variables; resets the record first (a recovery goes on)."""
+    first, last = (int(s) for s in self.bad_steps.numpy())
+    if first < 0:
       return
-    self.bad_step.assign(-1)
+    self.bad_steps.assign([-1, -1])
     bad = [_name(v) for v in self._checked if not np.isfinite(v.numpy()).all()]
     kept = (
       f'the newest checkpoint, {checkpoint}, is finite (checked when saved)'
       if checkpoint
       else 'no checkpoint was written yet'
     ) + (f'; {healthy}' if healthy else '')
+    steps, after = (
+      (f'step {first}', 'its update')
+      if first == last
+      else (f'steps {first}-{last}', 'the updates of these steps (checked once per compiled call)')
+    )
     raise NonFiniteError(
-      f'step {step}: the training state is not finite after its update (inf or NaN in '
-      f'{len(bad)} variable(s), first: {", ".join(bad[:SHOWN])}), though its gradients and '
-      f'learning rate were finite. Stopped at that step; {kept}. Lower '
+      f'{steps}: the training state is not finite after {after} (inf or NaN in '
+      f'{len(bad)} variable(s), first: {", ".join(bad[:SHOWN])}), though the gradients and '
+      f'learning rate applied were finite. Stopped there; {kept}. Lower '
       'config.optimizer.learning_rate, clip the gradients (config.optimizer.clip_norm) or '
       'check the input data and the weights'
     )

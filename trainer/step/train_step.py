@@ -143,7 +143,7 @@ class TrainStep:
       groups=[(name, len(g.variables)) for name, g in zip(group_names(groups), groups)],
     )
     self._forward_state = forward_state(self.model)
-    self.state_check = StateCheck()  # the state an applied update wrote is finite
+    self.state_check = StateCheck()  # the loop checks the state its updates wrote, per call
     # Callables traced into the skip branch only (no cost on a finite step): the compiled loop
     # adds forensics' batch keeping here (trainer/step/loop.py).
     self.on_skip: list[Callable[[], Any]] = []
@@ -270,7 +270,6 @@ class TrainStep:
           apply(index, parts[index])
 
       self.strategy.run(replica, args=(grads,))
-      self.state_check.after_apply([self.groups[i] for i in indices], self.global_step)
 
     def on_skip() -> None:
       for variable, value in zip(self._forward_state, saved_state or []):
