@@ -95,6 +95,7 @@ class TrainLoop:
 
     step = self.step
     first_step = step.global_step.read_value()
+    first_skipped = step.skipped_steps.read_value()
 
     _, _, sums = tf.while_loop(
       keep_going,
@@ -105,7 +106,9 @@ class TrainLoop:
     self.sums.assign(sums)
     self._recording = None
     if hasattr(step, 'state_check'):  # the runner raises NonFiniteError (step/state_check.py)
-      step.state_check.after_call(step.groups, first_step, step.global_step.read_value())
+      end_step = step.global_step.read_value()
+      applied = (end_step - first_step) - (step.skipped_steps.read_value() - first_skipped)
+      step.state_check.after_call(step.groups, first_step, end_step, applied > 0)
     return tf.stack(
       [
         step.global_step.read_value(),

@@ -15,7 +15,9 @@ restores the last healthy checkpoint (trainer/run/recovery.py), else the run sto
 Once per call, not once per step: a non-finite weight or slot stays non-finite through every
 later update (NaN and inf absorb the additions, decays and products an optimizer applies, and a
 step whose gradients they make non-finite is skipped), so a check at the call's end misses
-nothing a check after each step would find. What it gives up is the step: the error names the
+nothing a check after each step would find. A call whose every step skipped applied nothing and
+is not blamed: a state made non-finite between calls (a bad write) shows as non-finite losses,
+the skips' and the divergence check's to report. What it gives up is the step: the error names the
 call's steps (`train.steps_per_loop` of them; one step when that is 1), and the steps after the
 bad update run on the non-finite state until the call ends (their skips are logged as such;
 a recovery or the stop discards them). What it saves: the check is one float32 sum per variable
@@ -59,12 +61,15 @@ class StateCheck(tf.Module):
     self.bad_steps = state_variable([-1, -1], tf.int64, 'nonfinite_state_steps', shape=[2])
     self._checked: list = []  # what the traced check reads (names for `check`)
 
-  def after_call(self, groups, first_step, end_step) -> None:
-    """Cross-replica, after the call's steps `first_step` .. `end_step` - 1 (global steps)."""
+  def after_call(self, groups, first_step, end_step, applied) -> None:
+    """Cross-replica, after the call's steps `first_step` .. `end_step` - 1 (global steps);
+    `applied`: a bool tensor, True when a step of the call applied its update. A call whose
+    every step skipped wrote nothing: a non-finite state then came from elsewhere (a write
+    between calls, a broken kernel) and is the skips' and the divergence check's to report."""
     variables = checked_variables(groups)
     self._checked = variables
     finite = all_finite([tf.convert_to_tensor(v) for v in variables])
-    first = tf.logical_and(tf.logical_not(finite), self.bad_steps[0] < 0)
+    first = tf.logical_and(tf.logical_and(applied, tf.logical_not(finite)), self.bad_steps[0] < 0)
     steps = tf.cast(tf.stack([first_step, end_step - 1]), tf.int64)
     self.bad_steps.assign(tf.where(first, steps, self.bad_steps))
 
