@@ -464,7 +464,7 @@ class Runner:
     optimizer's state non-finite (checked at the end of the call: trainer/step/state_check.py);
     the recovery policy takes it like a collapse."""
     check = getattr(self.trainer.train_step, 'state_check', None)
-    if check is not None:
+    if check is not None and check.found():  # the messages' file reads only when it raises
       check.check(
         checkpoint=self.workdir.latest_checkpoint,
         healthy=health.describe(self.workdir.healthy_record()),

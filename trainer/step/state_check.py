@@ -73,6 +73,10 @@ class StateCheck(tf.Module):
     steps = tf.cast(tf.stack([first_step, end_step - 1]), tf.int64)
     self.bad_steps.assign(tf.where(first, steps, self.bad_steps))
 
+  def found(self) -> bool:
+    """Host side: a call's updates left the state non-finite (`check` raises)."""
+    return int(self.bad_steps[0].numpy()) >= 0
+
   def check(self, *, checkpoint: str | None, healthy: str | None = None) -> None:
     """Host side: raises NonFiniteError when a call's updates left the state non-finite,
     naming its steps and the first variables; resets the record first (a recovery goes on)."""
