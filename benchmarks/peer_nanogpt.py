@@ -22,7 +22,9 @@ nanogpt, ...), so all see the same machine:
   ours             `launch.py --config=configs/nanogpt_cpu.py` (float32, or
                    --config.precision.policy=mixed_bfloat16)
   ours+KEY=VALUE   the same with --config.KEY=VALUE (several: ours+K1=V1+K2=V2), to race a
-                   setting against the config as written
+                   setting against the config as written; ours+env:NAME=VALUE sets an
+                   environment variable for that run (ours+env:TF_ENABLE_ONEDNN_OPTS=0: Eigen's
+                   kernels instead of oneDNN's, trainer/onednn.py)
 nanoGPT's train.py on a CPU ignores --dtype for the math: its autocast context is
 `nullcontext()` when device_type is 'cpu', so --dtype=bfloat16 trains in float32 (the page
 says so beside the numbers).
@@ -93,10 +95,14 @@ _QUICK = flags.DEFINE_bool('quick', False, '20 steps, one round: checks that it 
 _OUT = flags.DEFINE_string('out', '', "Folder for peer_nanogpt.json; '' = none.")
 
 
-def command(contender: str, precision: str, steps: int, out_dir: str) -> tuple[list[str], str]:
-  """(argv, cwd) of one run."""
-  if contender.startswith('ours'):  # 'ours', or 'ours+KEY=VALUE+...': config overrides
-    overrides = [*_SET.value, *contender.split('+')[1:]]
+def command(
+  contender: str, precision: str, steps: int, out_dir: str
+) -> tuple[list[str], str, dict[str, str]]:
+  """(argv, cwd, environment variables to set) of one run."""
+  if contender.startswith('ours'):  # 'ours', or 'ours+KEY=VALUE+env:NAME=VALUE+...'
+    words = contender.split('+')[1:]
+    env = dict(w.removeprefix('env:').split('=', 1) for w in words if w.startswith('env:'))
+    overrides = [*_SET.value, *(w for w in words if not w.startswith('env:'))]
     warmup = min(100, steps // 2)
     argv = [
       sys.executable,
@@ -115,7 +121,7 @@ def command(contender: str, precision: str, steps: int, out_dir: str) -> tuple[l
         f'--config.train.log_every={spl}',
         f'--config.train.checkpoint_every={steps}',
       ]
-    return argv + [f'--config.{s}' for s in overrides], ROOT
+    return argv + [f'--config.{s}' for s in overrides], ROOT, env
   argv = [_TORCH_PYTHON.value, 'train.py', *RECIPE]
   argv += [
     f'--compile={contender == "nanogpt_compile"}',
@@ -124,7 +130,7 @@ def command(contender: str, precision: str, steps: int, out_dir: str) -> tuple[l
     f'--dtype={precision}',
     f'--out_dir={out_dir}',
   ]
-  return argv, _NANOGPT.value
+  return argv, _NANOGPT.value, {}
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
@@ -167,10 +173,12 @@ class ThreadSampler(threading.Thread):
     return {k: sorted(v, reverse=True) for k, v in out.items()}
 
 
-def run(argv: list[str], cwd: str) -> tuple[list[tuple[float, str]], float, float, dict]:
+def run(
+  argv: list[str], cwd: str, extra_env: dict[str, str]
+) -> tuple[list[tuple[float, str]], float, float, dict]:
   """(time-stamped output lines, wall s, CPU-s of the child and its children, CPU-s per thread
   name)."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONUNBUFFERED='1')
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONUNBUFFERED='1', **extra_env)
   start = time.perf_counter()
   proc = subprocess.Popen(
     argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -241,10 +249,10 @@ def stop(loops: list[subprocess.Popen]) -> float:
 
 def measure(contender: str, precision: str, steps: int) -> dict:
   with tempfile.TemporaryDirectory(prefix='peer_nanogpt_') as out_dir:
-    argv, cwd = command(contender, precision, steps, os.path.join(out_dir, 'run'))
+    argv, cwd, env = command(contender, precision, steps, os.path.join(out_dir, 'run'))
     loops = busy_loops(_LOAD.value)
     try:
-      lines, wall, cpu, threads = run(argv, cwd)
+      lines, wall, cpu, threads = run(argv, cwd, env)
     finally:
       load_cpu = stop(loops)
   parsed = (parse_ours if contender.startswith('ours') else parse_nanogpt)(lines)

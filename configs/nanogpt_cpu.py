@@ -66,12 +66,12 @@ def get_config():
   config.optimizer.epsilon = 1e-8  # torch.optim.AdamW's default
 
   config.precision.policy = 'float32'
-  # XLA for the step under mixed_float16 only. On the AVX512 CPU this project used first, XLA
-  # fused the chain of small ops at this shape into fewer multi-threaded kernels and paid under
-  # float32; on the AVX2-only CPU it runs on now, XLA leaves the steady step about where it was
-  # and costs its compilation (the first 100 steps end later, the run uses more CPU-seconds):
-  # `python -m benchmarks.peer_nanogpt` races `ours+train.jit_compile=false` against the config
-  # (docs/references.md links the pages). Not under mixed_bfloat16 either: XLA's CPU backend
-  # computes bfloat16 matmuls in float32 (its optimized HLO holds float32 dots only).
-  config.train.jit_compile = 'mixed_float16'
+  # XLA for the step in every policy. With oneDNN's kernels on (trainer/onednn.py), XLA's
+  # compiled step at this shape took 0.7-0.8x the time of the uncompiled one in float32 and under
+  # mixed_bfloat16, in a bare fwd+bwd+AdamW timing on the AVX2 CPU (with Eigen's kernels it did
+  # not pay); `python -m benchmarks.peer_nanogpt` races `ours+train.jit_compile=false` against
+  # the config (docs/references.md links the pages). Under mixed_bfloat16 XLA's CPU backend
+  # computes the matmuls in float32 (its optimized HLO holds float32 dots only): the policy's
+  # casts remain, its arithmetic does not.
+  config.train.jit_compile = 'true'
   return config

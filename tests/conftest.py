@@ -12,6 +12,7 @@ import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
+import trainer  # noqa: E402, F401  (before TensorFlow: the tests run the kernels users run, trainer/onednn.py)
 import keras  # noqa: E402
 import pytest  # noqa: E402
 from tensorflow.python.framework import config as tf_config  # noqa: E402

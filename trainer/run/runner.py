@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 from absl import flags, logging
 
+from trainer import onednn
 from trainer.errors import CollapseError, NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
 from trainer.run import (
@@ -266,13 +267,16 @@ class Runner:
     self.clock.skipped_from = int(tr.train_step.skipped_steps.numpy())  # this process's skips
     total = tr.total_steps
     logging.info(
-      'training %s: %d steps, global batch %d, policy %s, loss scale %s, %d replica(s)',
+      'training %s: %d steps, global batch %d, policy %s, loss scale %s, %d replica(s), '
+      'XLA %s, oneDNN kernels %s',
       type(tr).__name__,
       total,
       t.batch_size,
       tr.policy,
       tr.loss_scaler.mode,
       tr.strategy.num_replicas_in_sync,
+      'on' if tr.jit_compile else 'off',
+      'on' if onednn.enabled() else 'off',
     )
     if step >= total:
       logging.info(

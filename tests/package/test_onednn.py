@@ -1,0 +1,59 @@
+"""trainer/onednn.py: `import trainer` turns TensorFlow's oneDNN kernels on unless the user said
+otherwise, and the test process itself runs them (tests/conftest.py imports trainer first)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainer import onednn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROBE = """
+import os, sys
+{first}
+import tensorflow
+from trainer import onednn
+print(os.environ.get('TF_ENABLE_ONEDNN_OPTS'), onednn.enabled())
+"""
+
+
+def probe(first: str, env_value: str | None) -> str:
+  env = {k: v for k, v in os.environ.items() if k != onednn.ENV}
+  if env_value is not None:
+    env[onednn.ENV] = env_value
+  env['TF_CPP_MIN_LOG_LEVEL'] = '3'
+  out = subprocess.run(
+    [sys.executable, '-c', PROBE.format(first=first)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  return out.stdout.split('\n')[-2]
+
+
+@pytest.mark.parametrize(
+  'first, env_value, expected',
+  [
+    ('import trainer', None, '1 True'),  # unset: trainer turns it on
+    ('import trainer', '0', '0 False'),  # the user's 0 holds
+    ('import tensorflow; import trainer', None, None),  # too late: TensorFlow's own default
+  ],
+)
+def test_import_trainer_turns_onednn_on_unless_told_or_too_late(first, env_value, expected):
+  got = probe(first, env_value)
+  if expected is None:
+    # TensorFlow loaded first: trainer leaves the variable unset, and what runs is TensorFlow's
+    # default for this CPU, which `enabled` reports.
+    assert got.startswith('None ')
+  else:
+    assert got == expected
+
+
+def test_this_test_process_runs_what_users_run():
+  assert onednn.enabled()

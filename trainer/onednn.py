@@ -1,0 +1,36 @@
+"""oneDNN's CPU kernels for TensorFlow: on unless the user says otherwise.
+
+TensorFlow reads its switch, the environment variable TF_ENABLE_ONEDNN_OPTS, when its library
+loads, and by default turns oneDNN's kernels on only on CPUs with AVX512 (or newer); elsewhere
+its matmuls are Eigen's. On an AVX2 CPU oneDNN's run the nanoGPT-shape step 1.2-1.7x faster,
+with XLA or without (docs/guides/performance.md links the measurements), so `import trainer`
+sets TF_ENABLE_ONEDNN_OPTS=1 when two things hold:
+  * the variable is unset (TF_ENABLE_ONEDNN_OPTS=0 keeps Eigen's kernels);
+  * TensorFlow is not imported yet (after that the switch no longer changes anything; import
+    trainer first, or set the variable yourself).
+The run's first log line says whether oneDNN's kernels are on (`enabled`), whatever set them.
+TensorFlow-free: this module only touches the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENV = 'TF_ENABLE_ONEDNN_OPTS'
+
+
+def prefer() -> None:
+  """Sets TF_ENABLE_ONEDNN_OPTS=1 if it is unset and TensorFlow is not loaded yet."""
+  if 'tensorflow' not in sys.modules:
+    os.environ.setdefault(ENV, '1')
+
+
+def enabled() -> bool:
+  """Whether this process's TensorFlow runs oneDNN's kernels (its own answer, which accounts for
+  the CPU's default; the environment variable where TensorFlow has no such function)."""
+  try:
+    from tensorflow.python.util import _pywrap_util_port
+  except ImportError:  # pragma: no cover - a TensorFlow without the function
+    return os.environ.get(ENV, '0').lower() in ('1', 'true')
+  return bool(_pywrap_util_port.IsMklEnabled())
