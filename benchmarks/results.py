@@ -34,6 +34,8 @@ import time
 
 from absl import flags
 
+from trainer import onednn
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DIR = os.path.join(ROOT, 'docs', 'results')
 MARK = '<!-- written by benchmarks/results.py -->'
@@ -142,6 +144,8 @@ def command() -> str:
     head = ['python', '-m', 'benchmarks.' + os.path.splitext(os.path.basename(script))[0]]
   else:
     head = ['python', os.path.relpath(script, ROOT)]
+  env = onednn.user_setting()  # the one variable this project's kernels depend on
+  head = ([f'{onednn.ENV}={shlex.quote(env)}'] if env is not None else []) + head
   return ' '.join(head + [shlex.quote(a) for a in sys.argv[1:]])
 
 
@@ -176,6 +180,9 @@ def header(command_line: str, started: Start | None, ended: Start) -> str:
     ),
     ('load', load_line(started, ended)),
   ]
+  if 'tensorflow' in sys.modules:  # this process ran TensorFlow: which matmul kernels it had
+    kernels = 'on' if onednn.enabled() else 'off'
+    rows.insert(4, ('kernels', f"TensorFlow's oneDNN kernels {kernels}"))
   return '\n'.join(['| | |', '|---|---|'] + [f'| {k} | {v} |' for k, v in rows])
 
 

@@ -18,12 +18,20 @@ import os
 import sys
 
 ENV = 'TF_ENABLE_ONEDNN_OPTS'
+set_here = False  # whether `prefer` set the variable (so it was not the user's)
 
 
 def prefer() -> None:
   """Sets TF_ENABLE_ONEDNN_OPTS=1 if it is unset and TensorFlow is not loaded yet."""
-  if 'tensorflow' not in sys.modules:
-    os.environ.setdefault(ENV, '1')
+  global set_here
+  if 'tensorflow' not in sys.modules and ENV not in os.environ:
+    os.environ[ENV] = '1'
+    set_here = True
+
+
+def user_setting() -> str | None:
+  """The variable's value as the user set it (None when unset or set by `prefer`)."""
+  return None if set_here else os.environ.get(ENV)
 
 
 def enabled() -> bool:

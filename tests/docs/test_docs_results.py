@@ -8,6 +8,7 @@ import io
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -128,8 +129,20 @@ def test_the_writer_fills_the_header_from_git_and_the_machine(tmp_path):
   assert f'| commit | `{head}`' in text
   assert f'{os.cpu_count()} cores' in text and 'TensorFlow 2.' in text and 'Keras 3.' in text
   assert re.search(r'\| load \| 1-minute load average [\d.]+ at the start, [\d.]+ at the end', text)
+  assert "| kernels | TensorFlow's oneDNN kernels on |" in text  # this process runs TensorFlow
   assert '| 1 | 2 |' in text
   assert os.listdir(tmp_path) == ['demo.md']  # written by a rename, nothing left behind
+
+
+def test_the_command_names_the_onednn_switch_the_user_set(monkeypatch):
+  from trainer import onednn
+
+  monkeypatch.setattr(sys, 'argv', [os.path.join(ROOT, 'benchmarks', 'demo.py'), '--x=1'])
+  monkeypatch.setenv(onednn.ENV, '0')
+  monkeypatch.setattr(onednn, 'set_here', False)  # the user's 0
+  assert results.command() == 'TF_ENABLE_ONEDNN_OPTS=0 python -m benchmarks.demo --x=1'
+  monkeypatch.setattr(onednn, 'set_here', True)  # trainer's default: not part of the command
+  assert results.command() == 'python -m benchmarks.demo --x=1'
 
 
 def test_the_load_line_says_whether_the_machine_was_shared():
