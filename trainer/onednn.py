@@ -30,8 +30,11 @@ def prefer() -> None:
 
 
 def user_setting() -> str | None:
-  """The variable's value as the user set it (None when unset or set by `prefer`)."""
-  return None if set_here else os.environ.get(ENV)
+  """The variable's value when the user set it to something other than what `prefer` sets (None
+  when unset, set by `prefer`, or '1', as a process started by one that imported trainer
+  inherits it)."""
+  value = None if set_here else os.environ.get(ENV)
+  return None if value == '1' else value
 
 
 def enabled() -> bool:
@@ -42,3 +45,15 @@ def enabled() -> bool:
   except ImportError:  # pragma: no cover - a TensorFlow without the function
     return os.environ.get(ENV, '0').lower() in ('1', 'true')
   return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def hint() -> str | None:
+  """One line for the log when oneDNN's kernels are off and the user did not ask for that (it
+  was TensorFlow's own default, TensorFlow having loaded before `import trainer`), else None."""
+  if enabled() or user_setting() is not None:
+    return None
+  return (
+    "TensorFlow's oneDNN CPU kernels are off: TensorFlow was imported before trainer, so its "
+    'default for this CPU holds; import trainer first, or set TF_ENABLE_ONEDNN_OPTS=1 before '
+    'TensorFlow loads, for the faster kernels (TF_ENABLE_ONEDNN_OPTS=0 keeps them off quietly)'
+  )

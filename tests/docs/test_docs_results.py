@@ -143,6 +143,9 @@ def test_the_command_names_the_onednn_switch_the_user_set(monkeypatch):
   assert results.command() == 'TF_ENABLE_ONEDNN_OPTS=0 python -m benchmarks.demo --x=1'
   monkeypatch.setattr(onednn, 'set_here', True)  # trainer's default: not part of the command
   assert results.command() == 'python -m benchmarks.demo --x=1'
+  monkeypatch.setattr(onednn, 'set_here', False)
+  monkeypatch.setenv(onednn.ENV, '1')  # inherited from a parent that imported trainer
+  assert results.command() == 'python -m benchmarks.demo --x=1'
 
 
 def test_the_load_line_says_whether_the_machine_was_shared():

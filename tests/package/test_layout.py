@@ -17,6 +17,7 @@ LAYERS = {
   'steps_text': 0,
   'dotted': 0,
   'config': 0,
+  'onednn': 0,
   'data': 1,
   'nn': 2,
   'step': 3,

@@ -17,6 +17,7 @@ import os, sys
 import tensorflow
 from trainer import onednn
 print(os.environ.get('TF_ENABLE_ONEDNN_OPTS'), onednn.enabled())
+print(onednn.hint())
 """
 
 
@@ -34,7 +35,10 @@ def probe(first: str, env_value: str | None) -> str:
     timeout=300,
   )
   assert out.returncode == 0, out.stderr[-2000:]
-  return out.stdout.split('\n')[-2]
+  state, hint = out.stdout.split('\n')[-3:-1]
+  # The log's hint: only when the kernels are off and the user did not set the variable.
+  assert (hint != 'None') == (not state.endswith('True') and state.startswith('None ')), out.stdout
+  return state
 
 
 @pytest.mark.parametrize(

@@ -278,6 +278,8 @@ class Runner:
       'on' if tr.jit_compile else 'off',
       'on' if onednn.enabled() else 'off',
     )
+    if onednn.hint():
+      logging.info(onednn.hint())
     if step >= total:
       logging.info(
         'the run is already at step %d of %d: nothing to train, evaluating only (to '
