@@ -2,9 +2,9 @@
 
 TensorFlow reads its switch, the environment variable TF_ENABLE_ONEDNN_OPTS, when its library
 loads, and by default turns oneDNN's kernels on only on CPUs with AVX512 (or newer); elsewhere
-its matmuls are Eigen's. On an AVX2 CPU oneDNN's run the nanoGPT-shape step 1.2-1.7x faster,
-with XLA or without (docs/guides/performance.md links the measurements), so `import trainer`
-sets TF_ENABLE_ONEDNN_OPTS=1 when two things hold:
+its matmuls and convolutions are Eigen's. On the AVX2 CPU this project measures on, oneDNN's
+were the faster in every race run (the pages docs/guides/performance.md links), so `import
+trainer` sets TF_ENABLE_ONEDNN_OPTS=1 when two things hold:
   * the variable is unset (TF_ENABLE_ONEDNN_OPTS=0 keeps Eigen's kernels);
   * TensorFlow is not imported yet (after that the switch no longer changes anything; import
     trainer first, or set the variable yourself).

@@ -278,8 +278,9 @@ class Runner:
       'on' if tr.jit_compile else 'off',
       'on' if onednn.enabled() else 'off',
     )
-    if onednn.hint():
-      logging.info(onednn.hint())
+    hint = onednn.hint()  # the kernels are off only because TensorFlow loaded first
+    if hint:
+      logging.info(hint)
     if step >= total:
       logging.info(
         'the run is already at step %d of %d: nothing to train, evaluating only (to '
