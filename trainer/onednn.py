@@ -18,22 +18,19 @@ import os
 import sys
 
 ENV = 'TF_ENABLE_ONEDNN_OPTS'
-set_here = False  # whether `prefer` set the variable (so it was not the user's)
 
 
 def prefer() -> None:
   """Sets TF_ENABLE_ONEDNN_OPTS=1 if it is unset and TensorFlow is not loaded yet."""
-  global set_here
-  if 'tensorflow' not in sys.modules and ENV not in os.environ:
-    os.environ[ENV] = '1'
-    set_here = True
+  if 'tensorflow' not in sys.modules:
+    os.environ.setdefault(ENV, '1')
 
 
 def user_setting() -> str | None:
-  """The variable's value when the user set it to something other than what `prefer` sets (None
-  when unset, set by `prefer`, or '1', as a process started by one that imported trainer
-  inherits it)."""
-  value = None if set_here else os.environ.get(ENV)
+  """The variable's value when the user set it to something other than the '1' `prefer` sets
+  (None when unset or '1': set by `prefer`, by the user, or inherited from a process that
+  imported trainer, the kernels are the same)."""
+  value = os.environ.get(ENV)
   return None if value == '1' else value
 
 

@@ -138,13 +138,12 @@ def test_the_command_names_the_onednn_switch_the_user_set(monkeypatch):
   from trainer import onednn
 
   monkeypatch.setattr(sys, 'argv', [os.path.join(ROOT, 'benchmarks', 'demo.py'), '--x=1'])
-  monkeypatch.setenv(onednn.ENV, '0')
-  monkeypatch.setattr(onednn, 'set_here', False)  # the user's 0
+  monkeypatch.setenv(onednn.ENV, '0')  # the user's 0
   assert results.command() == 'TF_ENABLE_ONEDNN_OPTS=0 python -m benchmarks.demo --x=1'
-  monkeypatch.setattr(onednn, 'set_here', True)  # trainer's default: not part of the command
+  # trainer's default, or inherited from a parent that imported trainer: not part of the command
+  monkeypatch.setenv(onednn.ENV, '1')
   assert results.command() == 'python -m benchmarks.demo --x=1'
-  monkeypatch.setattr(onednn, 'set_here', False)
-  monkeypatch.setenv(onednn.ENV, '1')  # inherited from a parent that imported trainer
+  monkeypatch.delenv(onednn.ENV)
   assert results.command() == 'python -m benchmarks.demo --x=1'
 
 

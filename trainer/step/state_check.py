@@ -80,9 +80,9 @@ class StateCheck(tf.Module):
   def check(self, *, checkpoint: str | None, healthy: str | None = None) -> None:
     """Host side: raises NonFiniteError when a call's updates left the state non-finite,
     naming its steps and the first variables; resets the record first (a recovery goes on)."""
-    first, last = (int(s) for s in self.bad_steps.numpy())
-    if first < 0:
+    if not self.found():
       return
+    first, last = (int(s) for s in self.bad_steps.numpy())
     self.bad_steps.assign([-1, -1])
     bad = [_name(v) for v in self._checked if not np.isfinite(v.numpy()).all()]
     kept = (
