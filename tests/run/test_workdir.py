@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from tiny import TinyTrainer, tiny_config
@@ -439,3 +440,32 @@ def test_lock_without_hard_links(tmp_path, monkeypatch):
   assert not workdir_lock._link_new(path, other)  # taken: refused, not overwritten
   workdir_lock.release(path)
   assert not os.path.exists(path)
+
+
+def test_scalar_writes_are_the_same_eager_and_compiled(tmp_path):
+  """A set of tags is written eagerly WRITES_BEFORE_COMPILING times, then by one compiled call
+  (traced once): every write lands in the event file with its step and float32 value."""
+  import tensorflow as tf
+
+  from trainer.run import workdir as workdir_lib
+
+  writer = tf.summary.create_file_writer(str(tmp_path))
+  writes = workdir_lib._ScalarWrites(writer)
+  tags = ('eval/loss', 'eval/accuracy')
+  n = workdir_lib.WRITES_BEFORE_COMPILING + 3
+  for step in range(n):
+    writes.write(tags, [step + 0.1, -step / 3], step)
+  writer.flush()
+  call = writes._calls[tags]
+  assert call.calls == n and call.compiled.experimental_get_tracing_count() == 1
+  found = {}
+  for name in os.listdir(tmp_path):
+    for event in tf.compat.v1.train.summary_iterator(str(tmp_path / name)):
+      for value in event.summary.value:
+        found[(event.step, value.tag)] = float(tf.make_ndarray(value.tensor))
+  expected = {
+    (step, tag): float(np.float32(v))
+    for step in range(n)
+    for tag, v in zip(tags, [step + 0.1, -step / 3])
+  }
+  assert found == expected
