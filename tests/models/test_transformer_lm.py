@@ -78,9 +78,18 @@ def test_loss_is_float32_per_sequence_under_mixed_float16(tmp_path):
 
 
 def test_trains_and_samples_from_its_checkpoint(tmp_path):
+  from trainer.nn import layers
+
   workdir = str(tmp_path / 'run')
   trainer = transformer_lm.TransformerLmTrainer(_tiny_config('mixed_bfloat16'), workdir)
+  kernels = [layers._gelu_forward.compiled, layers._gelu_backward.compiled]
+  traces = lambda: [k.experimental_get_tracing_count() for k in kernels]
+  before = traces()
   metrics = trainer.train()
+  # The train step ran GELU as XLA kernels (trainer/nn/fused.py): forward and backward traced;
+  # the sampling below calls the model outside the trainer's steps, as plain ops.
+  assert all(a > b for a, b in zip(traces(), before))
+  after_training = traces()
   assert metrics['loss'] < 2.9  # uniform is ln 65 = 4.17; unigram frequencies give ~3.3
   keras.mixed_precision.set_global_policy('float32')
 
@@ -89,3 +98,4 @@ def test_trains_and_samples_from_its_checkpoint(tmp_path):
   assert set(text) <= set(trainer.corpus.vocab)
   assert transformer_lm.generate(workdir, prompt='ROMEO:', length=60, seed=1) == text
   assert ' ' in text[6:]  # it has learnt at least that words are separated by spaces
+  assert traces() == after_training

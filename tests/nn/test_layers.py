@@ -1,6 +1,8 @@
 """trainer.layers.CausalSelfAttention: computes in the policy's dtype, keeps float32 variables,
 softmax in float32, and is causal."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -137,14 +139,29 @@ def test_masked_softmax_equals_the_plain_ops_value_and_gradient(dtype):
   assert not np.any(y.numpy()[..., upper]) and not np.any(dx.numpy()[..., upper])
 
 
+def _in_kernels(fn):
+  """`fn` traced in a tf.function with trainer/nn/fused.py's kernels active (as in our steps)."""
+  from trainer.nn import fused
+
+  def traced(x):
+    with fused.kernels():
+      return fn(x)
+
+  return tf.function(traced)
+
+
+@pytest.mark.parametrize('kernels', [False, True], ids=['ops', 'xla_kernels'])
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'float16'])
-def test_gelu_float32_gradient_equals_the_plain_ops(dtype):
+def test_gelu_float32_gradient_equals_the_plain_ops(dtype, kernels):
+  """Eagerly (TensorFlow's ops) and as the XLA kernels the trainer's steps run: the same values
+  and gradients as plain tf.nn.gelu in float32 (XLA's erfc within a few ulps)."""
   from trainer.nn.layers import gelu_float32
 
   x = tf.cast(3 * tf.random.stateless_normal([64, 33], seed=[7, 8]), dtype)
   dy = tf.cast(tf.random.stateless_normal([64, 33], seed=[9, 10]), dtype)
   plain = lambda t: tf.cast(tf.nn.gelu(tf.cast(t, tf.float32)), t.dtype)
-  y, dx = _value_and_grad(gelu_float32, x, dy)
+  value_and_grad = lambda x: _value_and_grad(gelu_float32, x, dy)
+  y, dx = (_in_kernels(value_and_grad) if kernels else value_and_grad)(x)
   y_ref, dx_ref = _value_and_grad(plain, x, dy)
   assert y.dtype == dx.dtype == dtype
   tol = TOLERANCE[dtype]
@@ -152,6 +169,30 @@ def test_gelu_float32_gradient_equals_the_plain_ops(dtype):
   np.testing.assert_allclose(
     tf.cast(dx, tf.float32), tf.cast(dx_ref, tf.float32), atol=tol, rtol=tol
   )
+
+
+def _xla_functions(fn, x) -> list[str]:
+  """Names of the functions the graph of tf.function(fn) traced with x has XLA compile."""
+  library = tf.function(fn).get_concrete_function(x).graph.as_graph_def().library
+  return [f.signature.name for f in library.function if f.attr['_XlaMustCompile'].b]
+
+
+def test_gelu_runs_as_xla_kernels_only_inside_kernels():
+  """trainer/nn/fused.py: GELU's forward and backward are each one XLA-compiled function while
+  `kernels()` is active (the trainer's steps), plain ops elsewhere (an export, a user's loop)."""
+  from trainer.nn import fused
+  from trainer.nn.layers import gelu_float32
+
+  x = tf.zeros([4, 8])
+
+  def value_and_grad(x, active):
+    with fused.kernels() if active else contextlib.nullcontext():
+      return _value_and_grad(gelu_float32, x, tf.ones_like(x))
+
+  on = _xla_functions(lambda x: value_and_grad(x, True), x)
+  assert sorted(name.split('_gelu_')[1].split('_')[0] for name in on) == ['backward', 'forward']
+  assert _xla_functions(lambda x: value_and_grad(x, False), x) == []
+  assert not fused.active()
 
 
 def _kept(fn, x):

@@ -22,6 +22,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from trainer.nn import fused
+
 
 @keras.saving.register_keras_serializable(package='trainer')
 class CausalSelfAttention(keras.layers.Layer):
@@ -246,19 +248,26 @@ _SQRT_HALF = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 
 
+@fused.kernel
+def _gelu_forward(x):
+  return tf.cast(tf.nn.gelu(tf.cast(x, tf.float32)), x.dtype)
+
+
+@fused.kernel
+def _gelu_backward(x, dy):
+  x32 = tf.cast(x, tf.float32)
+  # Phi(x) = erfc(-x / sqrt 2) / 2: in the left tail 1 + erf(x / sqrt 2) cancels to a few
+  # float32 roundings of 1 (0 below x = -5.9), while erfc keeps Phi's relative accuracy.
+  cdf = 0.5 * tf.math.erfc(-x32 * _SQRT_HALF)
+  pdf = _INV_SQRT_2PI * tf.exp(-0.5 * tf.square(x32))
+  return tf.cast(tf.cast(dy, tf.float32) * (cdf + x32 * pdf), x.dtype)
+
+
 @tf.custom_gradient
 def _gelu_kept_as_input(x):
-  """Exact GELU in float32, returned in x's dtype; the backward pass keeps only x."""
-
-  def backward(dy):
-    x32 = tf.cast(x, tf.float32)
-    # Phi(x) = erfc(-x / sqrt 2) / 2: in the left tail 1 + erf(x / sqrt 2) cancels to a few
-    # float32 roundings of 1 (0 below x = -5.9), while erfc keeps Phi's relative accuracy.
-    cdf = 0.5 * tf.math.erfc(-x32 * _SQRT_HALF)
-    pdf = _INV_SQRT_2PI * tf.exp(-0.5 * tf.square(x32))
-    return tf.cast(tf.cast(dy, tf.float32) * (cdf + x32 * pdf), x.dtype)
-
-  return tf.cast(tf.nn.gelu(tf.cast(x, tf.float32)), x.dtype), backward
+  """Exact GELU in float32, returned in x's dtype; the backward pass keeps only x. Each pass is
+  one XLA kernel inside the trainer's steps (trainer/nn/fused.py)."""
+  return _gelu_forward(x), lambda dy: _gelu_backward(x, dy)
 
 
 @keras.saving.register_keras_serializable(package='trainer')

@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from trainer.errors import ConfigError
+from trainer.nn import fused
 from trainer.step import user_code
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -48,7 +49,8 @@ class EvalLoop:
     self.add = tf.function(self._add, autograph=False)
 
   def _replica_sums(self, batch: Any) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-    per_example_loss, metrics = user_code.converted(self.compute_loss)(batch, training=False)
+    with fused.kernels():  # the model's element-wise chains as XLA kernels (trainer/nn/fused.py)
+      per_example_loss, metrics = user_code.converted(self.compute_loss)(batch, training=False)
     sums = {'loss': tf.reduce_sum(tf.cast(per_example_loss, tf.float32))}
     for name, value in metrics.items():
       if name in self.metrics:

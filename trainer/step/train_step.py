@@ -65,6 +65,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from trainer.errors import ConfigError, UserError
+from trainer.nn import fused
 from trainer.step import apply_or_skip as shared
 from trainer.step import contract, low_precision, optimizers
 from trainer.step import outputs as step_outputs
@@ -296,9 +297,9 @@ class TrainStep:
     """Per replica (the part jit_compile compiles): forward state read first, then the
     gradients and this replica's non-finite count per group ([groups] int32, 0 or 1 each)."""
     saved = [v.read_value() for v in self._forward_state]
-    outputs, grads = contract.step_gradients(
-      self, user_code.converted(self.compute_gradients)(batch), self.variables
-    )
+    with fused.kernels():  # the model's element-wise chains as XLA kernels (trainer/nn/fused.py)
+      gradients = user_code.converted(self.compute_gradients)(batch)
+    outputs, grads = contract.step_gradients(self, gradients, self.variables)
     nonfinite = shared.nonfinite_counts(self._split(grads))
     return outputs, grads, nonfinite, saved
 

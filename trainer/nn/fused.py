@@ -1,0 +1,61 @@
+"""Element-wise chains as one XLA kernel each, inside the trainer's compiled steps.
+
+The exact GELU and its backward pass, written out in trainer/nn/layers.py, are chains of
+TensorFlow ops (erfc, exp, products): about ten kernels, each a pass over the MLP's widest
+activation. A function decorated with `kernel` is instead compiled by XLA into one fused loop
+(`tf.function(jit_compile=True)`), while the matmuls around it stay TensorFlow's (oneDNN's
+kernels, which at the Shakespeare shape beat XLA's: configs/shakespeare.py runs without XLA).
+GELU forward and backward over a [64, 128, 512] float32 activation took 29-35 ms as TensorFlow's
+ops and 11-13 ms as one kernel (2-core AVX2 CPU, 10 calls in a tf.function). Not every chain
+gains: the same timing of layer_norm's forward and backward gave 5.0-5.6 ms as ops and 6.6-8.1
+ms as kernels, and of masked_softmax about the same both ways, so those stay TensorFlow's ops.
+Inside a step XLA compiles whole, a kernel is simply part of that computation.
+
+Only while `kernels()` is active, which the trainer's train and eval steps enter while they
+trace (trainer/step/train_step.py, trainer/step/eval_step.py). Elsewhere the same function runs
+as plain TensorFlow ops: eagerly (a kernel called eagerly compiles once per new shape), in an
+exported SavedModel (TensorFlow Serving runs XLA:CPU only when a flag allows it), and in a
+user's own loop, which can enter `kernels()` inside its own tf.function. The two differ in
+rounding only: XLA's erfc and exp are within a few float32 ulps of TensorFlow's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+
+_ACTIVE = contextvars.ContextVar('trainer_fused_kernels', default=False)
+
+
+@contextlib.contextmanager
+def kernels() -> Iterator[None]:
+  """Functions decorated with `kernel` run as XLA kernels while this is active (read when a
+  tf.function traces: enter it inside the function being traced)."""
+  token = _ACTIVE.set(True)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def active() -> bool:
+  """Whether `kernels()` is active here."""
+  return _ACTIVE.get()
+
+
+def kernel(fn: Callable) -> Callable:
+  """`fn` compiled by XLA as one computation while `kernels()` is active, else `fn` itself.
+  Its non-tensor arguments (a dtype, an epsilon) are part of the compiled function's signature."""
+  compiled = tf.function(fn, jit_compile=True, autograph=False)
+
+  @functools.wraps(fn)
+  def call(*args: Any, **kwargs: Any) -> Any:
+    return compiled(*args, **kwargs) if _ACTIVE.get() else fn(*args, **kwargs)
+
+  call.compiled = compiled  # type: ignore[attr-defined]  # tests read its traces
+  return call
