@@ -183,18 +183,24 @@ def test_dynamic_loss_scale_under_float32_is_a_note(policy, loss_scale, resolved
   assert '\n' not in note
 
 
-def test_the_build_warns_once_about_dynamic_loss_scale_under_float32(tmp_path, caplog):
+def test_training_warns_once_about_dynamic_loss_scale_under_float32(tmp_path, caplog):
+  """The note is about a cost per trained step: logged when training starts, not by the build
+  (an eval, an export or sampling from the run folder trains no step)."""
   from tiny import TinyTrainer, tiny_config
 
   def warned(loss_scale):
+    overrides = {'precision.policy': 'float32', 'precision.loss_scale': loss_scale}
     caplog.clear()
     with caplog.at_level('WARNING'):
-      TinyTrainer(
-        tiny_config(**{'precision.policy': 'float32', 'precision.loss_scale': loss_scale}),
-        str(tmp_path / loss_scale),
+      trainer = TinyTrainer(
+        tiny_config(**overrides, **{'train.steps': 2}), str(tmp_path / loss_scale)
       )
-    return [r.getMessage() for r in caplog.records if 'loss_scale' in r.getMessage()]
+      built = [r.getMessage() for r in caplog.records if 'loss_scale' in r.getMessage()]
+      trainer.train()
+    trained = [r.getMessage() for r in caplog.records if 'loss_scale' in r.getMessage()]
+    return built, trained
 
-  (line,) = warned('dynamic')
+  built, (line,) = warned('dynamic')
+  assert built == []
   assert "config.precision.loss_scale='dynamic' does nothing useful under float32" in line
-  assert warned('auto') == []
+  assert warned('auto') == ([], [])

@@ -141,8 +141,6 @@ def _set_runtime(trainer, c, strategy: tf.distribute.Strategy | None) -> None:
   keras.utils.set_random_seed(c.seed)
   trainer.policy = precision.apply(c.precision.policy)
   config_lib.check_master_weights_policy(c, trainer.policy)  # 'auto', now resolved
-  if note := config_lib.loss_scale_note(c, trainer.policy):  # once, what runs known
-    logging.warning(note)
 
 
 def _build_update(trainer, c) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 from absl import flags, logging
 
+from trainer import config as config_lib
 from trainer import onednn
 from trainer.errors import CollapseError, NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
@@ -281,6 +282,8 @@ class Runner:
     hint = onednn.hint()  # the kernels are off only because TensorFlow loaded first
     if hint:
       logging.info(hint)
+    if note := config_lib.loss_scale_note(tr.config, tr.policy):  # a cost per trained step
+      logging.warning(note)
     if step >= total:
       logging.info(
         'the run is already at step %d of %d: nothing to train, evaluating only (to '
