@@ -50,6 +50,14 @@ def _restore_op_determinism():
     (tf_config.enable_op_determinism if _OP_DETERMINISM else tf_config.disable_op_determinism)()
 
 
+def pytest_collection_finish(session):
+  """Moves everything alive once the tests are imported (TensorFlow, Keras, the test modules:
+  about 300,000 objects) out of the collector's sight for good: a full collection then takes
+  microseconds instead of 0.7 s, which `_collect_garbage` below pays after every test."""
+  gc.collect()
+  gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _collect_garbage():
   """Frees each test's trainers when it ends. Keras models and tf.functions sit in reference
