@@ -62,10 +62,10 @@ def pytest_collection_finish(session):
 def _collect_garbage():
   """Frees each test's trainers when it ends. Keras models and tf.functions sit in reference
   cycles, so only a full collection frees them; left to Python's thresholds, the garbage of
-  dozens of tests piled up in an xdist worker and one unrelated test paid for collecting it (a
-  15-19 s pause on a quiet machine, 100-210 s under CI's load: a 0.1 s test took 140 s), and the
-  functions it held kept TensorFlow's function library large for every trace meanwhile.
-  tests/contract and tests/run/test_reliability_state.py in one process: 259 s -> 212 s."""
+  dozens of tests piled up in a worker and one unrelated test paid for collecting it (measured:
+  15-19 s pauses in one quiet process; in a CI run tests of 0.1-7 s alone took 140-210 s), and
+  the functions it held kept TensorFlow's function library large for every trace meanwhile.
+  tests/contract + tests/run, -n 3, back to back: 370 s -> 313 s wall (user CPU 441 -> 483 s)."""
   yield
   gc.collect()
 
