@@ -7,6 +7,7 @@ folder is on sys.path, so a test imports a helper or another test's function by 
 wherever it lives.
 """
 
+import gc
 import os
 import sys
 
@@ -47,6 +48,26 @@ def _restore_op_determinism():
   yield
   if tf_config.is_op_determinism_enabled() != _OP_DETERMINISM:
     (tf_config.enable_op_determinism if _OP_DETERMINISM else tf_config.disable_op_determinism)()
+
+
+def pytest_collection_finish(session):
+  """Moves everything alive once the tests are imported (TensorFlow, Keras, the test modules:
+  about 300,000 objects) out of the collector's sight for good: a full collection then takes
+  microseconds instead of 0.7 s, which `_collect_garbage` below pays after every test."""
+  gc.collect()
+  gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage():
+  """Frees each test's trainers when it ends. Keras models and tf.functions sit in reference
+  cycles, so only a full collection frees them; left to Python's thresholds, the garbage of
+  dozens of tests piled up in a worker and one unrelated test paid for collecting it (measured:
+  15-19 s pauses in one quiet process; in a CI run tests of 0.1-7 s alone took 140-210 s), and
+  the functions it held kept TensorFlow's function library large for every trace meanwhile.
+  tests/contract + tests/run, -n 3, back to back: 370 s -> 313 s wall (user CPU 441 -> 483 s)."""
+  yield
+  gc.collect()
 
 
 @pytest.fixture
