@@ -24,7 +24,7 @@ from trainer import config as config_lib
 from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
-from trainer.data import checks
+from trainer.data import autotune, checks
 from trainer.nn import remat
 from trainer.step import contract, distribute, inject, optimizers, payoff, precision
 from trainer.step.loss_scale import LossScaler, state_variable
@@ -93,12 +93,16 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
 
   # A finite train dataset is repeated; one epoch is its cardinality when known. build_model
   # may read self.datasets (e.g. Normalization.adapt): it sees them as build_datasets returned
-  # them (checked), a finite train set one pass, not yet repeated for ever.
+  # them (checked), a finite train set one pass, not yet repeated for ever. Both then go
+  # without tf.data's autotuning thread, whose lost wake-up could hold each dropped iterator
+  # (every evaluation's; the train one at exit) for up to 60 s (trainer/data/autotune.py).
   trainer.datasets = trainer.build_datasets()
   prepared, steps_per_epoch = epochs.prepare(
     trainer.datasets, c.train.batch_size, c.train.eval_max_batches
   )
   epochs.check_length(prepared, steps_per_epoch, c)
+  trainer.datasets = autotune.datasets_without_thread(trainer.datasets)
+  prepared = autotune.datasets_without_thread(prepared)
   trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
   _check_against_the_run(c, trainer.total_steps, trainer.strategy.num_replicas_in_sync)
 
