@@ -1,6 +1,8 @@
 """tf.data's autotuning thread is off in a run's pipelines unless the user's options decide
 (trainer/data/autotune.py: its lost wake-up held dropped iterators for up to 60 s)."""
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -28,9 +30,18 @@ def test_a_default_dataset_loses_the_thread_and_keeps_its_data_and_other_options
   quiet = autotune.without_thread(dataset)
 
   assert quiet.options().autotune.enabled is False
+  assert quiet.options().autotune.initial_parallelism == os.cpu_count()  # not tf.data's 16
   policy = quiet.options().experimental_distribute.auto_shard_policy
   assert policy == tf.data.experimental.AutoShardPolicy.DATA
   np.testing.assert_array_equal(list(quiet.as_numpy_iterator()), np.arange(10) * 3)
+
+
+def test_an_initial_parallelism_the_user_set_is_kept():
+  options = tf.data.Options()
+  options.autotune.initial_parallelism = 3
+  quiet = autotune.without_thread(tf.data.Dataset.range(3).with_options(options))
+  assert quiet.options().autotune.enabled is False
+  assert quiet.options().autotune.initial_parallelism == 3
 
 
 def test_a_dataset_whose_options_decide_is_left_as_it_is():

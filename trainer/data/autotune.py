@@ -15,30 +15,34 @@ process's exit, the main thread in the iterator's destructor, the autotuning thr
 set (146 batches, 5-8 s), dropping it took 3.8-4.9 s in 7 of 16 passes and 46.7 s in one; with
 the thread off, at most 0.003 s in 8 of 8.
 
-Without the thread, AUTOTUNE keeps its starting values: a parallel map or interleave runs
-min(16, cores) calls at once, and a prefetch sizes its buffer with its own (thread-free)
-tuner. A dataset whose options set `autotune.enabled` (True or False) is left as it is.
+Without the thread, AUTOTUNE keeps its starting values. A parallel map or interleave starts at
+min(autotune.initial_parallelism, the runner's threads, one per core); tf.data's default of 16
+would cap a large host below what the tuner reaches, so `initial_parallelism` is set to the
+number of cores (unless the options set it): every core, as far as the tuner goes. A prefetch
+sizes its buffer with its own (thread-free) tuner. A dataset whose options set
+`autotune.enabled` (True or False) is left as it is.
 """
 
 from __future__ import annotations
+
+import os
 
 import tensorflow as tf
 
 from trainer.data.datasets import Datasets
 
 
-def _sets_autotune(dataset: tf.data.Dataset) -> bool:
-  """Whether the dataset's options set autotune.enabled (either way), not just default it."""
-  proto = dataset.options()._to_proto()  # the one place tf.data tells set from defaulted
-  return proto.autotune_options.WhichOneof('optional_enabled') is not None
-
-
 def without_thread(dataset: tf.data.Dataset) -> tf.data.Dataset:
-  """`dataset` with autotuning off, unless its options already decide."""
-  if _sets_autotune(dataset):
+  """`dataset` with autotuning off and AUTOTUNE at one call per core, unless its options
+  already set `autotune.enabled`."""
+  # The proto is the one place tf.data tells a set option from a defaulted one.
+  chosen = dataset.options()._to_proto().autotune_options
+  if chosen.WhichOneof('optional_enabled') is not None:
     return dataset
   options = tf.data.Options()
   options.autotune.enabled = False
+  if chosen.WhichOneof('optional_initial_parallelism') is None:
+    options.autotune.initial_parallelism = os.cpu_count() or 1
   return dataset.with_options(options)
 
 
