@@ -200,7 +200,9 @@ def run_workers(workdir, out, steps, *extra):
   return results, logs
 
 
-@pytest.mark.slow  # 4 TF processes: 91 s and 143 s wall on the 2 shared cores (33-42 s CPU)
+# 4 TF processes: 27-35 s wall in 3 runs beside other work (about 44 s CPU); before tf.data's
+# autotuning thread was off (trainer/data/autotune.py), 33-60 s, and 91-143 s once.
+@pytest.mark.slow
 def test_multi_worker_two_processes_train_checkpoint_and_resume(tmp_path):
   workdir = tmp_path / 'work'
   first, second = tmp_path / 'first', tmp_path / 'second'
