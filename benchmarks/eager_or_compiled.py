@@ -155,9 +155,11 @@ def measure_and_print(argv):
 def main(argv):
   """What it prints is also docs/results/eager_or_compiled.md (benchmarks/results.py)."""
   if _CHILD.value:  # one config's measurement, printed for the parent
-    return measure_and_print(argv)
-  with results_page.recording('eager_or_compiled', markdown=True):
     measure_and_print(argv)
+  else:
+    with results_page.recording('eager_or_compiled', markdown=True):
+      measure_and_print(argv)
+  results_page.exit_now()  # the child's line is printed, the parent's page written
 
 
 if __name__ == '__main__':

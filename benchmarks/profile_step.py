@@ -168,6 +168,7 @@ def main(argv):
   """What it prints is also docs/results/profile_step.md (benchmarks/results.py)."""
   with results_page.recording('profile_step', markdown=False):
     measure_and_print(argv)
+  results_page.exit_now()  # the page is written
 
 
 if __name__ == '__main__':

@@ -283,6 +283,8 @@ def main(argv):
     started=started,
     quick=_QUICK.value,
   )
+  # Everything is written. (A --cell child, above, ends normally: its whole life is measured.)
+  results_page.exit_now()
 
 
 if __name__ == '__main__':

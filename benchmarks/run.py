@@ -323,7 +323,8 @@ def paired(a: list[float], b: list[float], fn) -> dict:
   return summary([fn(x, y) for x, y in zip(a, b)])
 
 
-def bench_model(name: str, s: dict) -> dict:
+def bench_model(name: str, s: dict) -> tuple[dict, list]:
+  """Model `name`'s results, and its contenders, closed (main says when they go)."""
   s = model_settings(name, s)
   import keras
   import models
@@ -406,7 +407,7 @@ def bench_model(name: str, s: dict) -> dict:
     }
   result.update(comparisons(rates, s, default))  # wall clock: the headline numbers
   result['cpu_time'] = comparisons(cpu_rates, s, default)  # the same, per CPU second
-  return result
+  return result, built
 
 
 def comparisons(rates: dict, s: dict, default: str) -> dict:
@@ -553,7 +554,7 @@ def main(argv):
   if _MEMORY_CHILD.value:
     logging.set_verbosity(logging.ERROR)
     memory_child(_MEMORY_CHILD.value, _MEMORY_STEPS.value)
-    return
+    results_page.exit_now()  # its line is printed
   logging.set_verbosity(logging.WARNING)
   from benchmarks import flops, report
   import models
@@ -578,8 +579,14 @@ def main(argv):
   for name in names:  # first, while this process is small; --memory_steps=0 skips memory
     memory_mib[name] = memory(name, s) if s['memory_steps'] else {}
   measure_peaks()
+  built: list = []
   for name in names:
-    results['models'][name] = bench_model(name, s)
+    # A model's contenders go when the next model's are built; the last model's are left to
+    # the end of the process (results_page.exit_now): destroying an Ours contender's tf.data
+    # iterator can wait out its autotuning period (tests/quick_exit.py), seen 14-50 s at
+    # the end of the quick benchmark's only model on the 2-core machine.
+    built.clear()
+    results['models'][name], built = bench_model(name, s)
   measure_peaks()
   for name in names:
     r = results['models'][name]
@@ -592,6 +599,7 @@ def main(argv):
   paths += [page] if page else []
   print('\n'.join(['wrote:'] + paths))
   print(f'wall time: {results["wall_seconds"]:.0f} s')
+  results_page.exit_now()  # everything is written
 
 
 if __name__ == '__main__':

@@ -77,6 +77,30 @@ def mnist_dir():
   return MNIST_DIR
 
 
+def once_per_session(tmp_path_factory, name: str, make):
+  """The folder `name` after `make(folder)` filled it, once per test session: under xdist the
+  first worker to ask makes it and any other waits for it (a file lock in the session's shared
+  temporary folder), instead of each worker that runs one of the module's tests making its own.
+  worksteal hands a module's tests to several workers when one runs out of work: in one run of
+  tests/step/test_distribute.py with its neighbours, its 43-154 s fixture ran 3 times. A failed
+  `make` leaves no folder behind, so the next asker tries again (and fails in its own test)."""
+  import fcntl
+  import shutil
+
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    root = root.parent  # the session's folder, above each worker's popen-gw<N>
+  folder, done = root / f'once-{name}', root / f'once-{name}.done'
+  with open(root / f'once-{name}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not done.exists():
+      shutil.rmtree(folder, ignore_errors=True)
+      folder.mkdir()
+      make(folder)
+      done.touch()
+  return folder
+
+
 @pytest.fixture
 def tiny_trainer(tmp_path):
   """Makes TinyTrainers (tests/tiny.py) on a fresh workdir; dotted-key overrides."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import ROOT
+from conftest import ROOT, once_per_session
 
 MNIST_DIR = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
 STEPS = 30
@@ -101,9 +101,7 @@ def assert_bit_identical(a, b):
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory):
   """The uninterrupted run."""
-  workdir = tmp_path_factory.mktemp('uninterrupted')
-  run(workdir)
-  return final_state(workdir)
+  return final_state(once_per_session(tmp_path_factory, 'uninterrupted_resume', run))
 
 
 def test_kill_9_at_a_random_step_then_resume_is_bit_identical(reference, tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import ROOT
+from conftest import ROOT, once_per_session
 
 DATA = os.path.join(ROOT, '..', 'shared', 'data', 'tinyshakespeare')
 
@@ -196,11 +196,8 @@ def test_composes_with_mixed_precision_loss_scaling_and_skipped_steps(
   assert r['max_weight_diff'] < atol
 
 
-@pytest.fixture(scope='module')
-def mirrored(tmp_path_factory):
-  out = tmp_path_factory.mktemp('remat_mirrored')
+def _run_mirrored(out):
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
-  results = {}
   for name in ('float32', 'mixed_float16'):  # two processes at a time: remat off and on
     procs = [
       subprocess.Popen(
@@ -216,6 +213,13 @@ def mirrored(tmp_path_factory):
     for proc in procs:
       _, err = proc.communicate(timeout=600)
       assert proc.returncode == 0, err[-3000:]
+
+
+@pytest.fixture(scope='module')
+def mirrored(tmp_path_factory):
+  out = once_per_session(tmp_path_factory, 'remat_runs', _run_mirrored)
+  results = {}
+  for name in ('float32', 'mixed_float16'):
     off, on = np.load(out / f'{name}_remat0.npz'), np.load(out / f'{name}_remat1.npz')
     part = lambda a, what: [
       a[k]

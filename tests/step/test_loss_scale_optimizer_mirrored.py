@@ -10,16 +10,20 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, once_per_session
+
+
+def _run(folder):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  script = os.path.join(ROOT, 'tests', 'lso_mirrored_run.py')
+  out = folder / 'results.json'
+  done = subprocess.run([sys.executable, script, str(out)], env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.fixture(scope='module')
 def results(tmp_path_factory):
-  out = tmp_path_factory.mktemp('lso') / 'results.json'
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  script = os.path.join(ROOT, 'tests', 'lso_mirrored_run.py')
-  done = subprocess.run([sys.executable, script, str(out)], env=env, capture_output=True, text=True)
-  assert done.returncode == 0, done.stderr[-3000:]
+  out = once_per_session(tmp_path_factory, 'lso_mirrored_run', _run) / 'results.json'
   found = json.loads(out.read_text())
   assert found['replicas'] == 2
   return found
