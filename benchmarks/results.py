@@ -264,11 +264,12 @@ def recording(
 
 def exit_now() -> None:
   """Ends a benchmark's process with code 0 once everything it reports is printed and written,
-  skipping the interpreter's finalization, as launch.py's `exit_now` does: tearing TensorFlow's
-  objects down destroys the tf.data iterators, and destroying one can wait out the optimization
-  period of its autotuning thread, up to a minute (tests/quick_exit.py says why). Measured on
-  the quick benchmark (run.py --quick --models=mnist_mlp) on the 2-core machine: 26-42 s between
-  its last line and the end of the process in 3 of 5 runs, 0% CPU."""
+  skipping the interpreter's finalization, as launch.py's `exit_now` does. Tearing TensorFlow's
+  objects down costs seconds, and a tf.data iterator still read with autotuning on (a pipeline
+  that is not a Trainer's: trainer/data/autotune.py) can wait up to a minute to be destroyed.
+  Measured on the quick benchmark (run.py --quick --models=mnist_mlp) on the 2-core machine,
+  before the Trainer's pipelines dropped that thread: 26-42 s between its last line and the end
+  of the process in 3 of 5 runs, at 0 % CPU."""
   from absl import logging
 
   from trainer.run import lock

@@ -323,8 +323,7 @@ def paired(a: list[float], b: list[float], fn) -> dict:
   return summary([fn(x, y) for x, y in zip(a, b)])
 
 
-def bench_model(name: str, s: dict) -> tuple[dict, list]:
-  """Model `name`'s results, and its contenders, closed (main says when they go)."""
+def bench_model(name: str, s: dict) -> dict:
   s = model_settings(name, s)
   import keras
   import models
@@ -407,7 +406,7 @@ def bench_model(name: str, s: dict) -> tuple[dict, list]:
     }
   result.update(comparisons(rates, s, default))  # wall clock: the headline numbers
   result['cpu_time'] = comparisons(cpu_rates, s, default)  # the same, per CPU second
-  return result, built
+  return result
 
 
 def comparisons(rates: dict, s: dict, default: str) -> dict:
@@ -579,14 +578,8 @@ def main(argv):
   for name in names:  # first, while this process is small; --memory_steps=0 skips memory
     memory_mib[name] = memory(name, s) if s['memory_steps'] else {}
   measure_peaks()
-  built: list = []
   for name in names:
-    # A model's contenders go when the next model's are built; the last model's are left to
-    # the end of the process (results_page.exit_now): destroying an Ours contender's tf.data
-    # iterator can wait out its autotuning period (tests/quick_exit.py), seen 14-50 s at
-    # the end of the quick benchmark's only model on the 2-core machine.
-    built.clear()
-    results['models'][name], built = bench_model(name, s)
+    results['models'][name] = bench_model(name, s)
   measure_peaks()
   for name in names:
     r = results['models'][name]
