@@ -443,16 +443,18 @@ class Runner:
     early: it is replayed, and a second call runs the rest."""
     tr, loop = self.trainer, self.train_loop
     guard = tr.train_step.guard
-    target = int(tr.global_step.numpy()) + num_steps
+    target = None  # the global step to reach: the first call's start + num_steps
     skipped = int(tr.train_step.skipped_steps.numpy()) if loop.forensics else 0
     while True:
       if loop.forensics:  # the compiled loop stops after the next skip that gets forensics
         stop_at = self.forensics.next_after(skipped)
         loop.stop_after_skip(stop_at)
       counters = loop.run(iterator, num_steps)
+      if target is None:
+        target = counters.first_step + num_steps
       skipped = counters.skipped_steps
       step = counters.global_step
-      self.check_updated_state()  # NonFiniteError: an update left the state non-finite
+      self.check_updated_state(counters)  # NonFiniteError: an update left the state non-finite
       if counters.consecutive >= guard.max_consecutive_skips > 0:
         guard.check(
           step=step,
@@ -469,12 +471,12 @@ class Runner:
       self.record_forensics(step - 1)  # the skip was the call's last step
     return step
 
-  def check_updated_state(self) -> None:
-    """After a compiled call: NonFiniteError when an applied update left the weights or the
-    optimizer's state non-finite (checked at the end of the call: trainer/step/state_check.py);
-    the recovery policy takes it like a collapse."""
+  def check_updated_state(self, counters) -> None:
+    """After a compiled call (`counters`, what it returned): NonFiniteError when an applied
+    update left the weights or the optimizer's state non-finite (checked at the end of the call:
+    trainer/step/state_check.py); the recovery policy takes it like a collapse."""
     check = getattr(self.trainer.train_step, 'state_check', None)
-    if check is not None and check.found():  # the messages' file reads only when it raises
+    if check is not None and counters.nonfinite_state_step >= 0:
       check.check(
         checkpoint=self.workdir.latest_checkpoint,
         healthy=health.describe(self.workdir.healthy_record()),

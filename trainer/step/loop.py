@@ -43,12 +43,17 @@ def _ours(error: Exception) -> Exception:
 
 
 class Counters(NamedTuple):
-  """What a compiled call returns to the host, read once: the global step, the cumulative
-  skipped steps and the collapse guard's bad steps in a row."""
+  """What a compiled call returns to the host, read once: the global step at its start and at
+  its end, the cumulative skipped steps, the collapse guard's bad steps in a row, and the first
+  step of the first call whose updates left the state non-finite (-1: none; trainer/step/
+  state_check.py). One read per call: each eager read of a variable on the host costs 0.1-0.4
+  ms, a few per cent of a call of 10 MNIST MLP steps."""
 
+  first_step: int
   global_step: int
   skipped_steps: int
   consecutive: int
+  nonfinite_state_step: int
 
 
 class TrainLoop:
@@ -105,15 +110,19 @@ class TrainLoop:
     )
     self.sums.assign(sums)
     self._recording = None
+    nonfinite_state_step = tf.constant(-1, tf.int64)
     if hasattr(step, 'state_check'):  # the runner raises NonFiniteError (step/state_check.py)
       end_step = step.global_step.read_value()
       applied = (end_step - first_step) - (step.skipped_steps.read_value() - first_skipped)
       step.state_check.after_call(step.groups, first_step, end_step, applied > 0)
+      nonfinite_state_step = step.state_check.bad_steps[0]
     return tf.stack(
       [
-        step.global_step.read_value(),
-        step.skipped_steps.read_value(),
-        step.guard.consecutive.read_value(),
+        tf.cast(first_step, tf.int64),
+        tf.cast(step.global_step.read_value(), tf.int64),
+        tf.cast(step.skipped_steps.read_value(), tf.int64),
+        tf.cast(step.guard.consecutive.read_value(), tf.int64),
+        nonfinite_state_step,
       ]
     )
 

@@ -75,7 +75,7 @@ class StateCheck(tf.Module):
 
   def found(self) -> bool:
     """Host side: a call's updates left the state non-finite (`check` raises)."""
-    return int(self.bad_steps[0].numpy()) >= 0
+    return int(self.bad_steps.numpy()[0]) >= 0
 
   def check(self, *, checkpoint: str | None, healthy: str | None = None) -> None:
     """Host side: raises NonFiniteError when a call's updates left the state non-finite,
