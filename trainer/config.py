@@ -146,7 +146,7 @@ SCHEMA: dict[str, Key] = {
   'train.jit_compile': Key(
     str,
     'auto',
-    "XLA for the per-replica step: 'auto' (GPU/TPU: on, "
+    "XLA for the per-replica step and the eval's forward pass: 'auto' (GPU/TPU: on, "
     "CPU: off), or the policies it is on under ('float32,...')",
     _jit_setting,
   ),

@@ -71,6 +71,7 @@ class Runner:
         compute_loss=t.compute_loss,
         metric_names=t.metric_names,
         metrics=t.eval_metrics,
+        jit_compile=t.jit_compile,
       )
       self.train_loop = TrainLoop(  # the compiled call of steps_per_loop steps
         t.train_step,

@@ -31,7 +31,9 @@ class EvalLoop:
   """One pass over a (distributed) dataset, each batch added in a tf.function: sums of
   per-example loss and metrics over every example, divided by the count, so no example is
   dropped or counted twice;
-  stateful metrics (`Trainer.build_metrics()`) are updated per replica and read on the host."""
+  stateful metrics (`Trainer.build_metrics()`) are updated per replica and read on the host.
+  `jit_compile`: each replica's forward pass and loss compiled by XLA, as the train step's
+  gradients are (config.train.jit_compile); the stateful metrics' updates stay outside it."""
 
   def __init__(
     self,
@@ -40,6 +42,7 @@ class EvalLoop:
     compute_loss: LossFn,
     metric_names: Iterable[str],
     metrics: Mapping[str, keras.metrics.Metric] | None = None,
+    jit_compile: bool = False,
   ) -> None:
     self.strategy = strategy
     self.compute_loss = compute_loss
@@ -47,10 +50,19 @@ class EvalLoop:
     self.metric_names = ('loss', *(n for n in metric_names if n not in self.metrics))
     self.reports = (*self.metric_names, *self.metrics)  # the names evaluate() returns
     self.add = tf.function(self._add, autograph=False)
+    self._losses = self._replica_losses
+    if jit_compile:
+      compiled = tf.function(self._replica_losses, jit_compile=True, autograph=False)
+      # Through a plain function, as in TrainStep: MirroredStrategy.run given a tf.function
+      # lifts it into one XLA cluster over all replicas unless every device is a GPU.
+      self._losses = lambda batch: compiled(batch)  # pylint: disable=unnecessary-lambda
+
+  def _replica_losses(self, batch: Any) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
+    with fused.kernels():  # the model's element-wise chains as XLA kernels (trainer/nn/fused.py)
+      return user_code.converted(self.compute_loss)(batch, training=False)
 
   def _replica_sums(self, batch: Any) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-    with fused.kernels():  # the model's element-wise chains as XLA kernels (trainer/nn/fused.py)
-      per_example_loss, metrics = user_code.converted(self.compute_loss)(batch, training=False)
+    per_example_loss, metrics = self._losses(batch)
     sums = {'loss': tf.reduce_sum(tf.cast(per_example_loss, tf.float32))}
     for name, value in metrics.items():
       if name in self.metrics:
