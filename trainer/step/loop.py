@@ -4,9 +4,10 @@
 its steps; the step does not know it exists. A call (`run(iterator, n)`) runs `step.step` up to
 `n` times in a `tf.while_loop`, adds each step's outputs to a float32 vector carried through the
 loop (one entry per output name, in sorted order), stores it in the variable `sums` at its end
-and returns the counters (global step, skipped steps, the collapse guard's bad steps in a row);
-nothing else goes back to the host. At its end it checks the state the call's updates wrote
-(`step.state_check`, trainer/step/state_check.py: once per call). The loop stops early when the
+and returns the counters (`Counters`: the global step at its start and end, skipped steps, the
+collapse guard's bad steps in a row, the state check's finding); nothing else goes back to the
+host. At its end it checks the state the call's updates wrote (`step.state_check`,
+trainer/step/state_check.py: once per call). The loop stops early when the
 guard's limit is reached or, with forensics on, right after the skip the host asked for
 (`stop_at_skip`), with that step's batch kept on the device (`kept_batch`, trainer/step/
 kept_batch.py). At log time the host reads `read_outputs()`.
