@@ -8,7 +8,7 @@ steady state. CPU seconds barely move when other processes compete for the cores
 do), so steps per CPU-second is the fairer comparison on a shared machine:
 
   Ours      what `Trainer.train` does per compiled call: `run_steps(iterator, steps_per_loop)`
-            (the compiled loop, the global-step read, the collapse-guard check) and, every
+            (the compiled loop and its counters, the collapse-guard check) and, every
             `log_every` steps, `log_progress` (read and reset the metric sums, the loss scale and
             skipped steps, write the TensorBoard scalars). The iterator lives across rounds.
   KerasFit  `model.fit(dataset, steps_per_epoch=...)` with the same model class, dataset, batch,
