@@ -50,12 +50,7 @@ class EvalLoop:
     self.metric_names = ('loss', *(n for n in metric_names if n not in self.metrics))
     self.reports = (*self.metric_names, *self.metrics)  # the names evaluate() returns
     self.add = tf.function(self._add, autograph=False)
-    self._losses = self._replica_losses
-    if jit_compile:
-      compiled = tf.function(self._replica_losses, jit_compile=True, autograph=False)
-      # Through a plain function, as in TrainStep: MirroredStrategy.run given a tf.function
-      # lifts it into one XLA cluster over all replicas unless every device is a GPU.
-      self._losses = lambda batch: compiled(batch)  # pylint: disable=unnecessary-lambda
+    self._losses = user_code.xla_per_replica(self._replica_losses, jit_compile)
 
   def _replica_losses(self, batch: Any) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
     with fused.kernels():  # the model's element-wise chains as XLA kernels (trainer/nn/fused.py)

@@ -148,14 +148,7 @@ class TrainStep:
     # Callables traced into the skip branch only (no cost on a finite step): the compiled loop
     # adds forensics' batch keeping here (trainer/step/loop.py).
     self.on_skip: list[Callable[[], Any]] = []
-    replica_core = self._replica_core
-    if trainer.jit_compile:
-      compiled = tf.function(replica_core, jit_compile=True, autograph=False)
-      # Called through a plain function: given a tf.function directly, MirroredStrategy.run
-      # lifts it into one XLA cluster over all replicas unless every device is a GPU, and that
-      # fails on other devices (a replica's variables read from another device).
-      replica_core = lambda batch: compiled(batch)  # pylint: disable=unnecessary-lambda
-    self._replica_core_fn = replica_core
+    self._replica_core_fn = user_code.xla_per_replica(self._replica_core, trainer.jit_compile)
 
   def replica_share(self, batch):
     """The first examples of a global batch, as many as one replica's (first) micro-batch has in

@@ -12,6 +12,9 @@ framework calls it through `converted`: autograph converts it as tf.function wou
 recursively, and falls back to calling it as it is (as tf.function does) when it cannot, for
 example when its source is not available. Keras's own code is never converted (autograph's own
 rule for the keras module).
+
+`xla_per_replica` compiles the per-replica part of such a function (the code that calls the
+user's) with XLA under `train.jit_compile`, for the train step and the eval loop alike.
 """
 
 from __future__ import annotations
@@ -47,3 +50,15 @@ def _enabled() -> Any:
   `control_status_ctx` rather than TensorFlow's internal module."""
   current = tf.__internal__.autograph.control_status_ctx()
   return type(current)(status=type(current.status).ENABLED)
+
+
+def xla_per_replica(fn: Callable, jit_compile: bool) -> Callable:
+  """`fn` (a per-replica function of one argument, for `strategy.run`: the train step's
+  gradients, the eval's losses) compiled as one XLA function when `jit_compile`, else `fn`.
+  Returned as a plain function: given a tf.function, MirroredStrategy.run lifts it into one XLA
+  cluster over all replicas unless every device is a GPU, and that fails on other devices (a
+  replica's variables read from another device)."""
+  if not jit_compile:
+    return fn
+  compiled = tf.function(fn, jit_compile=True, autograph=False)
+  return lambda arg: compiled(arg)  # pylint: disable=unnecessary-lambda
