@@ -119,10 +119,10 @@ class TrainLoop:
       nonfinite_state_step = step.state_check.bad_steps[0]
     return tf.stack(
       [
-        tf.cast(first_step, tf.int64),
-        tf.cast(step.global_step.read_value(), tf.int64),
-        tf.cast(step.skipped_steps.read_value(), tf.int64),
-        tf.cast(step.guard.consecutive.read_value(), tf.int64),
+        first_step,  # every counter is an int64 variable (state_variable)
+        step.global_step.read_value(),
+        step.skipped_steps.read_value(),
+        step.guard.consecutive.read_value(),
         nonfinite_state_step,
       ]
     )

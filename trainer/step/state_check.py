@@ -73,16 +73,12 @@ class StateCheck(tf.Module):
     steps = tf.cast(tf.stack([first_step, end_step - 1]), tf.int64)
     self.bad_steps.assign(tf.where(first, steps, self.bad_steps))
 
-  def found(self) -> bool:
-    """Host side: a call's updates left the state non-finite (`check` raises)."""
-    return int(self.bad_steps.numpy()[0]) >= 0
-
   def check(self, *, checkpoint: str | None, healthy: str | None = None) -> None:
     """Host side: raises NonFiniteError when a call's updates left the state non-finite,
     naming its steps and the first variables; resets the record first (a recovery goes on)."""
-    if not self.found():
-      return
     first, last = (int(s) for s in self.bad_steps.numpy())
+    if first < 0:
+      return
     self.bad_steps.assign([-1, -1])
     bad = [_name(v) for v in self._checked if not np.isfinite(v.numpy()).all()]
     kept = (
