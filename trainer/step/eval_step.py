@@ -87,7 +87,8 @@ class EvalLoop:
           '(its length is unknown to tf.data: a generator or a filter; one that loops never '
           'ends an eval): raise the bound (0 = none) or end the eval set'
         )
-      totals, count = self.add(batch, totals, count)
+      with user_code.xla_errors('the eval'):
+        totals, count = self.add(batch, totals, count)
       if stop is not None and stop():
         return None
       if batch_done is not None:

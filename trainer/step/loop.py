@@ -201,7 +201,8 @@ class TrainLoop:
         'output over the steps and logs its mean, so each must be a scalar '
         '(reduce it in the step, e.g. tf.reduce_mean)'
       )
-    return Counters(*(int(v) for v in self.compiled(iterator, steps).numpy()))
+    with user_code.xla_errors('the train step'):
+      return Counters(*(int(v) for v in self.compiled(iterator, steps).numpy()))
 
   def read_outputs(self) -> dict[str, Any]:
     """Host side: the counters as counts (int), every other output as its mean over the steps whose

@@ -14,15 +14,20 @@ example when its source is not available. Keras's own code is never converted (a
 rule for the keras module).
 
 `xla_per_replica` compiles the per-replica part of such a function (the code that calls the
-user's) with XLA under `train.jit_compile`, for the train step and the eval loop alike.
+user's) with XLA under `train.jit_compile`, for the train step and the eval loop alike;
+`xla_errors` turns XLA's refusal of an op in the user's code into one UserError line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import re
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import tensorflow as tf
+
+from trainer.errors import UserError
 
 _PACKAGE = 'trainer'
 F = TypeVar('F', bound=Callable)
@@ -62,3 +67,53 @@ def xla_per_replica(fn: Callable, jit_compile: bool) -> Callable:
     return fn
   compiled = tf.function(fn, jit_compile=True, autograph=False)
   return lambda arg: compiled(arg)  # pylint: disable=unnecessary-lambda
+
+
+# XLA's refusal of an op it has no kernel for; what the op is created by, when a user would not
+# know it by its name.
+_UNSUPPORTED = re.compile(
+  r'Detected unsupported operations when trying to compile graph \S+ on \S+: (\w+)'
+)
+_MADE_BY = {
+  'PyFunc': 'tf.numpy_function',
+  'EagerPyFunc': 'tf.py_function',
+  'StringFormat': 'tf.print',
+  'PrintV2': 'tf.print',
+}
+# A frame of the op's creation stack, as TensorFlow prints it ('File "path", line N, in name').
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_NOT_USER = re.compile(r'(^|/)(tensorflow|keras|trainer|absl)/|/threading\.py$|/concurrent/')
+
+
+def xla_refusal(error: BaseException) -> str | None:
+  """`error`'s op that XLA cannot compile and the user's line that created it ('PyFunc
+  (tf.numpy_function), created at model.py:12 in compute_loss'), when `error` is that refusal;
+  else None."""
+  text = str(error)
+  if (match := _UNSUPPORTED.search(text)) is None:
+    return None
+  op = match.group(1)
+  said = f'{op} ({_MADE_BY[op]})' if op in _MADE_BY else op
+  frames = [f for f in _FRAME.findall(text[match.end() :]) if not _NOT_USER.search(f[0])]
+  if frames:
+    path, line, name = frames[-1]
+    said += f', created at {path.rsplit("/", 1)[-1]}:{line} in {name}'
+  return said
+
+
+@contextlib.contextmanager
+def xla_errors(what: str) -> Iterator[None]:
+  """Around a call of a function `xla_per_replica` compiled (`what`: 'the train step',
+  'the eval'): XLA's refusal of an op in the user's code (TensorFlow's error of 20-40 lines)
+  becomes one UserError line naming the op, the user's line and config.train.jit_compile; the
+  original is its __cause__ (launch.py --traceback prints it)."""
+  try:
+    yield
+  except tf.errors.InvalidArgumentError as e:
+    if (refused := xla_refusal(e)) is None:
+      raise
+    raise UserError(
+      f'config.train.jit_compile: XLA cannot compile {what}: it holds {refused}, an op XLA '
+      f'has no kernel for; take it out of the code {what} runs, or turn XLA off '
+      '(--config.train.jit_compile=false)'
+    ) from e
