@@ -207,3 +207,16 @@ def test_goodput_shares_sum_to_one_and_count_compilation():
   assert clock.line(shares).startswith('goodput 23% of the wall time in train steps')
   clock.count_skipped(5)  # a recovery restored an older counter: no negative share
   assert clock.skipped_steps == 0 and clock.shares()['skipped'] == 0.0
+
+
+def test_goodput_of_one_compiled_call_says_its_compilation_is_in_train():
+  """A run of one compiled call (train.steps <= train.steps_per_loop) has no step rate to
+  separate its compilation by: it logged 'train steps 61%; ... compile 0%'."""
+  clock = goodput.Clock(started=0.0)
+  clock.started = __import__('time').perf_counter() - 10.0
+  clock.steps(4.0, 10, clock.started + 1.0)
+  shares = clock.shares()
+  assert shares['train'] == pytest.approx(0.4, abs=1e-3) and shares['compile'] == 0.0
+  line = clock.line(shares)
+  assert line.startswith('goodput 40% of the wall time in train steps and their compilation')
+  assert 'compile 0%' not in line and 'startup 10%' in line

@@ -3,7 +3,8 @@
 `Clock` splits the wall time from the Trainer's construction to the end of `train()` into
 start-up (building the model and datasets, restoring, until the first compiled call starts),
 compilation (the first compiled call's time beyond what its steps take at the rate of the
-later calls), train steps, evals, checkpoint saves, work redone (steps run again after a
+later calls; a process that made one call only counts it all as train steps, and its line says
+so), train steps, evals, checkpoint saves, work redone (steps run again after a
 recovery restored an earlier checkpoint, at the measured step rate), steps skipped for
 non-finite gradients (no update; at that rate too) and the rest (progress
 lines, TensorBoard, forensics outside the compiled call). The end of a run logs one line
@@ -78,6 +79,18 @@ class Clock:
     spent['other'] = max(0.0, wall - sum(v for k, v in spent.items() if k != 'other'))
     return {k: v / wall for k, v in spent.items()}
 
+  @property
+  def one_call(self) -> bool:
+    """Whether this process made one compiled call only: with no later call to give the step
+    rate, its compilation cannot be told apart from its steps and is counted in 'train'."""
+    return self.first_call is not None and not self.later[1]
+
   def line(self, shares: dict[str, float]) -> str:
-    rest = ', '.join(f'{k} {shares[k]:.0%}' for k in KINDS[1:])
-    return f'goodput {shares["train"]:.0%} of the wall time in train steps; {rest}'
+    kinds = [k for k in KINDS[1:] if not (k == 'compile' and self.one_call)]
+    rest = ', '.join(f'{k} {shares[k]:.0%}' for k in kinds)
+    train = 'in train steps' + (
+      ' and their compilation (one compiled call: no later one to tell them apart)'
+      if self.one_call
+      else ''
+    )
+    return f'goodput {shares["train"]:.0%} of the wall time {train}; {rest}'
