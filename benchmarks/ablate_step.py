@@ -144,8 +144,8 @@ def measure_and_print(argv):
   wall = {k: [] for k in built}
   cpu = {k: [] for k in built}
   steps = spl * _CALLS.value
-  for _ in range(rounds):
-    for name, contender in built.items():
+  for r in range(rounds):
+    for name, contender in bench_run.in_round_order(list(built.items()), r):
       w, c = contender.timed(steps)
       wall[name].append(steps / w)
       cpu[name].append(steps / c)

@@ -7,8 +7,9 @@ steps_per_loop and XLA, model FLOP utilisation and peak memory, for every model 
 Method (all in one process per model set, except memory):
   * every contender (a Trainer or a compiled Keras model, each built under its own precision
     policy) is built and warmed up first, and stays built;
-  * then `--rounds` interleaved rounds A B C ... A B C ...; in each a contender runs a whole
-    number of compiled calls lasting about `--round_seconds` (the count is fixed after warm-up
+  * then `--rounds` interleaved rounds A B C ... C B A ... (the order reversed in every other
+    round: a contender's place can matter, see `in_round_order`); in each a contender runs a
+    whole number of compiled calls lasting about `--round_seconds` (the count is fixed after warm-up
     and is the same in every round);
   * each contender's steps/s is reported as the median over rounds, with min and max; ratios
     (ours/fit, overheads, speed-ups) are the median (min, max) of the per-round ratios of the two
@@ -289,6 +290,14 @@ def contender_specs(default_policy: str, s: dict) -> list[dict]:
   return specs
 
 
+def in_round_order(built: list, r: int) -> list:
+  """The contenders in round `r`'s order: as built in even rounds, reversed in odd ones (A B C,
+  C B A, ...). A contender's predecessor can slow it (work the previous one left running, such
+  as a dropped `fit` iterator's refill); alternating the order gives every contender of a pair
+  each place, and keeps the pair next to each other."""
+  return built if r % 2 == 0 else built[::-1]
+
+
 def mode_name(policy: str, loss_scale: str) -> str:
   if loss_scale == 'auto':
     return 'dynamic' if policy == 'mixed_float16' else 'none'
@@ -376,7 +385,7 @@ def bench_model(name: str, s: dict) -> dict:
   cpu_rates = {spec['name']: [] for spec, _ in built}  # steps per CPU second
   for r in range(s['rounds']):
     start = time.perf_counter()
-    for spec, contender in built:
+    for spec, contender in in_round_order(built, r):
       wall, cpu = contender.timed(spec['steps_per_round'])
       rates[spec['name']].append(spec['steps_per_round'] / wall)
       cpu_rates[spec['name']].append(spec['steps_per_round'] / cpu)
