@@ -396,10 +396,10 @@ def main(argv):
   # Imported here so that --help and flag errors do not wait for TensorFlow.
   import_keras()
   import models
-
-  collector_resumed()
   from trainer.errors import UserError
   from trainer.run.preemption import Preempted
+
+  collector_resumed()
 
   config = _CONFIG.value
   trainer = None
