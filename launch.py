@@ -19,6 +19,7 @@ Python traceback before it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime
 import difflib
 import gc
@@ -390,16 +391,16 @@ def main(argv):
     _fail(f'unexpected arguments {argv[1:]}; overrides look like --config.train.steps=100')
   if not _TF_LOGS.value:  # TensorFlow's own Python INFO lines (e.g. checkpoint sharding)
     logging.get_absl_handler().addFilter(_hide_tensorflow_info)
-  from trainer.run import workers  # --workers, --cluster, --k8s_manifest: may exit here
+  with collector_paused():  # TensorFlow is imported (parse_flags); trainer.run here
+    from trainer.run import workers  # --workers, --cluster, --k8s_manifest: may exit here
 
-  workers.dispatch(flags.FLAGS, sys.argv, _CONFIG.value, _default_workdir)
+  workers.dispatch(flags.FLAGS, sys.argv, _CONFIG.value, _default_workdir)  # collector on
   # Imported here so that --help and flag errors do not wait for TensorFlow.
-  import_keras()
-  import models
-  from trainer.errors import UserError
-  from trainer.run.preemption import Preempted
-
-  collector_resumed()
+  with collector_paused():
+    import_keras()
+    import models
+    from trainer.errors import UserError
+    from trainer.run.preemption import Preempted
 
   config = _CONFIG.value
   trainer = None
@@ -452,8 +453,10 @@ def main(argv):
   except Preempted as e:  # SIGTERM/SIGINT: a checkpoint was saved; not a failure
     print(str(e), file=sys.stderr)
     exit_now(0, config)
-  except Exception:  # a bug in the model's code, say: its traceback, then what is on disk
-    if not _on_disk(trainer):
+  except Exception as e:  # a bug in the model's code, say: its traceback, then what is on disk
+    # An error an absl exception handler wants goes to it (trainer/run/peers.py: a lost worker
+    # is one line and exit status 3, with the checkpoint on disk named).
+    if not _on_disk(trainer) or any(h.wants(e) for h in app.EXCEPTION_HANDLERS):
       raise
     traceback.print_exc()
     print(f'error: the run failed; {_on_disk(trainer)}', file=sys.stderr)
@@ -525,14 +528,20 @@ class _OnFirstUse:
     return getattr(importlib.import_module(self._name), attr)
 
 
-def collector_resumed() -> None:
-  """Python's cycle collector back on (it is off from the launcher's start, `__main__` below),
-  with every object made so far frozen out of its later passes (`gc.freeze`): the modules,
-  functions and classes of TensorFlow and Keras, which live as long as the process. While they
-  imported, the collector ran about 900 times (0.5-0.7 s of a 3 s start at the nanoGPT shape),
-  and its full passes during the step's tracing walked them all again."""
-  gc.freeze()
-  gc.enable()
+@contextlib.contextmanager
+def collector_paused():
+  """Python's cycle collector off for the block (it is off from the launcher's start, too:
+  `__main__` below), then back on with every object made so far frozen out of its later passes
+  (`gc.freeze`): the modules, functions and classes of TensorFlow and Keras, which live as long
+  as the process. While they imported, the collector ran about 900 times (0.5-0.7 s of a 3 s
+  start at the nanoGPT shape), and its full passes during the step's tracing walked them all
+  again. On between the two blocks: a supervisor of `--workers` runs there for the whole run."""
+  gc.disable()
+  try:
+    yield
+  finally:
+    gc.freeze()
+    gc.enable()
 
 
 def import_keras() -> None:
@@ -602,5 +611,5 @@ def exit_now(code: int, config) -> None:
 
 
 if __name__ == '__main__':
-  gc.disable()  # until the imports are done: collector_resumed()
+  gc.disable()  # while TensorFlow imports: collector_paused()
   app.run(main, flags_parser=parse_flags)
