@@ -94,7 +94,19 @@ class Supervisor:
           if proc.poll() is None:
             proc.kill()
       time.sleep(0.2)
-    return [p.wait() for p in self.procs]
+    codes = [p.wait() for p in self.procs]
+    if self.lost is None and self.signals == 0:  # every worker ended between two polls
+      self.lost = first_failure(codes)
+    return codes
+
+
+def first_failure(codes: list[int]) -> tuple[int, int] | None:
+  """(worker, code) of the worker that failed first, judged from the codes alone (all ended
+  between two polls: a killed chief's survivor exits within a second, 'Socket closed'): one
+  killed by a signal before one that exited by itself (a survivor's exit 3 reports the loss of
+  another); None when every code is 0."""
+  failed = [(i, c) for i, c in enumerate(codes) if c != 0]
+  return min(failed, key=lambda f: (f[1] >= 0, f[0]), default=None)
 
 
 def _relay(stream, out, prefix: str) -> None:
