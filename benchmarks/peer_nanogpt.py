@@ -36,7 +36,9 @@ step 0, and the compilation for nanogpt_compile, plus the first step); the stead
 the median of its per-iteration times, iterations that ran an evaluation excluded; ours: the
 median over the 100-step intervals between progress lines after the first compiled call,
 including the numerics probe where it runs); each side's final validation loss (nanoGPT: its
-20-batch estimate; ours: the full split).
+20-batch estimate; ours: the full split); for ours, how many XLA programs the run compiled into
+the race's own compile cache (trainer/compile_cache.py), a folder that starts empty: 0 when it
+loaded every one, as a second run of the same command does (rounds after the first).
 
 --load=N starts N busy loops (`python -c 'while True: pass'`, nice 0) in this process's session
 before each run and stops them after: with the kernel's autogroup scheduling, processes of one
@@ -247,9 +249,20 @@ def stop(loops: list[subprocess.Popen]) -> float:
   return cpu
 
 
-def measure(contender: str, precision: str, steps: int) -> dict:
+def programs(folder: str) -> set[str]:
+  return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+
+
+def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
+  """One run; ours with XLA's compile cache in `cache` (the race's, emptied at its start)."""
   with tempfile.TemporaryDirectory(prefix='peer_nanogpt_') as out_dir:
     argv, cwd, env = command(contender, precision, steps, os.path.join(out_dir, 'run'))
+    if contender.startswith('ours'):
+      env.setdefault(
+        'TF_XLA_FLAGS',
+        f'--tf_xla_persistent_cache_directory={cache} --tf_xla_persistent_cache_device_types=CPU',
+      )
+    before = programs(cache)
     loops = busy_loops(_LOAD.value)
     try:
       lines, wall, cpu, threads = run(argv, cwd, env)
@@ -270,6 +283,7 @@ def measure(contender: str, precision: str, steps: int) -> dict:
     'cores': cpu / wall,
     'busy_loops': _LOAD.value,
     'busy_loops_cores': load_cpu / wall,
+    'xla_compiled': len(programs(cache) - before) if contender.startswith('ours') else None,
     **parsed,
     'thread_cpu_s': threads,
   }
@@ -282,9 +296,10 @@ def _fmt(value, spec):
 def table(results: list[dict]) -> str:
   head = (
     '| precision | contender | runs | wall s | CPU-s | cores | busy loops got (cores) '
-    '| to step 100 s | iteration 0 s | steady ms/step | val loss | ours / this wall |'
+    '| to step 100 s | iteration 0 s | steady ms/step | val loss | XLA programs compiled '
+    '| ours / this wall |'
   )
-  lines = [head, '|' + '---|' * 12]
+  lines = [head, '|' + '---|' * 13]
   cells: dict = {}
   for r in results:
     cells.setdefault((r['precision'], r['contender']), []).append(r)
@@ -301,7 +316,9 @@ def table(results: list[dict]) -> str:
       + ', '.join(f'{r["cores"]:.2f}' for r in rs)
       + f' | {_fmt(med("busy_loops_cores"), ".2f")} | {_fmt(med("to_step_100_s"), ".1f")} | '
       f'{_fmt(med("iter0_s"), ".1f")} | {_fmt(med("steady_ms"), ".1f")} | '
-      f'{_fmt(med("val_loss"), ".4f")} ({rs[0]["val_kind"]}) | {ratio} |'
+      f'{_fmt(med("val_loss"), ".4f")} ({rs[0]["val_kind"]}) | '
+      + ', '.join(_fmt(r.get('xla_compiled'), 'd') for r in rs)
+      + f' | {ratio} |'
     )
   return '\n'.join(lines)
 
@@ -332,7 +349,9 @@ def notes() -> str:
   )
   return (
     f'Background: {load}. Wall and cores per run, in round order; the other columns are '
-    'medians. nanoGPT on a CPU computes in float32 whatever --dtype says (its autocast context '
+    'medians. Ours keeps its XLA programs in a compile cache that starts empty: a run that '
+    'compiled none loaded them all, as the same command run again does. nanoGPT on a CPU '
+    'computes in float32 whatever --dtype says (its autocast context '
     "is `nullcontext()` for device_type 'cpu'), so its bfloat16 rows are float32 runs; ours "
     'under mixed_bfloat16 computes in bfloat16, which a CPU without AVX512-BF16 or AMX '
     "emulates (the header's flags)."
@@ -351,8 +370,9 @@ def main(argv):
     if contender in ('nanogpt', 'ours') or precision in _EXTRA_PRECISIONS.value
   ]
   results = []
+  cache = tempfile.mkdtemp(prefix='peer_nanogpt_xla_')  # the first run of ours compiles
   for precision, round_, contender in plan:
-    result = measure(contender, precision, steps)
+    result = measure(contender, precision, steps, cache)
     result['round'] = round_
     print(json.dumps(result), flush=True)
     results.append(result)

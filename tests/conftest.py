@@ -12,6 +12,13 @@ import os
 import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# XLA's compile cache off for the tests and the runs they launch: a test's programs are named
+# after the functions traced before them, so each run of the suite would add programs to the
+# user's cache (trainer/compile_cache.py; tests/package/test_compile_cache.py turns it on).
+if '--tf_xla_persistent_cache_directory' not in os.environ.get('TF_XLA_FLAGS', ''):
+  os.environ['TF_XLA_FLAGS'] = (
+    os.environ.get('TF_XLA_FLAGS', '') + ' --tf_xla_persistent_cache_directory='
+  ).strip()
 
 import trainer  # noqa: E402, F401  (before TensorFlow: the tests run the kernels users run, trainer/onednn.py)
 import keras  # noqa: E402

@@ -2,19 +2,21 @@
 
 The public names are imported on first use (PEP 562), so `import trainer.config` (the schema) or
 `from trainer import ConfigError` loads no TensorFlow; `from trainer import Trainer` does.
-Importing the package turns TensorFlow's oneDNN CPU kernels on, unless TF_ENABLE_ONEDNN_OPTS says
-otherwise or TensorFlow is already loaded (trainer/onednn.py).
+Importing the package turns TensorFlow's oneDNN CPU kernels (trainer/onednn.py) and XLA's persistent
+compile cache (trainer/compile_cache.py) on, unless the environment says otherwise or TensorFlow
+is already loaded.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from trainer import onednn
+from trainer import compile_cache, onednn
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.registry import register_optimizer
 
 onednn.prefer()  # before TensorFlow loads (the three imports above load none): read once
+compile_cache.prefer()
 
 _LAZY = {
   'Datasets': 'trainer.data.datasets',

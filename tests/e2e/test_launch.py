@@ -322,3 +322,56 @@ def test_an_error_after_tensorflow_is_loaded_ends_the_process_without_finalizati
   assert result.returncode == 2
   assert len(error_lines(result)) == 1 and 'config.data.dir' in error_lines(result)[0]
   assert 'finalized' not in result.stdout
+
+
+def test_a_second_run_loads_its_xla_programs_from_the_compile_cache(tmp_path, monkeypatch):
+  """With the cache on (its default; the tests turn it off, tests/conftest.py) the first run
+  compiles its XLA programs into the folder and the same command again loads every one of them
+  (no file is written again: a compiled program replaces its file) and trains to the same losses,
+  bit for bit."""
+  monkeypatch.delenv('TF_XLA_FLAGS')
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+  package = tiny.tiny_package(tmp_path)
+  runs, listings = [], []
+  for name in ('first', 'second'):
+    result = tiny.launch_tiny(
+      tmp_path / name,
+      '--config.train.steps=10',
+      '--config.train.jit_compile=true',
+      model=package,
+      path=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs.append(result)
+    (folder,) = re.findall(r'XLA compile cache (\S+): \d+ programs', result.stderr)
+    files = sorted(os.scandir(folder), key=lambda e: e.name)
+    listings.append([(e.name, e.inode(), e.stat().st_mtime_ns) for e in files])
+  programs = listings[0]
+  assert len(programs) >= 2  # the train step's and the eval's
+  assert listings[1] == programs
+  assert f'{folder}: 0 programs' in runs[0].stderr
+  assert f'{folder}: {len(programs)} programs' in runs[1].stderr
+
+  def numbers(result):
+    lines = re.findall(r'(step \d+/10 .*?) \| lr|(eval at step .*)', result.stderr)
+    return [a or b for a, b in lines] + [result.stdout]
+
+  assert numbers(runs[0]) == numbers(runs[1]) and len(numbers(runs[0])) >= 3
+
+
+def test_a_compile_cache_that_cannot_be_written_is_one_line_naming_it(tmp_path, monkeypatch):
+  """TensorFlow fails the compilation whose program it cannot save (a folder of the user's own
+  that is not writable, a full disk) with an error of many lines."""
+  folder = tmp_path / 'a_file'
+  folder.write_text('not a folder')
+  monkeypatch.setenv(
+    'TF_XLA_FLAGS',
+    f'--tf_xla_persistent_cache_directory={folder} --tf_xla_persistent_cache_device_types=CPU',
+  )
+  result = launch_tiny(tmp_path, '--config.train.steps=10', '--config.train.jit_compile=true')
+  assert result.returncode == 2, result.stderr[-3000:]
+  (line,) = error_lines(result)
+  assert line.startswith(
+    f'error: XLA compile cache {folder}: compiling the train step failed there ('
+  ), line
+  assert 'turn the cache off (TF_XLA_FLAGS=--tf_xla_persistent_cache_directory=)' in line

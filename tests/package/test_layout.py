@@ -18,6 +18,7 @@ LAYERS = {
   'dotted': 0,
   'config': 0,
   'onednn': 0,
+  'compile_cache': 0,
   'data': 1,
   'nn': 2,
   'step': 3,

@@ -33,7 +33,7 @@ import tensorflow as tf
 from absl import flags, logging
 
 from trainer import config as config_lib
-from trainer import onednn
+from trainer import compile_cache, onednn
 from trainer.errors import CollapseError, NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
 from trainer.run import (
@@ -283,6 +283,8 @@ class Runner:
     hint = onednn.hint()  # the kernels are off only because TensorFlow loaded first
     if hint:
       logging.info(hint)
+    if tr.jit_compile:
+      logging.info(compile_cache.describe())
     if note := config_lib.loss_scale_note(tr.config, tr.policy):  # a cost per trained step
       logging.warning(note)
     if step >= total:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import tensorflow as tf
 
+from trainer import compile_cache
 from trainer.errors import UserError
 
 _PACKAGE = 'trainer'
@@ -105,15 +106,24 @@ def xla_refusal(error: BaseException) -> str | None:
 def xla_errors(what: str) -> Iterator[None]:
   """Around a call of a function `xla_per_replica` compiled (`what`: 'the train step',
   'the eval'): XLA's refusal of an op in the user's code (TensorFlow's error of 20-40 lines)
-  becomes one UserError line naming the op, the user's line and config.train.jit_compile; the
+  becomes one UserError line naming the op, the user's line and config.train.jit_compile, and an
+  error of XLA's compile cache (its folder unwritable, full, or holding a file it cannot read:
+  TensorFlow fails the compilation then, trainer/compile_cache.py) one naming the folder; the
   original is its __cause__ (launch.py --traceback prints it)."""
   try:
     yield
-  except tf.errors.InvalidArgumentError as e:
-    if (refused := xla_refusal(e)) is None:
-      raise
-    raise UserError(
-      f'config.train.jit_compile: XLA cannot compile {what}: it holds {refused}, an op XLA '
-      f'has no kernel for; take it out of the code {what} runs, or turn XLA off '
-      '(--config.train.jit_compile=false)'
-    ) from e
+  except tf.errors.OpError as e:
+    if isinstance(e, tf.errors.InvalidArgumentError) and (refused := xla_refusal(e)):
+      raise UserError(
+        f'config.train.jit_compile: XLA cannot compile {what}: it holds {refused}, an op XLA '
+        f'has no kernel for; take it out of the code {what} runs, or turn XLA off '
+        '(--config.train.jit_compile=false)'
+      ) from e
+    if (folder := compile_cache.directory()) and folder in str(e):
+      said = next(x.strip() for x in str(e).splitlines() if folder in x)[:300]
+      raise UserError(
+        f'XLA compile cache {folder}: compiling {what} failed there ({type(e).__name__}: '
+        f'{said}); make it a writable folder with free space, or turn the cache off '
+        f'({compile_cache.ENV}={compile_cache.FLAG}=)'
+      ) from e
+    raise

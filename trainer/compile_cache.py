@@ -1,0 +1,153 @@
+"""XLA's persistent compile cache: on unless the user says otherwise.
+
+With TensorFlow's flag --tf_xla_persistent_cache_directory (in the environment variable
+TF_XLA_FLAGS) naming a folder, each program XLA compiles is saved there and loaded instead of
+compiled the next time the same program comes (its function's name, argument shapes and HLO are
+the key). TensorFlow reads its XLA flags once, when its runtime starts (the first op), so
+`import trainer` sets them when three things hold:
+  * TF_XLA_FLAGS does not mention the flag (`--tf_xla_persistent_cache_directory=`, empty, keeps
+    the cache off; a folder of the user's own replaces ours);
+  * TensorFlow is not imported yet (then it is too late to tell whether its runtime started);
+  * the folder can be created and written (TensorFlow fails the compilation it cannot save).
+The folder is $XDG_CACHE_HOME (else ~/.cache)/mpt-trainer/xla/<TensorFlow version>-<CPU>: a saved
+program is machine code for one instruction set, built by one XLA, and TensorFlow's key names
+neither. It is used for programs compiled for the CPU only
+(--tf_xla_persistent_cache_device_types=CPU), the device this project measured it on.
+
+A re-run of a command loads its programs (the train step and the eval's: about 4 s of a
+nanoGPT-shape run, docs/guides/performance.md). A function's name carries a counter of the
+functions made before it, so a change that makes more or fewer of them first (more train calls
+before the eval) compiles that program again, beside the old one. So that such programs do not
+pile up, `prefer` keeps the folder under LIMIT bytes, deleting the programs written longest ago
+first (a load does not count as a write: a program in use may be compiled once more). The run's
+log line (`describe`) gives the folder and what it holds. TensorFlow-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import platform
+import sys
+import tempfile
+
+ENV = 'TF_XLA_FLAGS'
+FLAG = '--tf_xla_persistent_cache_directory'
+DEVICES = '--tf_xla_persistent_cache_device_types=CPU'
+LIMIT = 2**30
+_off_reason = ''  # why `prefer` left the cache off ('' when it did not run or set it)
+
+
+def _tensorflow_version() -> str:
+  for name in ('tensorflow', 'tensorflow-cpu', 'tf-nightly', 'tensorflow-intel'):
+    try:
+      return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      continue
+  return 'unknown'
+
+
+def _cpu() -> str:
+  """The machine and a short digest of its CPU's model and feature flags."""
+  text = platform.processor()
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8') as f:
+      lines = f.read().split('\n\n', 1)[0].splitlines()  # the first core
+    text = '\n'.join(x for x in lines if x.startswith(('model name', 'flags', 'Features')))
+  except OSError:
+    pass
+  return f'{platform.machine()}-{hashlib.sha256(text.encode()).hexdigest()[:10]}'
+
+
+def default_directory() -> str:
+  root = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+  return os.path.join(root, 'mpt-trainer', 'xla', f'{_tensorflow_version()}-{_cpu()}')
+
+
+def _writable(folder: str) -> bool:
+  try:
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder):
+      return True
+  except OSError:
+    return False
+
+
+def prefer() -> None:
+  """Turns the cache on (our folder, CPU programs) if TF_XLA_FLAGS does not mention it and
+  TensorFlow is not loaded yet; else leaves TF_XLA_FLAGS as it is."""
+  global _off_reason
+  flags = os.environ.get(ENV, '')
+  if FLAG in flags:
+    return
+  if 'tensorflow' in sys.modules:
+    _off_reason = 'TensorFlow was imported before trainer'
+    return
+  folder = default_directory()
+  if not _writable(folder):
+    _off_reason = f'{folder} cannot be written'
+    return
+  prune(folder, LIMIT)
+  os.environ[ENV] = ' '.join(x for x in (flags, f'{FLAG}={folder}', DEVICES) if x)
+
+
+def prune(folder: str, limit: int) -> None:
+  """Deletes the programs written longest ago until the folder's programs take <= `limit`
+  bytes."""
+  programs = []
+  for name in _listing(folder):
+    if name.endswith('.pb'):
+      try:
+        stat = os.stat(os.path.join(folder, name))
+      except OSError:  # another process deleted it
+        continue
+      programs.append((stat.st_mtime, stat.st_size, name))
+  total = sum(size for _, size, _ in programs)
+  for _, size, name in sorted(programs):
+    if total <= limit:
+      break
+    try:
+      os.remove(os.path.join(folder, name))
+    except OSError:
+      pass
+    total -= size
+
+
+def directory() -> str:
+  """The folder TF_XLA_FLAGS names ('' = the cache is off)."""
+  found = ''
+  for token in os.environ.get(ENV, '').split():
+    if token.startswith(FLAG + '='):
+      found = token.split('=', 1)[1]  # the last one wins, as in TensorFlow's parser
+  return found
+
+
+def describe() -> str:
+  """One log line: the folder in use with how much it holds, or why there is none."""
+  folder = directory()
+  if not folder:
+    why = _off_reason or (
+      f'{ENV} sets {FLAG}= empty' if FLAG in os.environ.get(ENV, '') else f'{ENV} names no folder'
+    )
+    return f'XLA compile cache off ({why}): every run compiles its XLA programs'
+  names = [n for n in _listing(folder) if n.endswith('.pb')]
+  size = sum(_size(os.path.join(folder, n)) for n in names)
+  return (
+    f'XLA compile cache {folder}: {len(names)} programs, {size / 2**20:.1f} MB '
+    f'({ENV}={FLAG}= turns it off)'
+  )
+
+
+def _listing(folder: str) -> list[str]:
+  try:
+    return os.listdir(folder)
+  except OSError:
+    return []
+
+
+def _size(path: str) -> int:
+  try:
+    return os.path.getsize(path)
+  except OSError:
+    return 0
