@@ -83,7 +83,10 @@ def prefer() -> None:
   if FLAG in flags:
     return
   if 'tensorflow' in sys.modules:
-    _off_reason = 'TensorFlow was imported before trainer'
+    _off_reason = (
+      f'TensorFlow was imported before trainer: import trainer first, or name a folder in {ENV} '
+      f'before TensorFlow runs its first op ({FLAG}=DIR)'
+    )
     return
   folder = default_directory()
   if not _writable(folder):

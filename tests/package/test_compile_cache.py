@@ -57,7 +57,9 @@ def test_off_when_tensorflow_loaded_first_or_the_folder_cannot_be_written(fresh,
   monkeypatch.setitem(sys.modules, 'tensorflow', tf)
   compile_cache.prefer()
   assert compile_cache.ENV not in os.environ and not fresh.exists()
-  assert 'off (TensorFlow was imported before trainer)' in compile_cache.describe()
+  assert 'off (TensorFlow was imported before trainer: import trainer first' in (
+    compile_cache.describe()
+  )
 
   monkeypatch.delitem(sys.modules, 'tensorflow')
   fresh.write_text('a file, not a folder')
