@@ -370,9 +370,9 @@ def main(argv):
     if contender in ('nanogpt', 'ours') or precision in _EXTRA_PRECISIONS.value
   ]
   results = []
-  cache = tempfile.mkdtemp(prefix='peer_nanogpt_xla_')  # the first run of ours compiles
+  cache_dir = tempfile.TemporaryDirectory(prefix='peer_nanogpt_xla_')  # ours' first run compiles
   for precision, round_, contender in plan:
-    result = measure(contender, precision, steps, cache)
+    result = measure(contender, precision, steps, cache_dir.name)
     result['round'] = round_
     print(json.dumps(result), flush=True)
     results.append(result)
@@ -384,6 +384,7 @@ def main(argv):
       os.makedirs(_OUT.value, exist_ok=True)
       with open(os.path.join(_OUT.value, 'peer_nanogpt.json'), 'w') as f:
         json.dump(results, f, indent=1)
+  cache_dir.cleanup()
   print(body)
 
 
