@@ -17,7 +17,8 @@ neither. It is used for programs compiled for the CPU only
 A re-run of a command loads its programs (the train step's and the eval's; their compilation
 took 3-4 s of a short nanoGPT-shape run: docs/results/peer_nanogpt_float32.md). A function's
 name carries a counter of the functions made before it, so a change that makes more or fewer of
-them first (more train calls before the eval) compiles that program again, beside the old one.
+them first (more train calls before the eval; a restore before the train step, in a resumed
+run) compiles that program again, beside the old one.
 So that such programs do not pile up, `prefer` keeps the folder under LIMIT bytes, deleting the
 programs written longest ago first (a load does not count as a write: a program in use may be
 compiled once more). The run's log line (`describe`) gives the folder and what it holds.
