@@ -100,14 +100,7 @@ def prefer() -> None:
 def prune(folder: str, limit: int) -> None:
   """Deletes the programs written longest ago until the folder's programs take <= `limit`
   bytes."""
-  programs = []
-  for name in _listing(folder):
-    if name.endswith('.pb'):
-      try:
-        stat = os.stat(os.path.join(folder, name))
-      except OSError:  # another process deleted it
-        continue
-      programs.append((stat.st_mtime, stat.st_size, name))
+  programs = _programs(folder)
   total = sum(size for _, size, _ in programs)
   for _, size, name in sorted(programs):
     if total <= limit:
@@ -136,23 +129,25 @@ def describe() -> str:
       f'{ENV} sets {FLAG}= empty' if FLAG in os.environ.get(ENV, '') else f'{ENV} names no folder'
     )
     return f'XLA compile cache off ({why}): every run compiles its XLA programs'
-  names = [n for n in _listing(folder) if n.endswith('.pb')]
-  size = sum(_size(os.path.join(folder, n)) for n in names)
+  programs = _programs(folder)
+  size = sum(size for _, size, _ in programs)
   return (
-    f'XLA compile cache {folder}: {len(names)} programs, {size / 2**20:.1f} MB '
+    f'XLA compile cache {folder}: {len(programs)} programs, {size / 2**20:.1f} MB '
     f'({ENV}={FLAG}= turns it off)'
   )
 
 
-def _listing(folder: str) -> list[str]:
+def _programs(folder: str) -> list[tuple[float, int, str]]:
+  """(mtime, size, name) of each program file in `folder` (none when it cannot be listed)."""
   try:
-    return os.listdir(folder)
+    names = [n for n in os.listdir(folder) if n.endswith('.pb')]
   except OSError:
     return []
-
-
-def _size(path: str) -> int:
-  try:
-    return os.path.getsize(path)
-  except OSError:
-    return 0
+  programs = []
+  for name in names:
+    try:
+      stat = os.stat(os.path.join(folder, name))
+    except OSError:  # another process deleted it
+      continue
+    programs.append((stat.st_mtime, stat.st_size, name))
+  return programs
