@@ -40,10 +40,11 @@ including the numerics probe where it runs); each side's final validation loss (
 the race's own compile cache (trainer/compile_cache.py), a folder that starts empty: 0 when it
 loaded every one, as a second run of the same command does (rounds after the first).
 
---load=N starts N busy loops (`python -c 'while True: pass'`, nice 0) in this process's session
-before each run and stops them after: with the kernel's autogroup scheduling, processes of one
-session share one scheduling group, so the loops compete with the run thread for thread, as
-other work of the same user would; the CPU-seconds they got are reported.
+--load=N starts N busy loops (`python -c 'while True: pass'`, nice --load_nice, 0 by default) in
+this process's session before each run and stops them after: with the kernel's autogroup
+scheduling, processes of one session share one scheduling group, so the loops compete with the
+run thread for thread, as other work of the same user would (--load_nice=19: work the user
+started at low priority); the CPU-seconds they got are reported.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ _EXTRA_PRECISIONS = flags.DEFINE_list(
 _ROUNDS = flags.DEFINE_integer('rounds', 1, 'Interleaved rounds.')
 _STEPS = flags.DEFINE_integer('steps', 2000, 'Iterations (--max_iters; ours train.steps).')
 _LOAD = flags.DEFINE_integer('load', 0, 'Busy loops running beside each run (0 = none).')
+_LOAD_NICE = flags.DEFINE_integer(
+  'load_nice', 0, "The busy loops' nice value (19: low-priority work beside the run)."
+)
 _SET = flags.DEFINE_multi_string('set', [], "key=value overrides of ours' config (--config.KEY).")
 _QUICK = flags.DEFINE_bool('quick', False, '20 steps, one round: checks that it runs.')
 _OUT = flags.DEFINE_string('out', '', "Folder for peer_nanogpt.json; '' = none.")
@@ -233,9 +237,9 @@ def parse_ours(lines) -> dict:
   }
 
 
-def busy_loops(n: int) -> list[subprocess.Popen]:
-  code = 'while True: pass'
-  return [subprocess.Popen([sys.executable, '-c', code]) for _ in range(n)]
+def busy_loops(n: int, nice: int) -> list[subprocess.Popen]:
+  argv = ['nice', '-n', str(nice), sys.executable, '-c', 'while True: pass']
+  return [subprocess.Popen(argv) for _ in range(n)]
 
 
 def stop(loops: list[subprocess.Popen]) -> float:
@@ -263,7 +267,7 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
         f'--tf_xla_persistent_cache_directory={cache} --tf_xla_persistent_cache_device_types=CPU',
       )
     before = programs(cache)
-    loops = busy_loops(_LOAD.value)
+    loops = busy_loops(_LOAD.value, _LOAD_NICE.value)
     try:
       lines, wall, cpu, threads = run(argv, cwd, env)
     finally:
@@ -282,6 +286,7 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
     'cpu_s': cpu,
     'cores': cpu / wall,
     'busy_loops': _LOAD.value,
+    'busy_loops_nice': _LOAD_NICE.value,
     'busy_loops_cores': load_cpu / wall,
     'xla_compiled': len(programs(cache) - before) if contender.startswith('ours') else None,
     **parsed,
@@ -342,7 +347,8 @@ def threads_table(results: list[dict]) -> str:
 
 def notes() -> str:
   load = (
-    f'{_LOAD.value} busy loop(s) (`python -c "while True: pass"`, nice 0, this session) ran '
+    f'{_LOAD.value} busy loop(s) (`python -c "while True: pass"`, nice {_LOAD_NICE.value}, '
+    'this session) ran '
     'beside every run'
     if _LOAD.value
     else 'no load of its own (see the header for what else ran)'
