@@ -3,6 +3,8 @@
   python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt                    # quiet machine
   python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt --load=2 \\
       --results_name=peer_nanogpt_loaded                                       # 2 busy loops
+  python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt --load=2 --load_nice=19 \\
+      --results_name=peer_nanogpt_loaded_nice                           # the same at nice 19
   python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt --quick            # checks it runs
 
 Not a test. nanoGPT (karpathy/nanoGPT) is not part of this project: export its tree anywhere
@@ -25,6 +27,9 @@ nanogpt, ...), so all see the same machine:
                    setting against the config as written; ours+env:NAME=VALUE sets an
                    environment variable for that run (ours+env:TF_ENABLE_ONEDNN_OPTS=0: Eigen's
                    kernels instead of oneDNN's, trainer/onednn.py)
+  C+load:N@P       contender C beside N busy loops at priority P: a nice value (0-19) or `idle`
+                   (SCHED_IDLE, which runs only when nothing else wants the core): to race one
+                   contender quiet and loaded, interleaved (ours,ours+load:2@19,ours+load:2@idle)
 nanoGPT's train.py on a CPU ignores --dtype for the math: its autocast context is
 `nullcontext()` when device_type is 'cpu', so --dtype=bfloat16 trains in float32 (the page
 says so beside the numbers).
@@ -44,7 +49,8 @@ loaded every one, as a second run of the same command does (rounds after the fir
 this process's session before each run and stops them after: with the kernel's autogroup
 scheduling, processes of one session share one scheduling group, so the loops compete with the
 run thread for thread, as other work of the same user would (--load_nice=19: work the user
-started at low priority); the CPU-seconds they got are reported.
+started at low priority); the CPU-seconds they got are reported. A contender's +load:N@P word
+sets its own load instead (P: a nice value, or idle for SCHED_IDLE).
 """
 
 from __future__ import annotations
@@ -237,9 +243,27 @@ def parse_ours(lines) -> dict:
   }
 
 
-def busy_loops(n: int, nice: int) -> list[subprocess.Popen]:
-  argv = ['nice', '-n', str(nice), sys.executable, '-c', 'while True: pass']
-  return [subprocess.Popen(argv) for _ in range(n)]
+def split_load(contender: str) -> tuple[str, int, str]:
+  """(the contender without its '+load:N@P' word, N, P) of 'C+load:N@P'; else the flags' load."""
+  words = contender.split('+')
+  load = [w for w in words if w.startswith('load:')]
+  if not load:
+    return contender, _LOAD.value, str(_LOAD_NICE.value)
+  n, _, priority = load[0].removeprefix('load:').partition('@')
+  return '+'.join(w for w in words if w != load[0]), int(n), priority or '0'
+
+
+def busy_loops(n: int, priority: str) -> list[subprocess.Popen]:
+  """n busy loops at a nice value or, for 'idle', under SCHED_IDLE."""
+
+  def setup() -> None:  # in the child, before it runs Python
+    if priority == 'idle':
+      os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+      os.nice(int(priority))
+
+  argv = [sys.executable, '-c', 'while True: pass']
+  return [subprocess.Popen(argv, preexec_fn=setup) for _ in range(n)]
 
 
 def stop(loops: list[subprocess.Popen]) -> float:
@@ -259,15 +283,16 @@ def programs(folder: str) -> set[str]:
 
 def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
   """One run; ours with XLA's compile cache in `cache` (the race's, emptied at its start)."""
+  runs, n_loops, priority = split_load(contender)
   with tempfile.TemporaryDirectory(prefix='peer_nanogpt_') as out_dir:
-    argv, cwd, env = command(contender, precision, steps, os.path.join(out_dir, 'run'))
+    argv, cwd, env = command(runs, precision, steps, os.path.join(out_dir, 'run'))
     if contender.startswith('ours'):
       env.setdefault(
         'TF_XLA_FLAGS',
         f'--tf_xla_persistent_cache_directory={cache} --tf_xla_persistent_cache_device_types=CPU',
       )
     before = programs(cache)
-    loops = busy_loops(_LOAD.value, _LOAD_NICE.value)
+    loops = busy_loops(n_loops, priority)
     try:
       lines, wall, cpu, threads = run(argv, cwd, env)
     finally:
@@ -285,8 +310,8 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
     'wall_s': wall,
     'cpu_s': cpu,
     'cores': cpu / wall,
-    'busy_loops': _LOAD.value,
-    'busy_loops_nice': _LOAD_NICE.value,
+    'busy_loops': n_loops,
+    'busy_loops_priority': priority,
     'busy_loops_cores': load_cpu / wall,
     'xla_compiled': len(programs(cache) - before) if contender.startswith('ours') else None,
     **parsed,
@@ -310,7 +335,8 @@ def table(results: list[dict]) -> str:
     cells.setdefault((r['precision'], r['contender']), []).append(r)
   for (precision, contender), rs in cells.items():
     med = lambda k: statistics.median(r[k] for r in rs) if rs[0][k] is not None else None
-    ours = cells.get((precision, 'ours'))
+    load_word = [w for w in contender.split('+') if w.startswith('load:')]
+    ours = cells.get((precision, '+'.join(['ours', *load_word])))  # ours beside the same load
     ratio = '-'
     if ours and not contender.startswith('ours'):
       ratio = ', '.join(f'{o["wall_s"] / r["wall_s"]:.2f}' for o, r in zip(ours, rs))
@@ -353,6 +379,11 @@ def notes() -> str:
     if _LOAD.value
     else 'no load of its own (see the header for what else ran)'
   )
+  if any('+load:' in c for c in _CONTENDERS.value):
+    load += (
+      '; a row named C+load:N@P ran beside N busy loops of this session at nice P, or under '
+      'SCHED_IDLE for P = idle'
+    )
   return (
     f'Background: {load}. Wall and cores per run, in round order; the other columns are '
     'medians. Ours keeps its XLA programs in a compile cache that starts empty: a run that '
