@@ -283,9 +283,9 @@ def programs(folder: str) -> set[str]:
 
 def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
   """One run; ours with XLA's compile cache in `cache` (the race's, emptied at its start)."""
-  runs, n_loops, priority = split_load(contender)
+  base, n_loops, priority = split_load(contender)
   with tempfile.TemporaryDirectory(prefix='peer_nanogpt_') as out_dir:
-    argv, cwd, env = command(runs, precision, steps, os.path.join(out_dir, 'run'))
+    argv, cwd, env = command(base, precision, steps, os.path.join(out_dir, 'run'))
     if contender.startswith('ours'):
       env.setdefault(
         'TF_XLA_FLAGS',
