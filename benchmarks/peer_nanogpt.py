@@ -250,6 +250,8 @@ def split_load(contender: str) -> tuple[str, int, str]:
   if not load:
     return contender, _LOAD.value, str(_LOAD_NICE.value)
   n, _, priority = load[0].removeprefix('load:').partition('@')
+  if not n.isdigit() or not (priority in ('', 'idle') or priority.lstrip('-').isdigit()):
+    raise app.UsageError(f'--contenders: {load[0]} is not load:N@P (P: a nice value, or idle)')
   return '+'.join(w for w in words if w != load[0]), int(n), priority or '0'
 
 
@@ -397,6 +399,8 @@ def notes() -> str:
 
 def main(argv):
   del argv
+  for contender in _CONTENDERS.value:  # a bad load word stops the race before its first run
+    split_load(contender)
   started = results_page.start()
   steps, rounds = (20, 1) if _QUICK.value else (_STEPS.value, _ROUNDS.value)
   plan = [
