@@ -55,6 +55,7 @@ sets its own load instead (P: a nice value, or idle for SCHED_IDLE).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -105,6 +106,13 @@ _LOAD_NICE = flags.DEFINE_integer(
 _SET = flags.DEFINE_multi_string('set', [], "key=value overrides of ours' config (--config.KEY).")
 _QUICK = flags.DEFINE_bool('quick', False, '20 steps, one round: checks that it runs.')
 _OUT = flags.DEFINE_string('out', '', "Folder for peer_nanogpt.json; '' = none.")
+_PERF = flags.DEFINE_bool(
+  'perf',
+  False,
+  "Each run under Linux perf's cpu-clock sampler: the page adds where each run's CPU went per "
+  'steady step, by library and by function.',
+)
+PERF_HZ = 499  # samples per second per busy CPU
 
 
 def command(
@@ -165,6 +173,18 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
   return out
 
 
+def workload(pid: int) -> int:
+  """The process that trains: `pid`, or the child perf started (--perf)."""
+  try:
+    with open(f'/proc/{pid}/comm') as f:
+      if f.read().strip() != 'perf':
+        return pid
+    with open(f'/proc/{pid}/task/{pid}/children') as f:
+      return int(f.read().split()[0])
+  except (OSError, IndexError, ValueError):
+    return pid
+
+
 class ThreadSampler(threading.Thread):
   """Samples a child's per-thread CPU-seconds every `every` s; keeps each thread's latest (a
   thread that ends between samples keeps its last sample)."""
@@ -175,7 +195,7 @@ class ThreadSampler(threading.Thread):
 
   def run(self):
     while not self.done.wait(self.every):
-      self.seen.update(thread_cpu(self.pid))
+      self.seen.update(thread_cpu(workload(self.pid)))
 
   def by_name(self) -> dict[str, list[float]]:
     """{thread name: CPU-seconds of each thread of that name, largest first}."""
@@ -294,11 +314,16 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
         f'--tf_xla_persistent_cache_directory={cache} --tf_xla_persistent_cache_device_types=CPU',
       )
     before = programs(cache)
+    samples = os.path.join(out_dir, 'perf.data')
+    if _PERF.value:
+      argv = [*perf_record(samples), *argv]
     loops = busy_loops(n_loops, priority)
+    launched = time.perf_counter()  # perf's monotonic clock is the one perf_counter reads
     try:
       lines, wall, cpu, threads = run(argv, cwd, env)
     finally:
       load_cpu = stop(loops)
+    profile = cpu_profile(samples, launched, lines) if _PERF.value else None
   parsed = (parse_ours if contender.startswith('ours') else parse_nanogpt)(lines)
   if _OUT.value:  # the child's output, time-stamped from its start
     os.makedirs(_OUT.value, exist_ok=True)
@@ -318,6 +343,57 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
     'xla_compiled': len(programs(cache) - before) if contender.startswith('ours') else None,
     **parsed,
     'thread_cpu_s': threads,
+    'profile': profile,
+  }
+
+
+def perf_record(path: str) -> list[str]:
+  """The words that run a command under perf's cpu-clock sampler (no hardware counters needed,
+  so it works in a VM), time-stamped on the monotonic clock."""
+  return ['perf', 'record', '-q', '-e', 'cpu-clock', '-F', str(PERF_HZ)] + [
+    '--clockid',
+    'monotonic',
+    '-o',
+    path,
+    '--',
+  ]
+
+
+_MARK = re.compile(r'\] step (\d+)/\d+ |^iter (\d+): ')  # ours' progress line, nanoGPT's
+
+
+def cpu_profile(path: str, launched: float, lines) -> dict | None:
+  """CPU milliseconds per step by library and by function, from the samples between the
+  step-300 line (the second, in a shorter run) and the last step line: the steady part,
+  compilation and start-up excluded (nanoGPT's evaluations every 250 iterations included)."""
+  marks = [(int(m[1] or m[2]), t) for t, text in lines if (m := _MARK.search(text))]
+  first = next(((s, t) for s, t in marks if s >= 300), marks[1] if len(marks) > 2 else None)
+  if first is None or marks[-1][0] <= first[0]:
+    return None
+  (s0, t0), (s1, t1) = first, marks[-1]
+  out = subprocess.run(
+    ['perf', 'script', '-i', path, '-F', 'time,ip,sym,dso'], capture_output=True, text=True
+  ).stdout
+  by_lib, by_fn = collections.Counter(), collections.Counter()
+  for line in out.splitlines():  # '  30688.768525:  7fd36eab29d5 ynn::dot_fp32_... (/x/lib.so)'
+    when, _, rest = line.partition(':')
+    try:
+      t = float(when) - launched
+    except ValueError:
+      continue
+    if not t0 <= t < t1:
+      continue
+    fn, _, lib = rest.split(maxsplit=1)[1].rpartition(' (')
+    lib = os.path.basename(lib.rstrip(')'))
+    lib = 'JIT code' if lib.startswith('perf-') else lib  # generated code: no symbols
+    by_lib[lib] += 1
+    by_fn[fn if fn != '[unknown]' else f'[{lib}]'] += 1
+  ms = 1000 / PERF_HZ / (s1 - s0)  # one sample's CPU milliseconds, per step
+  return {
+    'steps': f'{s0}-{s1}',
+    'cpu_ms_per_step': sum(by_lib.values()) * ms,
+    'by_library': {k: round(v * ms, 2) for k, v in by_lib.most_common(6)},
+    'by_function': {k[:80]: round(v * ms, 2) for k, v in by_fn.most_common(8)},
   }
 
 
@@ -373,6 +449,34 @@ def threads_table(results: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+PROFILE_NOTE = (
+  f'Where the CPU went (--perf: each run under `perf record -e cpu-clock -F {PERF_HZ}`, whose '
+  'own CPU time is inside the wall and CPU-seconds above): CPU milliseconds per step between the '
+  'step-300 line and the last step line, by library (JIT code: code generated while the process '
+  "runs, which has no symbols; in ours, XLA's) and by function. nanoGPT's steps include its "
+  'evaluations every 250 iterations.'
+)
+
+
+def profile_table(results: list[dict]) -> str:
+  """--perf: each run's CPU milliseconds per steady step, by library and by busiest function."""
+  lines = [
+    '| precision | contender | round | steps | CPU ms/step | by library | busiest functions |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  for r in results:
+    p = r.get('profile')
+    if not p:
+      continue
+    libs = '; '.join(f'{k} {v:.1f}' for k, v in p['by_library'].items())
+    fns = '; '.join(f'`{k}` {v:.1f}' for k, v in p['by_function'].items())
+    lines.append(
+      f'| {r["precision"]} | {r["contender"]} | {r["round"] + 1} | {p["steps"]} '
+      f'| {p["cpu_ms_per_step"]:.1f} | {libs} | {fns} |'
+    )
+  return '\n'.join(lines)
+
+
 def notes() -> str:
   load = (
     f'{_LOAD.value} busy loop(s) (`python -c "while True: pass"`, nice {_LOAD_NICE.value}, '
@@ -420,6 +524,8 @@ def main(argv):
     # The page after every run: a run cut short leaves the runs it finished.
     done = '' if len(results) == len(plan) else f' Partial: {len(results)} of {len(plan)} runs.'
     body = f'{notes()}{done}\n\n{table(results)}\n\n{threads_table(results)}'
+    if _PERF.value:
+      body += f'\n\n{PROFILE_NOTE}\n\n{profile_table(results)}'
     results_page.write('peer_nanogpt', body, started=started, quick=_QUICK.value)
     if _OUT.value:
       os.makedirs(_OUT.value, exist_ok=True)
