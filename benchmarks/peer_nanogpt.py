@@ -387,13 +387,13 @@ def cpu_profile(path: str, launched: float, lines) -> dict | None:
     lib = os.path.basename(lib.rstrip(')'))
     lib = 'JIT code' if lib.startswith('perf-') else lib  # generated code: no symbols
     by_lib[lib] += 1
-    by_fn[fn if fn != '[unknown]' else f'[{lib}]'] += 1
+    by_fn[fn[:80] if fn != '[unknown]' else f'[{lib}]'] += 1  # templates share long prefixes
   ms = 1000 / PERF_HZ / (s1 - s0)  # one sample's CPU milliseconds, per step
   return {
     'steps': f'{s0}-{s1}',
     'cpu_ms_per_step': sum(by_lib.values()) * ms,
     'by_library': {k: round(v * ms, 2) for k, v in by_lib.most_common(6)},
-    'by_function': {k[:80]: round(v * ms, 2) for k, v in by_fn.most_common(8)},
+    'by_function': {k: round(v * ms, 2) for k, v in by_fn.most_common(8)},
   }
 
 
