@@ -5,6 +5,8 @@
       --results_name=peer_nanogpt_loaded                                       # 2 busy loops
   python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt --load=2 --load_nice=19 \\
       --results_name=peer_nanogpt_loaded_nice                           # the same at nice 19
+  python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt --contenders=ours,ours+load:2@19 \\
+      --perf --results_name=peer_nanogpt_profile       # where the CPU went, alone and loaded
   python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt --quick            # checks it runs
 
 Not a test. nanoGPT (karpathy/nanoGPT) is not part of this project: export its tree anywhere
@@ -51,6 +53,11 @@ scheduling, processes of one session share one scheduling group, so the loops co
 run thread for thread, as other work of the same user would (--load_nice=19: work the user
 started at low priority); the CPU-seconds they got are reported. A contender's +load:N@P word
 sets its own load instead (P: a nice value, or idle for SCHED_IDLE).
+
+--perf runs each contender under Linux perf (`perf record -e cpu-clock`: a timer, so it needs no
+hardware counters and works in a virtual machine; perf must be installed and allowed to sample,
+e.g. as root or with kernel.perf_event_paranoid <= 1) and adds a table: CPU milliseconds per step
+between the step-300 line and the last step line, by library and by function.
 """
 
 from __future__ import annotations
