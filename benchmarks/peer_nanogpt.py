@@ -62,7 +62,6 @@ between the step-300 line and the last step line, by library and by function.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re
@@ -79,6 +78,7 @@ if ROOT not in sys.path:
 
 from absl import app, flags  # noqa: E402
 
+from benchmarks import cpu_profile  # noqa: E402
 from benchmarks import results as results_page  # noqa: E402
 
 CONTENDERS = ('nanogpt', 'nanogpt_compile', 'ours')
@@ -119,7 +119,6 @@ _PERF = flags.DEFINE_bool(
   "Each run under Linux perf's cpu-clock sampler: the page adds where each run's CPU went per "
   'steady step, by library and by function.',
 )
-PERF_HZ = 499  # samples per second per busy CPU
 
 
 def command(
@@ -323,14 +322,14 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
     before = programs(cache)
     samples = os.path.join(out_dir, 'perf.data')
     if _PERF.value:
-      argv = [*perf_record(samples), *argv]
+      argv = [*cpu_profile.record(samples), *argv]
     loops = busy_loops(n_loops, priority)
     launched = time.perf_counter()  # perf's monotonic clock is the one perf_counter reads
     try:
       lines, wall, cpu, threads = run(argv, cwd, env)
     finally:
       load_cpu = stop(loops)
-    profile = cpu_profile(samples, launched, lines) if _PERF.value else None
+    profile = cpu_profile.read(samples, launched, lines) if _PERF.value else None
   parsed = (parse_ours if contender.startswith('ours') else parse_nanogpt)(lines)
   if _OUT.value:  # the child's output, time-stamped from its start
     os.makedirs(_OUT.value, exist_ok=True)
@@ -351,56 +350,6 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
     **parsed,
     'thread_cpu_s': threads,
     'profile': profile,
-  }
-
-
-def perf_record(path: str) -> list[str]:
-  """The words that run a command under perf's cpu-clock sampler (no hardware counters needed,
-  so it works in a VM), time-stamped on the monotonic clock."""
-  return ['perf', 'record', '-q', '-e', 'cpu-clock', '-F', str(PERF_HZ)] + [
-    '--clockid',
-    'monotonic',
-    '-o',
-    path,
-    '--',
-  ]
-
-
-_MARK = re.compile(r'\] step (\d+)/\d+ |^iter (\d+): ')  # ours' progress line, nanoGPT's
-
-
-def cpu_profile(path: str, launched: float, lines) -> dict | None:
-  """CPU milliseconds per step by library and by function, from the samples between the
-  step-300 line (the second, in a shorter run) and the last step line: the steady part,
-  compilation and start-up excluded (nanoGPT's evaluations every 250 iterations included)."""
-  marks = [(int(m[1] or m[2]), t) for t, text in lines if (m := _MARK.search(text))]
-  first = next(((s, t) for s, t in marks if s >= 300), marks[1] if len(marks) > 2 else None)
-  if first is None or marks[-1][0] <= first[0]:
-    return None
-  (s0, t0), (s1, t1) = first, marks[-1]
-  out = subprocess.run(
-    ['perf', 'script', '-i', path, '-F', 'time,ip,sym,dso'], capture_output=True, text=True
-  ).stdout
-  by_lib, by_fn = collections.Counter(), collections.Counter()
-  for line in out.splitlines():  # '  30688.768525:  7fd36eab29d5 ynn::dot_fp32_... (/x/lib.so)'
-    when, _, rest = line.partition(':')
-    try:
-      t = float(when) - launched
-    except ValueError:
-      continue
-    if not t0 <= t < t1:
-      continue
-    fn, _, lib = rest.split(maxsplit=1)[1].rpartition(' (')
-    lib = os.path.basename(lib.rstrip(')'))
-    lib = 'JIT code' if lib.startswith('perf-') else lib  # generated code: no symbols
-    by_lib[lib] += 1
-    by_fn[fn[:80] if fn != '[unknown]' else f'[{lib}]'] += 1  # templates share long prefixes
-  ms = 1000 / PERF_HZ / (s1 - s0)  # one sample's CPU milliseconds, per step
-  return {
-    'steps': f'{s0}-{s1}',
-    'cpu_ms_per_step': sum(by_lib.values()) * ms,
-    'by_library': {k: round(v * ms, 2) for k, v in by_lib.most_common(6)},
-    'by_function': {k: round(v * ms, 2) for k, v in by_fn.most_common(8)},
   }
 
 
@@ -457,10 +406,11 @@ def threads_table(results: list[dict]) -> str:
 
 
 PROFILE_NOTE = (
-  f'Where the CPU went (--perf: each run under `perf record -e cpu-clock -F {PERF_HZ}`, whose '
-  'own CPU time is inside the wall and CPU-seconds above): CPU milliseconds per step between the '
-  'step-300 line and the last step line, by library (JIT code: code generated while the process '
-  "runs, which has no symbols; in ours, XLA's) and by function. nanoGPT's steps include its "
+  'Where the CPU went (--perf: each run under '
+  f'`perf record -e cpu-clock -F {cpu_profile.HZ}`, whose own CPU time is inside the wall and '
+  'CPU-seconds above): CPU milliseconds per step between the step-300 line and the last step '
+  'line, by library (JIT code: code generated while the process runs, which has no symbols; in '
+  "ours, XLA's) and by function (benchmarks/cpu_profile.py). nanoGPT's steps include its "
   'evaluations every 250 iterations.'
 )
 

@@ -303,3 +303,71 @@ def test_training_runs_tabulates_a_launch_run(tmp_path):
   assert cells[1] == '`python launch.py --config=configs/mnist_mlp.py --config.train.steps=10`'
   assert cells[2].startswith('loss ') and ', accuracy ' in cells[2], row
   assert float(cells[3]) > 0 and float(cells[4]) > 0, row
+
+
+def test_cpu_profile_counts_the_steady_samples_per_step():
+  """benchmarks/cpu_profile.py (peer_nanogpt --perf): the samples between the step-300 line and
+  the last step line, each 1/HZ CPU-seconds, per step; recounted here from the lines given."""
+  from benchmarks import cpu_profile
+
+  lines = [(1.0, 'iter 0: loss 4.2, time 900.00ms'), (8.0, 'I1127 x.py:1] step 100/500 |')]
+  lines += [(10.0, 'I1127 x.py:1] step 300/500 |'), (20.0, 'I1127 x.py:1] step 500/500 |')]
+  assert cpu_profile.window(lines) == ((300, 10.0), (500, 20.0))
+  launched = 1000.0
+  samples = [  # (seconds after launch, symbol, library)
+    *[(9.9, 'startup', '/x/libtf.so')] * 7,  # before the window
+    *[(10.0 + i / 100, 'ynn::dot_fp32', '/x/libtf.so') for i in range(600)],
+    *[(12.0 + i / 100, '[unknown]', '/tmp/perf-42.map') for i in range(300)],
+    *[(15.0, 'T<' + 'a' * 90 + '>::run', '/x/libtf.so')] * 2,  # two names, one 80-char prefix
+    *[(15.0, 'T<' + 'a' * 90 + '>::wait', '/x/libtf.so')] * 3,
+    *[(20.0, 'teardown', '/x/libtf.so')] * 5,  # at the last line: after the window
+  ]
+  script = '\n'.join(f'  {launched + t:.6f}:  7fd3 {fn} ({lib})' for t, fn, lib in samples)
+  got = cpu_profile.tally(script, launched, cpu_profile.window(lines))
+  per_step = lambda n: n * (1000 / cpu_profile.HZ) / 200  # noqa: E731  (ms per sample / steps)
+  assert got['steps'] == '300-500'
+  assert got['cpu_ms_per_step'] == pytest.approx(per_step(600 + 300 + 5))
+  assert got['by_library'] == {
+    'libtf.so': round(per_step(605), 2),
+    'JIT code': round(per_step(300), 2),
+  }
+  assert got['by_function'] == {
+    'ynn::dot_fp32': round(per_step(600), 2),
+    '[JIT code]': round(per_step(300), 2),
+    ('T<' + 'a' * 90)[:80]: round(per_step(5), 2),
+  }
+  assert cpu_profile.window(lines[:2]) is None  # no steady part to count
+
+
+def test_cpu_profile_reads_what_perf_sampled(tmp_path):
+  """record + read on a real process (where perf can sample): 100 'steps' of a busy loop lasting
+  0.6 s come out at about 6 CPU-ms per step, most in Python's own library: perf's time stamps
+  and the lines' line up."""
+  import shutil
+  import time
+
+  from benchmarks import cpu_profile
+
+  if shutil.which('perf') is None:
+    pytest.skip('perf is not installed')
+  busy = (
+    'import time\n'
+    'def spin(s):\n'
+    '  t = time.perf_counter()\n'
+    '  while time.perf_counter() - t < s: pass\n'
+    "spin(0.3); print('iter 300: ', flush=True); spin(0.6); print('iter 400: ', flush=True)"
+  )
+  path = str(tmp_path / 'perf.data')
+  launched = time.perf_counter()
+  proc = subprocess.Popen(
+    [*cpu_profile.record(path), sys.executable, '-c', busy], stdout=subprocess.PIPE, text=True
+  )
+  lines = [(time.perf_counter() - launched, line.rstrip('\n')) for line in proc.stdout]
+  if proc.wait() or not os.path.exists(path):
+    pytest.skip('perf may not sample here (kernel.perf_event_paranoid)')
+  got = cpu_profile.read(path, launched, lines)
+  assert got['steps'] == '300-400'
+  assert 4.0 < got['cpu_ms_per_step'] < 7.0, got  # 600 ms over 100 steps; sampling loses a few
+  lib, ms = next(iter(got['by_library'].items()))
+  assert lib.startswith('libpython') or lib == os.path.basename(sys.executable), got
+  assert ms > 0.5 * got['cpu_ms_per_step'], got  # the rest: mostly the clock reads ([vdso])
