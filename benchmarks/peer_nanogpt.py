@@ -65,6 +65,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -462,6 +463,10 @@ def main(argv):
   del argv
   for contender in _CONTENDERS.value:  # a bad load word stops the race before its first run
     split_load(contender)
+  if _PERF.value and shutil.which('perf') is None:
+    raise app.UsageError(
+      '--perf: the perf command is not installed (Debian: apt install linux-perf)'
+    )
   started = results_page.start()
   steps, rounds = (20, 1) if _QUICK.value else (_STEPS.value, _ROUNDS.value)
   plan = [
