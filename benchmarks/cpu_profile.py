@@ -2,23 +2,21 @@
 
 `record(path)` is the prefix that runs a command under `perf record -e cpu-clock` (a timer, so
 no hardware counters are needed and it works in a virtual machine), time-stamped on the
-monotonic clock that `time.perf_counter` reads. `read(path, launched, lines)` then counts the
-samples between the step-300 line and the last step line of the command's output (ours'
-progress line `step N/`, nanoGPT's `iter N:`), by library and by function, as CPU milliseconds
-per step: each sample stands for 1/HZ of a CPU second. Code generated while the process runs
-(XLA's, in ours) has no symbols; perf names its library after the process's map file, and it is
-counted as 'JIT code'.
+monotonic clock that `time.perf_counter` reads. `read(path, launched, marks)` then counts the
+samples between step 300 and the last step the command reported (`marks`: (step, seconds after
+launch) of its step lines, which the caller reads from its output), by library and by function,
+as CPU milliseconds per step: each sample stands for 1/HZ of a CPU second. Code generated while
+the process runs (XLA's, in ours) has no symbols; perf names its library after the process's map
+file, and it is counted as 'JIT code'.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import re
 import subprocess
 
 HZ = 499  # samples per second per busy CPU
-_MARK = re.compile(r'\] step (\d+)/\d+ |^iter (\d+): ')  # ours' progress line, nanoGPT's
 
 
 def record(path: str) -> list[str]:
@@ -27,11 +25,10 @@ def record(path: str) -> list[str]:
   return [*sampler, '-o', path, '--']
 
 
-def window(lines) -> tuple[tuple[int, float], tuple[int, float]] | None:
-  """((first step, time), (last step, time)) of the steady part of a run's time-stamped output:
-  from the step-300 line (the second step line, in a shorter run) to the last one, so start-up
-  and compilation stay out; None when there are not two such lines."""
-  marks = [(int(m[1] or m[2]), t) for t, text in lines if (m := _MARK.search(text))]
+def window(marks: list[tuple[int, float]]) -> tuple[tuple[int, float], tuple[int, float]] | None:
+  """((first step, time), (last step, time)) of the steady part of a run, from its step marks
+  (step, time) in order: from step 300 (the second mark, in a shorter run) to the last mark, so
+  start-up and compilation stay out; None when there are not two such marks."""
   first = next(((s, t) for s, t in marks if s >= 300), marks[1] if len(marks) > 2 else None)
   if first is None or marks[-1][0] <= first[0]:
     return None
@@ -67,9 +64,9 @@ def tally(script: str, launched: float, steady) -> dict:
   }
 
 
-def read(path: str, launched: float, lines) -> dict | None:
-  """`tally` of the samples perf wrote to `path`, over the steady window of `lines`."""
-  steady = window(lines)
+def read(path: str, launched: float, marks: list[tuple[int, float]]) -> dict | None:
+  """`tally` of the samples perf wrote to `path`, over the steady window of `marks`."""
+  steady = window(marks)
   if steady is None:
     return None
   script = ['perf', 'script', '-i', path, '-F', 'time,ip,sym,dso']

@@ -242,6 +242,11 @@ _OURS_STEP = re.compile(r'\] step (\d+)/\d+ ')
 _OURS_VAL = re.compile(r'final eval: loss ([\d.]+)')
 
 
+def step_marks(lines, pattern: re.Pattern) -> list[tuple[int, float]]:
+  """(step, seconds from the start) of each output line reporting a step."""
+  return [(int(m[1]), t) for t, s in lines if (m := pattern.search(s))]
+
+
 def parse_nanogpt(lines) -> dict:
   iters = {int(m[1]): (t, float(m[2])) for t, s in lines if (m := _ITER.search(s))}
   vals = [float(m[2]) for _, s in lines if (m := _NANOGPT_VAL.search(s))]
@@ -256,7 +261,7 @@ def parse_nanogpt(lines) -> dict:
 
 
 def parse_ours(lines) -> dict:
-  marks = [(int(m[1]), t) for t, s in lines if (m := _OURS_STEP.search(s))]
+  marks = step_marks(lines, _OURS_STEP)
   vals = [float(m[1]) for _, s in lines if (m := _OURS_VAL.search(s))]
   steady = [
     1000 * (t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(marks[1:], marks[2:]) if s1 > s0
@@ -330,7 +335,8 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
       lines, wall, cpu, threads = run(argv, cwd, env)
     finally:
       load_cpu = stop(loops)
-    profile = cpu_profile.read(samples, launched, lines) if _PERF.value else None
+    marks = step_marks(lines, _OURS_STEP if contender.startswith('ours') else _ITER)
+    profile = cpu_profile.read(samples, launched, marks) if _PERF.value else None
   parsed = (parse_ours if contender.startswith('ours') else parse_nanogpt)(lines)
   if _OUT.value:  # the child's output, time-stamped from its start
     os.makedirs(_OUT.value, exist_ok=True)

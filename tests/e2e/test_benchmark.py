@@ -306,13 +306,12 @@ def test_training_runs_tabulates_a_launch_run(tmp_path):
 
 
 def test_cpu_profile_counts_the_steady_samples_per_step():
-  """benchmarks/cpu_profile.py (peer_nanogpt --perf): the samples between the step-300 line and
-  the last step line, each 1/HZ CPU-seconds, per step; recounted here from the lines given."""
+  """benchmarks/cpu_profile.py (peer_nanogpt --perf): the samples between step 300 and the last
+  step mark, each 1/HZ CPU-seconds, per step; recounted here from the samples given."""
   from benchmarks import cpu_profile
 
-  lines = [(1.0, 'iter 0: loss 4.2, time 900.00ms'), (8.0, 'I1127 x.py:1] step 100/500 |')]
-  lines += [(10.0, 'I1127 x.py:1] step 300/500 |'), (20.0, 'I1127 x.py:1] step 500/500 |')]
-  assert cpu_profile.window(lines) == ((300, 10.0), (500, 20.0))
+  marks = [(0, 1.0), (100, 8.0), (300, 10.0), (500, 20.0)]  # (step, seconds after launch)
+  assert cpu_profile.window(marks) == ((300, 10.0), (500, 20.0))
   launched = 1000.0
   samples = [  # (seconds after launch, symbol, library)
     *[(9.9, 'startup', '/x/libtf.so')] * 7,  # before the window
@@ -323,7 +322,7 @@ def test_cpu_profile_counts_the_steady_samples_per_step():
     *[(20.0, 'teardown', '/x/libtf.so')] * 5,  # at the last line: after the window
   ]
   script = '\n'.join(f'  {launched + t:.6f}:  7fd3 {fn} ({lib})' for t, fn, lib in samples)
-  got = cpu_profile.tally(script, launched, cpu_profile.window(lines))
+  got = cpu_profile.tally(script, launched, cpu_profile.window(marks))
   per_step = lambda n: n * (1000 / cpu_profile.HZ) / 200  # noqa: E731  (ms per sample / steps)
   assert got['steps'] == '300-500'
   assert got['cpu_ms_per_step'] == pytest.approx(per_step(600 + 300 + 5))
@@ -336,7 +335,8 @@ def test_cpu_profile_counts_the_steady_samples_per_step():
     '[JIT code]': round(per_step(300), 2),
     ('T<' + 'a' * 90)[:80]: round(per_step(5), 2),
   }
-  assert cpu_profile.window(lines[:2]) is None  # no steady part to count
+  assert cpu_profile.window(marks[:2]) is None  # no steady part to count
+  assert cpu_profile.window([(0, 1.0), (100, 2.0), (200, 3.0)]) == ((100, 2.0), (200, 3.0))
 
 
 def test_cpu_profile_reads_what_perf_sampled(tmp_path):
@@ -366,7 +366,8 @@ def test_cpu_profile_reads_what_perf_sampled(tmp_path):
   lines = [(time.perf_counter() - launched, line.rstrip('\n')) for line in proc.stdout]
   if proc.wait() or not os.path.exists(path):
     pytest.skip('perf may not sample here (kernel.perf_event_paranoid)')
-  got = cpu_profile.read(path, launched, lines)
+  marks = [(int(text.split()[1].rstrip(':')), t) for t, text in lines if text.startswith('iter')]
+  got = cpu_profile.read(path, launched, marks)
   assert got['steps'] == '300-400'
   assert 4.0 < got['cpu_ms_per_step'] < 7.0, got  # 600 ms over 100 steps; sampling loses a few
   lib, ms = next(iter(got['by_library'].items()))
