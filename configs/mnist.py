@@ -30,6 +30,7 @@ def get_config():
   config.train.eval_max_batches = 0  # an eval set of more batches is an error; 0 = no bound
   config.train.max_to_keep = 3  # checkpoints kept
   config.train.jit_compile = 'auto'  # XLA for the per-replica step: auto = on for GPU/TPU
+  config.train.grappler = 'auto'  # TensorFlow's graph optimizer on the loops: auto = on for GPU/TPU
   config.train.intra_op_threads = 0  # TF's pool splitting one op; 0 = TF's choice
   config.train.inter_op_threads = 0  # TF's pool running independent ops; 0 = TF's choice
   config.train.deterministic = False  # op determinism (slower); resumed runs bit-identical

@@ -60,7 +60,7 @@ def _one_of(*choices):
 
 
 def _jit_setting(v):
-  bad = [] if v in JIT_SWITCHES else [p for p in v.split(',') if p not in PRECISION_POLICIES]
+  bad = [] if v in SWITCHES else [p for p in v.split(',') if p not in PRECISION_POLICIES]
   return (
     (
       f'must be auto, true, false or policies from {", ".join(PRECISION_POLICIES)}, '
@@ -78,7 +78,7 @@ POLICIES = ('auto', *PRECISION_POLICIES)
 LOSS_SCALE_MODES = ('none', 'static', 'dynamic')
 LOSS_SCALES = ('auto', *(m for m in LOSS_SCALE_MODES if m != 'static'))  # static: a number
 STRATEGIES = ('default', 'mirrored', 'multi_worker', 'tpu')
-JIT_SWITCHES = ('auto', 'true', 'false')  # or a comma-separated list of policies
+SWITCHES = ('auto', 'true', 'false')  # train.grappler; train.jit_compile, or a list of policies
 MASTER_WEIGHTS = ('float32', 'bfloat16_sr', 'bfloat16_kahan')  # trainer/step/low_precision.py
 STATE_BITS = (32, 8)
 LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/step/low_precision.py has
@@ -149,6 +149,13 @@ SCHEMA: dict[str, Key] = {
     "XLA for the per-replica step and the eval's forward pass: 'auto' (GPU/TPU: on, "
     "CPU: off), or the policies it is on under ('float32,...')",
     _jit_setting,
+  ),
+  'train.grappler': Key(
+    str,
+    'auto',
+    "TensorFlow's graph optimizer (grappler) on the train and eval loops: 'auto' (GPU/TPU: "
+    "on, CPU: off), 'true' or 'false'",
+    _one_of(*SWITCHES),
   ),
   'train.intra_op_threads': Key(
     int,

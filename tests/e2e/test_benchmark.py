@@ -257,6 +257,43 @@ def test_eager_or_compiled_times_both_ways(tmp_path):
   assert os.listdir(tmp_path) == ['eager_or_compiled.md']
 
 
+def test_grappler_benchmark_times_both_settings(tmp_path):
+  """benchmarks/grappler.py (the figures behind train.grappler='auto') runs each setting in a
+  process of its own; its off / on column is the ratio of the medians of the runs it lists. No
+  claim about speed."""
+  done = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'benchmarks.grappler',
+      '--configs=mnist_mlp:float32:20',
+      '--rounds=2',
+      f'--results_dir={tmp_path}',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [line for line in done.stdout.splitlines() if line.startswith('| mnist_mlp, float32')]
+  cells = {r.split('|')[2].strip(): [c.strip() for c in r.strip('|').split('|')] for r in rows}
+  assert sorted(cells) == ['false', 'true'], done.stdout
+  runs = {g: [[float(x) for x in c[i].split(', ')] for i in (2, 3, 4)] for g, c in cells.items()}
+  assert all(len(v) == 2 and min(v) > 0 for g in runs for v in runs[g]), runs
+
+  def median(values):
+    return sum(values) / 2  # two rounds
+
+  ratios = [float(x) for x in cells['false'][5].split(', ')]
+  for ratio, off, on in zip(ratios, runs['false'], runs['true']):
+    # the figures have three significant digits, the ratio two decimals
+    assert ratio == pytest.approx(median(off) / median(on), rel=0.011, abs=0.006), (off, on)
+  assert rows[0] in results_page(tmp_path, 'grappler')
+  assert os.listdir(tmp_path) == ['grappler.md']
+
+
 def test_memory_breakdown_setting_and_table():
   from benchmarks import memory
 

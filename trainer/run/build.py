@@ -72,14 +72,25 @@ def check_names(cls_name: str, names: Iterable[str]) -> None:
     )
 
 
+def _accelerated() -> bool:
+  """Whether the run has a GPU or a TPU: where 'auto' turns XLA and grappler on."""
+  return bool(tf.config.list_physical_devices('GPU') or tf.config.list_logical_devices('TPU'))
+
+
 def jit(setting: str, policy: str) -> bool:
   """config.train.jit_compile under the resolved `policy`: 'auto' is on where XLA pays (GPU,
   TPU), off on CPU; a comma-separated list of policies is on under those."""
   if setting == 'auto':
-    return bool(tf.config.list_physical_devices('GPU') or tf.config.list_logical_devices('TPU'))
-  if setting in config_lib.JIT_SWITCHES:
+    return _accelerated()
+  if setting in config_lib.SWITCHES:
     return setting == 'true'
   return policy in setting.split(',')
+
+
+def grappler(setting: str) -> bool:
+  """config.train.grappler: 'auto' is on with a GPU or TPU, off on a CPU (trainer/step/
+  grappler.py says why)."""
+  return _accelerated() if setting == 'auto' else setting == 'true'
 
 
 def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None) -> Any:

@@ -38,6 +38,7 @@ from trainer.errors import CollapseError, NonFiniteError, UserError
 from trainer.insight import audit, forensics, numerics
 from trainer.run import (
   actions,
+  build,
   checkpoints,
   epochs,
   goodput,
@@ -65,6 +66,7 @@ class Runner:
       logging.set_verbosity(logging.INFO)
     self.trainer = t = trainer
     self.config = c = t.config
+    self.grappler = build.grappler(c.train.grappler)
     with t.strategy.scope():
       self.eval_loop = EvalLoop(
         strategy=t.strategy,
@@ -72,11 +74,13 @@ class Runner:
         metric_names=t.metric_names,
         metrics=t.eval_metrics,
         jit_compile=t.jit_compile,
+        grappler=self.grappler,
       )
       self.train_loop = TrainLoop(  # the compiled call of steps_per_loop steps
         t.train_step,
         forensics=c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0,
         element_spec=t.datasets.train.element_spec,
+        grappler=self.grappler,
       )
     # The first eval batch (read by build unless given): the start-of-run loss, the probe's.
     self.first_eval_batch = (
@@ -270,7 +274,7 @@ class Runner:
     total = tr.total_steps
     logging.info(
       'training %s: %d steps, global batch %d, policy %s, loss scale %s, %d replica(s), '
-      'XLA %s, oneDNN kernels %s',
+      'XLA %s, oneDNN kernels %s, grappler %s',
       type(tr).__name__,
       total,
       t.batch_size,
@@ -279,6 +283,7 @@ class Runner:
       tr.strategy.num_replicas_in_sync,
       'on' if tr.jit_compile else 'off',
       'on' if onednn.enabled() else 'off',
+      'on' if self.grappler else 'off',
     )
     hint = onednn.hint()  # the kernels are off only because TensorFlow loaded first
     if hint:

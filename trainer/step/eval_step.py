@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from trainer.errors import ConfigError
 from trainer.nn import fused
+from trainer.step import grappler as grappler_lib
 from trainer.step import user_code
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -33,7 +34,8 @@ class EvalLoop:
   dropped or counted twice;
   stateful metrics (`Trainer.build_metrics()`) are updated per replica and read on the host.
   `jit_compile`: each replica's forward pass and loss compiled by XLA, as the train step's
-  gradients are (config.train.jit_compile); the stateful metrics' updates stay outside it."""
+  gradients are (config.train.jit_compile); the stateful metrics' updates stay outside it.
+  `grappler`: TensorFlow's graph optimizer on the compiled call (config.train.grappler)."""
 
   def __init__(
     self,
@@ -43,8 +45,10 @@ class EvalLoop:
     metric_names: Iterable[str],
     metrics: Mapping[str, keras.metrics.Metric] | None = None,
     jit_compile: bool = False,
+    grappler: bool = True,
   ) -> None:
     self.strategy = strategy
+    self.grappler = grappler
     self.compute_loss = compute_loss
     self.metrics = dict(metrics or {})
     self.metric_names = ('loss', *(n for n in metric_names if n not in self.metrics))
@@ -87,7 +91,7 @@ class EvalLoop:
           '(its length is unknown to tf.data: a generator or a filter; one that loops never '
           'ends an eval): raise the bound (0 = none) or end the eval set'
         )
-      with user_code.xla_errors('the eval'):
+      with user_code.xla_errors('the eval'), grappler_lib.passes(self.grappler):
         totals, count = self.add(batch, totals, count)
       if stop is not None and stop():
         return None

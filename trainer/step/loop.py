@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, cast
 import tensorflow as tf
 
 from trainer.errors import UserError
+from trainer.step import grappler as grappler_lib
 from trainer.step import kept_batch
 from trainer.step import outputs as step_outputs
 from trainer.step import user_code
@@ -60,10 +61,14 @@ class Counters(NamedTuple):
 class TrainLoop:
   """Runs `step` (a TrainStep). Create it under the strategy's scope (it owns variables: the
   output sums, the forensic stop, the kept batch). `element_spec`: the train dataset's, for the
-  kept batch (needed with `forensics` only)."""
+  kept batch (needed with `forensics` only). `grappler`: TensorFlow's graph optimizer on the
+  compiled loop (config.train.grappler)."""
 
-  def __init__(self, step, *, forensics: bool = False, element_spec: Any = None):
+  def __init__(
+    self, step, *, forensics: bool = False, element_spec: Any = None, grappler: bool = True
+  ):
     self.step = step
+    self.grappler = grappler  # TensorFlow's graph optimizer on the loop (trainer/step/grappler.py)
     self.strategy = step.strategy
     self.forensics = bool(forensics)
     # Forensics: the loop stops right after the skip that brings the step's skipped_steps to
@@ -201,7 +206,7 @@ class TrainLoop:
         'output over the steps and logs its mean, so each must be a scalar '
         '(reduce it in the step, e.g. tf.reduce_mean)'
       )
-    with user_code.xla_errors('the train step'):
+    with user_code.xla_errors('the train step'), grappler_lib.passes(self.grappler):
       return Counters(*(int(v) for v in self.compiled(iterator, steps).numpy()))
 
   def read_outputs(self) -> dict[str, Any]:
