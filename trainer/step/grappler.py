@@ -35,9 +35,9 @@ def passes(on: bool) -> Iterator[None]:
   ctx = context.context()
   saved = copy.copy(ctx.function_call_options)
   options = ctx.function_call_options
-  config = config_pb2.ConfigProto.FromString(options.config_proto_serialized)
+  config = config_pb2.ConfigProto.FromString(options.config_proto_serialized or b'')
   config.graph_options.rewrite_options.disable_meta_optimizer = True
-  options.config_proto_serialized = config
+  options.config_proto_serialized = config  # serialized deterministically: the same bytes each call
   try:
     yield
   finally:
