@@ -67,21 +67,7 @@ class Runner:
     self.trainer = t = trainer
     self.config = c = t.config
     self.grappler = build.grappler(c.train.grappler)
-    with t.strategy.scope():
-      self.eval_loop = EvalLoop(
-        strategy=t.strategy,
-        compute_loss=t.compute_loss,
-        metric_names=t.metric_names,
-        metrics=t.eval_metrics,
-        jit_compile=t.jit_compile,
-        grappler=self.grappler,
-      )
-      self.train_loop = TrainLoop(  # the compiled call of steps_per_loop steps
-        t.train_step,
-        forensics=c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0,
-        element_spec=t.datasets.train.element_spec,
-        grappler=self.grappler,
-      )
+    self.eval_loop, self.train_loop = self._loops()
     # The first eval batch (read by build unless given): the start-of-run loss, the probe's.
     self.first_eval_batch = (
       checks.first_eval_batch(t.datasets) if first_eval_batch is None else first_eval_batch
@@ -123,7 +109,29 @@ class Runner:
     self.saved_at: int | None = None  # the step of this run's newest save
     self.last_eval: dict[str, float] | None = None  # with '_step'
 
+  def _loops(self) -> tuple[EvalLoop, TrainLoop]:
+    """The eval loop and the train loop (the compiled call of steps_per_loop steps), under the
+    strategy's scope (they own variables)."""
+    t, c = self.trainer, self.config
+    with t.strategy.scope():
+      eval_loop = EvalLoop(
+        strategy=t.strategy,
+        compute_loss=t.compute_loss,
+        metric_names=t.metric_names,
+        metrics=t.eval_metrics,
+        jit_compile=t.jit_compile,
+        grappler=self.grappler,
+      )
+      train_loop = TrainLoop(
+        t.train_step,
+        forensics=c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0,
+        element_spec=t.datasets.train.element_spec,
+        grappler=self.grappler,
+      )
+    return eval_loop, train_loop
+
   # ---- the run folder --------------------------------------------------------------------
+
   def restore(self) -> int:
     """For training: checks the run folder and the config against its record, takes the lock,
     restores the newest readable checkpoint (or `train.init_from` when there is none), then
