@@ -8,7 +8,8 @@ Per config file, policy and step count, `--rounds` rounds of one fresh process w
 train.grappler=true and one with false, in turn: the Trainer is built as launch.py builds it,
 then its train loop (trainer/step/loop.py) is called for 1 step (the first call: tracing,
 grappler's passes when on, XLA's compilation or its cache, the runtime's preparation), 20 steps
-(warm-up), then the given number of steps, timed (wall and this process's CPU time). The XLA
+(warm-up), then the given number of steps, timed (wall and this process's CPU time); then the
+process's peak resident memory (VmHWM: the model, the data, the compiled loop's buffers). The XLA
 compile cache is the user's (both sides read it; the first process of a config may fill it).
 """
 
@@ -73,6 +74,7 @@ def measure(name: str, policy: str, steps: int, grappler: str) -> dict:
     runner.train_loop.run(iterator, steps)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
   return {
+    'peak_rss_mib': _peak_rss_mib(),
     'config': name,
     'policy': policy,
     'grappler': grappler,
@@ -81,6 +83,13 @@ def measure(name: str, policy: str, steps: int, grappler: str) -> dict:
     'ms_per_step': 1000 * wall / steps,
     'cpu_ms_per_step': 1000 * cpu / steps,
   }
+
+
+def _peak_rss_mib() -> float:
+  """This process's peak resident memory so far (VmHWM), MiB."""
+  with open('/proc/self/status') as f:
+    line = next(ln for ln in f if ln.startswith('VmHWM:'))
+  return int(line.split()[1]) / 1024
 
 
 def _child(spec: str, grappler: str) -> dict:
@@ -111,11 +120,11 @@ def table(results: list[dict]) -> str:
   """One row per config and setting: the first calls and steady figures of each run, in round
   order, then off / on of the medians."""
   lines = [
-    '| config, policy | grappler | first call s | steady ms/step | CPU-ms/step | '
-    'off / on: first call, ms/step, CPU-ms/step |',
-    '|---|---|---|---|---|---|',
+    '| config, policy | grappler | first call s | steady ms/step | CPU-ms/step | peak RSS MiB | '
+    'off / on: first call, ms/step, CPU-ms/step, peak RSS |',
+    '|---|---|---|---|---|---|---|',
   ]
-  keys = ('first_call_s', 'ms_per_step', 'cpu_ms_per_step')
+  keys = ('first_call_s', 'ms_per_step', 'cpu_ms_per_step', 'peak_rss_mib')
   by_config: dict = {}
   for r in results:
     by_config.setdefault((r['config'], r['policy'], r['steps']), {}).setdefault(
@@ -160,7 +169,7 @@ def main(argv):
       'settings in turn). First call: the train loop called for one step (tracing, '
       "grappler's passes when on, XLA's compilation or its compile cache, the first run); "
       'steady: a timed call of the given steps after 20 warm-up steps, wall and CPU time of '
-      'the process.\n'
+      "the process; peak RSS: the process's peak resident memory after them (VmHWM).\n"
     )
     print(table(results))
   results_page.exit_now()

@@ -280,13 +280,14 @@ def test_grappler_benchmark_times_both_settings(tmp_path):
   rows = [line for line in done.stdout.splitlines() if line.startswith('| mnist_mlp, float32')]
   cells = {r.split('|')[2].strip(): [c.strip() for c in r.strip('|').split('|')] for r in rows}
   assert sorted(cells) == ['false', 'true'], done.stdout
-  runs = {g: [[float(x) for x in c[i].split(', ')] for i in (2, 3, 4)] for g, c in cells.items()}
+  runs = {g: [[float(x) for x in c[i].split(', ')] for i in (2, 3, 4, 5)] for g, c in cells.items()}
   assert all(len(v) == 2 and min(v) > 0 for g in runs for v in runs[g]), runs
 
   def median(values):
     return sum(values) / 2  # two rounds
 
-  ratios = [float(x) for x in cells['false'][5].split(', ')]
+  ratios = [float(x) for x in cells['false'][6].split(', ')]
+  assert len(ratios) == 4, cells['false']
   for ratio, off, on in zip(ratios, runs['false'], runs['true']):
     # the figures have three significant digits, the ratio two decimals
     assert ratio == pytest.approx(median(off) / median(on), rel=0.011, abs=0.006), (off, on)
