@@ -430,7 +430,11 @@ def profile_table(results: list[dict]) -> str:
   ]
   for r in results:
     p = r.get('profile')
-    if not p:
+    if not p:  # cpu_profile.window: no step-300 line and fewer than three step lines
+      lines.append(
+        f'| {r["precision"]} | {r["contender"]} | {r["round"] + 1} | - | - | '
+        'no steady window: fewer than three step lines (a longer run has them) | |'
+      )
       continue
     libs = '; '.join(f'{k} {v:.1f}' for k, v in p['by_library'].items())
     fns = '; '.join(f'`{k}` {v:.1f}' for k, v in p['by_function'].items())
