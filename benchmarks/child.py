@@ -1,7 +1,8 @@
 """What references.py and peer_torch.py share: a benchmark cell in a fresh Python (its JSON
 result line, with its whole-life wall and CPU-seconds, tried twice: an intermittent failure of
 our final eval, `tf___log_eval() missing 1 required positional argument`, ended some long runs;
-a retry is a fresh run, reported as such), and the table and raw results they print and save.
+a retry is a fresh run, reported as such), and the table and raw results they print and save;
+and the config of a cell that builds a Trainer itself (eager_or_compiled.py, grappler.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,18 @@ import time
 from benchmarks import results as results_page
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_file(name: str, policy: str, data_root: str):
+  """configs/<name>.py under `policy`, its data read from `data_root` (the folder holding mnist/
+  and tinyshakespeare/): the config of a cell that builds a Trainer in its own process."""
+  from trainer import config as config_lib
+
+  config = config_lib.load_file(os.path.join(ROOT, 'configs', name + '.py'))
+  config.precision.policy = policy
+  data = 'mnist' if name.startswith('mnist') else 'tinyshakespeare'
+  config.data.dir = os.path.join(data_root, data)
+  return config
 
 
 def run(command: list[str], env: dict | None = None) -> tuple[dict, float, float]:

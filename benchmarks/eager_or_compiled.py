@@ -26,6 +26,7 @@ if ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
+from benchmarks import child  # noqa: E402
 from benchmarks import results as results_page  # noqa: E402  (--results_dir)
 
 _CONFIGS = flags.DEFINE_list(
@@ -74,12 +75,7 @@ def measure(name: str, policy: str) -> dict:
   from trainer.insight import numerics
   from trainer.run import checkpoints
 
-  config = config_lib.load_file(os.path.join(ROOT, 'configs', name + '.py'))
-  config.precision.policy = policy
-  config.data.dir = os.path.join(
-    _DATA_ROOT.value, 'mnist' if name.startswith('mnist') else 'tinyshakespeare'
-  )
-  config = config_lib.validate(config)
+  config = config_lib.validate(child.config_file(name, policy, _DATA_ROOT.value))
   with tempfile.TemporaryDirectory() as workdir:
     trainer = models.get_trainer_class(config.model)(config, workdir)
     probe = numerics.Probe(trainer)

@@ -30,6 +30,7 @@ if ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
+from benchmarks import child  # noqa: E402
 from benchmarks import results as results_page  # noqa: E402  (--results_dir)
 
 _CONFIGS = flags.DEFINE_list(
@@ -53,14 +54,9 @@ _CHILD = flags.DEFINE_string('child', None, 'Internal: config:policy:steps:on|of
 
 def measure(name: str, policy: str, steps: int, grappler: str) -> dict:
   import models
-  from trainer import config as config_lib
 
-  config = config_lib.load_file(os.path.join(ROOT, 'configs', name + '.py'))
-  config.precision.policy = policy
+  config = child.config_file(name, policy, _DATA_ROOT.value)
   config.train.grappler = grappler
-  config.data.dir = os.path.join(
-    _DATA_ROOT.value, 'mnist' if name.startswith('mnist') else 'tinyshakespeare'
-  )
   with tempfile.TemporaryDirectory() as workdir:
     trainer = models.get_trainer_class(config.model)(config, workdir)
     runner = trainer.runner
