@@ -13,6 +13,21 @@ import pytest
 from conftest import ROOT
 
 
+def run_benchmark(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+  """`python *args` (a benchmark script or `-m module`, then its flags) from the repository
+  root, TensorFlow's C++ log quieted; it must succeed (its stderr's tail otherwise)."""
+  done = subprocess.run(
+    [sys.executable, *args],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=timeout,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done
+
+
 def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
   """float32 only (with the machine's default policy, float32 on an AVX2-only CPU) on the MLP:
   every contender and every ratio row of the full run, the fewest steps. The loss-scaled
@@ -30,23 +45,15 @@ def check_quick_benchmark(tmp_path, name: str, wanted: list[str]) -> None:
   """Runs `benchmarks/run.py --quick` on model `name` in the policies `wanted`; checks that
   benchmark.json/.md/.png and the results page hold every section, contender and ratio."""
   out = tmp_path / 'bench'
-  done = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, 'benchmarks', 'run.py'),
-      '--quick',
-      f'--models={name}',
-      f'--policies={",".join(wanted)}',
-      f'--out={out}',
-      f'--results_dir={tmp_path}',
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
+  run_benchmark(
+    os.path.join(ROOT, 'benchmarks', 'run.py'),
+    '--quick',
+    f'--models={name}',
+    f'--policies={",".join(wanted)}',
+    f'--out={out}',
+    f'--results_dir={tmp_path}',
     timeout=900,
-    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
   )
-  assert done.returncode == 0, done.stderr[-3000:]
   for file in ('benchmark.json', 'benchmark.md', 'benchmark.png'):
     assert (out / file).stat().st_size > 0, file
 
@@ -143,24 +150,15 @@ def test_step_ablation_runs_every_contender(tmp_path):
   one short round of each, on the MLP, so it never rots. No claim about speed. In float32 with
   a dynamic loss scale (the loss-scaled step, at float32's speed: in mixed_float16, emulated on
   an AVX2-only CPU, this test took 192 s on one loaded xdist worker)."""
-  done = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, 'benchmarks', 'ablate_step.py'),
-      '--model=mnist_mlp',
-      '--policy=float32',
-      '--loss_scale=dynamic',
-      '--rounds=1',
-      '--calls=1',
-      f'--results_dir={tmp_path}',
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=600,
-    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  done = run_benchmark(
+    os.path.join(ROOT, 'benchmarks', 'ablate_step.py'),
+    '--model=mnist_mlp',
+    '--policy=float32',
+    '--loss_scale=dynamic',
+    '--rounds=1',
+    '--calls=1',
+    f'--results_dir={tmp_path}',
   )
-  assert done.returncode == 0, done.stderr[-3000:]
   rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:] if line.strip()}
   assert set(rows) == {
     'ours',
@@ -200,25 +198,16 @@ def test_step_profile_divides_by_the_steps_in_each_trace(tmp_path):
   """benchmarks/profile_step.py --vs_fit: fit's trace holds one execution more than fit times,
   and the per-step op figures divide by the steps in the trace. Reference: the loss kernel,
   once per step in both loops, counted in the trace files."""
-  done = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, 'benchmarks', 'profile_step.py'),
-      '--model=mnist_mlp',
-      '--policy=float32',
-      '--vs_fit',
-      '--steps_per_loop=2',
-      '--steps=4',
-      f'--profile_out={tmp_path}',
-      f'--results_dir={tmp_path}',
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=600,
-    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  done = run_benchmark(
+    os.path.join(ROOT, 'benchmarks', 'profile_step.py'),
+    '--model=mnist_mlp',
+    '--policy=float32',
+    '--vs_fit',
+    '--steps_per_loop=2',
+    '--steps=4',
+    f'--profile_out={tmp_path}',
+    f'--results_dir={tmp_path}',
   )
-  assert done.returncode == 0, done.stderr[-3000:]
   heads = [line for line in done.stdout.splitlines() if line.startswith('== ')]
   assert len(heads) == 2, done.stdout
   for label, head in zip(('ours', 'fit'), heads):
@@ -233,21 +222,12 @@ def test_eager_or_compiled_times_both_ways(tmp_path):
   """benchmarks/eager_or_compiled.py (the figures behind the eager limits of the probe and the
   checkpoint check) reads the two functions through EagerThenCompiled; one config, so it never
   rots. No claim about speed."""
-  done = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, 'benchmarks', 'eager_or_compiled.py'),
-      '--configs=mnist_mlp:float32',
-      '--eager_calls=2',
-      f'--results_dir={tmp_path}',
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=600,
-    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  done = run_benchmark(
+    os.path.join(ROOT, 'benchmarks', 'eager_or_compiled.py'),
+    '--configs=mnist_mlp:float32',
+    '--eager_calls=2',
+    f'--results_dir={tmp_path}',
   )
-  assert done.returncode == 0, done.stderr[-3000:]
   row = [line for line in done.stdout.splitlines() if line.startswith('| mnist_mlp, float32')]
   assert len(row) == 1, done.stdout
   cells = [c.strip() for c in row[0].strip('|').split('|')]
@@ -261,22 +241,13 @@ def test_grappler_benchmark_times_both_settings(tmp_path):
   """benchmarks/grappler.py (the figures behind train.grappler='auto') runs each setting in a
   process of its own; its off / on column is the ratio of the medians of the runs it lists. No
   claim about speed."""
-  done = subprocess.run(
-    [
-      sys.executable,
-      '-m',
-      'benchmarks.grappler',
-      '--configs=mnist_mlp:float32:20',
-      '--rounds=2',
-      f'--results_dir={tmp_path}',
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=600,
-    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  done = run_benchmark(
+    '-m',
+    'benchmarks.grappler',
+    '--configs=mnist_mlp:float32:20',
+    '--rounds=2',
+    f'--results_dir={tmp_path}',
   )
-  assert done.returncode == 0, done.stderr[-3000:]
   rows = [line for line in done.stdout.splitlines() if line.startswith('| mnist_mlp, float32')]
   cells = {r.split('|')[2].strip(): [c.strip() for c in r.strip('|').split('|')] for r in rows}
   assert sorted(cells) == ['false', 'true'], done.stdout
@@ -319,22 +290,13 @@ def test_memory_breakdown_setting_and_table():
 def test_training_runs_tabulates_a_launch_run(tmp_path):
   """benchmarks/training_runs.py (the runs behind docs/results.md) on one short run: its final
   eval line and times reach the results page. No claim about accuracy or speed."""
-  done = subprocess.run(
-    [
-      sys.executable,
-      '-m',
-      'benchmarks.training_runs',
-      '--runs=mnist_mlp',
-      '--set=train.steps=10',
-      f'--results_dir={tmp_path}',
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=600,
-    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  run_benchmark(
+    '-m',
+    'benchmarks.training_runs',
+    '--runs=mnist_mlp',
+    '--set=train.steps=10',
+    f'--results_dir={tmp_path}',
   )
-  assert done.returncode == 0, done.stderr[-3000:]
   page = results_page(tmp_path, 'training_runs')
   [row] = [line for line in page.splitlines() if line.startswith('| mnist_mlp |')]
   cells = [c.strip() for c in row.strip('|').split('|')]
