@@ -2,6 +2,8 @@
 
   python benchmarks/ablate_step.py --model=mnist_cnn --policy=mixed_bfloat16 --steps_per_loop=10
   python benchmarks/ablate_step.py --model=mnist_mlp --policy=float32 --steps_per_loop=100
+  python -m benchmarks.ablate_step --config=nanogpt_cpu --jit --contenders=ours,bare \
+      --steps_per_loop=100 --calls=2 --rounds=6   # nanoGPT's shape, XLA as that config has it
 
 Contenders, interleaved in rounds like benchmarks/run.py, reported per wall-clock second and per
 CPU-second of the process, each as a ratio to `fit`:
@@ -15,7 +17,10 @@ CPU-second of the process, each as a ratio to `fit`:
             is gone;
   no_state_check  ours without the finite check of the state an applied update wrote
             (trainer/step/state_check.py);
-  fit       Keras `model.fit`, steps_per_execution = steps_per_loop.
+  fit       Keras `model.fit`, steps_per_execution = steps_per_loop; with --jit,
+            `compile(jit_compile=True)`: its whole train step, the optimizer's update included,
+            one XLA program (ours compiles each replica's gradients, not the update: the update
+            waits in cross-replica context for every replica's finite flag).
 A diagnostic, not a test: every contender but `ours` and `fit` drops something the trainer keeps.
 """
 
@@ -40,6 +45,10 @@ _POLICY = flags.DEFINE_string('policy', 'float32', 'Precision policy.')
 _LOSS_SCALE = flags.DEFINE_string(
   'loss_scale', 'auto', "config.precision.loss_scale: 'auto', 'none', 'dynamic' or a number."
 )
+_CONFIG = flags.DEFINE_string(
+  'config', '', "A file in configs/ (e.g. nanogpt_cpu): its model and settings; '' = --model's."
+)
+_JIT = flags.DEFINE_bool('jit', False, 'config.train.jit_compile=true for every contender.')
 _SPL = flags.DEFINE_integer('steps_per_loop', 10, 'Steps per compiled call.')
 _CALLS = flags.DEFINE_integer('calls', 4, 'Compiled calls per contender per round.')
 _CONTENDERS = flags.DEFINE_list(
@@ -109,17 +118,18 @@ def measure_and_print(argv):
   del argv
   logging.set_verbosity(logging.ERROR)
   import models
+  from benchmarks import child
   from benchmarks.contenders import KerasFit, Ours
 
-  model_config, variant = bench_run.model_config, bench_run.variant
   rounds = bench_run._ROUNDS.value or 6
-  trainer_class = models.get_trainer_class(_MODEL.value)
+  if _CONFIG.value:
+    base = child.config_file(_CONFIG.value, _POLICY.value, bench_run._DATA_ROOT.value)
+  else:
+    base = bench_run.model_config(_MODEL.value)
+  trainer_class = models.get_trainer_class(base.model)
   spl = _SPL.value
-  config = variant(
-    model_config(_MODEL.value),
-    policy=_POLICY.value,
-    loss_scale=_LOSS_SCALE.value,
-    steps_per_loop=spl,
+  config = bench_run.variant(
+    base, policy=_POLICY.value, loss_scale=_LOSS_SCALE.value, steps_per_loop=spl, jit=_JIT.value
   )
   no_forensics = config.copy_and_resolve_references()
   no_forensics.numerics.forensics_first = no_forensics.numerics.forensics_every = 0
@@ -150,7 +160,8 @@ def measure_and_print(argv):
       wall[name].append(steps / w)
       cpu[name].append(steps / c)
   print(
-    f'{_MODEL.value} {_POLICY.value} steps_per_loop={spl}, {rounds} rounds; '
+    f'{_CONFIG.value or config.model} {_POLICY.value} steps_per_loop={spl}, XLA '
+    f'{"on" if _JIT.value else "off"}, {rounds} rounds; '
     'median (min-max) of per-round ratios to fit'
   )
   print(f'{"":12} {"steps/s":>8} {"/ fit (wall)":>20} {"steps/CPU-s":>12} {"/ fit (CPU)":>20}')

@@ -173,6 +173,24 @@ def test_step_ablation_runs_every_contender(tmp_path):
   assert done.stdout.strip() in results_page(tmp_path, 'ablate_step')  # what it printed
 
 
+def test_step_ablation_takes_a_config_file_with_xla(tmp_path):
+  """--config races a file of configs/ (its model and settings), --jit with XLA on: the header
+  names both, and the page records the command."""
+  done = run_benchmark(
+    os.path.join(ROOT, 'benchmarks', 'ablate_step.py'),
+    '--config=mnist_mlp',
+    '--jit',
+    '--contenders=ours',
+    '--rounds=1',
+    '--calls=1',
+    f'--results_dir={tmp_path}',
+  )
+  header, _, *rows = done.stdout.strip().splitlines()
+  assert header.startswith('mnist_mlp float32 steps_per_loop=10, XLA on, 1 rounds'), header
+  assert [row.split()[0] for row in rows] == ['ours', 'fit'], done.stdout
+  assert '--config=mnist_mlp --jit' in results_page(tmp_path, 'ablate_step')
+
+
 def trace_events(folder: str, suffix: str) -> tuple[int, int]:
   """(events whose op name ends with `suffix`, all op events) on the executor's threads of the
   newest tf.profiler trace under `folder`."""
