@@ -19,7 +19,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -89,22 +88,10 @@ def _peak_rss_mib() -> float:
 
 
 def _child(spec: str, grappler: str) -> dict:
-  out = subprocess.run(
-    [
-      sys.executable,
-      os.path.abspath(__file__),
-      f'--child={spec}:{grappler}',
-      f'--data_root={_DATA_ROOT.value}',
-    ],
-    capture_output=True,
-    text=True,
-    check=False,
-    cwd=ROOT,
-  )
-  if out.returncode:
-    raise RuntimeError(f'{spec} grappler={grappler}: {out.stderr.strip().splitlines()[-3:]}')
-  line = [ln for ln in out.stdout.splitlines() if ln.startswith('RESULT ')][-1]
-  return json.loads(line[len('RESULT ') :])
+  """One measurement in a fresh process (child.run: its last JSON line; one retry on failure)."""
+  command = [sys.executable, os.path.abspath(__file__), f'--child={spec}:{grappler}']
+  result, _, _ = child.run([*command, f'--data_root={_DATA_ROOT.value}'])
+  return result
 
 
 def _figure(x: float) -> str:
@@ -145,7 +132,7 @@ def main(argv):
   logging.set_verbosity(logging.ERROR)
   if _CHILD.value:
     name, policy, steps, grappler = _CHILD.value.split(':')
-    print('RESULT ' + json.dumps(measure(name, policy, int(steps), grappler)), flush=True)
+    print(json.dumps(measure(name, policy, int(steps), grappler)), flush=True)
     results_page.exit_now()
   results = []
   with results_page.recording('grappler', markdown=True):
