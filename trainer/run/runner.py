@@ -131,7 +131,6 @@ class Runner:
     return eval_loop, train_loop
 
   # ---- the run folder --------------------------------------------------------------------
-
   def restore(self) -> int:
     """For training: checks the run folder and the config against its record, takes the lock,
     restores the newest readable checkpoint (or `train.init_from` when there is none), then
