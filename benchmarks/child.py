@@ -1,9 +1,10 @@
-"""What references.py, peer_torch.py and grappler.py share: a benchmark cell in a fresh Python
-(its JSON result line, with its whole-life wall and CPU-seconds, tried twice: an intermittent
-failure of our final eval, `tf___log_eval() missing 1 required positional argument`, ended some
-long runs; a retry is a fresh run, reported as such), and the table and raw results they print
-and save; and the config of a cell that builds a Trainer itself (eager_or_compiled.py,
-grappler.py, ablate_step.py --config).
+"""What the benchmarks that run cells in fresh processes share (references.py, peer_torch.py,
+grappler.py, eager_or_compiled.py): a cell in a fresh Python (its JSON result line, with its
+whole-life wall and CPU-seconds, tried twice: an intermittent failure of our final eval,
+`tf___log_eval() missing 1 required positional argument`, ended some long runs; a retry is a
+fresh run, reported as such), and the table and raw results they print and save; and the config
+of a cell that builds a Trainer itself (eager_or_compiled.py, grappler.py, ablate_step.py
+--config).
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -122,7 +121,7 @@ def measure_and_print(argv):
   del argv
   logging.set_verbosity(logging.ERROR)
   if _CHILD.value:
-    print('RESULT ' + json.dumps(measure(*_CHILD.value.split(':'))))
+    print(json.dumps(measure(*_CHILD.value.split(':'))))
     return
   print(
     '| config, policy | probe eager s, first / later | probe compiled s, first / later | '
@@ -131,21 +130,15 @@ def measure_and_print(argv):
   )
   print('|---|---|---|---|---|---|---|---|')
   for pair in _CONFIGS.value:
-    out = subprocess.run(
-      [
-        sys.executable,
-        os.path.abspath(__file__),
-        f'--child={pair}',
-        f'--data_root={_DATA_ROOT.value}',
-        f'--eager_calls={_EAGER_CALLS.value}',
-      ],
-      capture_output=True,
-      text=True,
-      check=True,
-      cwd=ROOT,
-    )
-    result = [line for line in out.stdout.splitlines() if line.startswith('RESULT ')][-1]
-    print(_row(json.loads(result[len('RESULT ') :])), flush=True)
+    command = [
+      sys.executable,
+      os.path.abspath(__file__),
+      f'--child={pair}',
+      f'--data_root={_DATA_ROOT.value}',
+      f'--eager_calls={_EAGER_CALLS.value}',
+    ]
+    result, _, _ = child.run(command)  # its last JSON line; one retry on failure
+    print(_row(result), flush=True)
 
 
 def main(argv):

@@ -89,9 +89,13 @@ def _peak_rss_mib() -> float:
 
 def _child(spec: str, grappler: str) -> dict:
   """One measurement in a fresh process (child.run: its last JSON line; one retry on failure)."""
-  command = [sys.executable, os.path.abspath(__file__), f'--child={spec}:{grappler}']
-  result, _, _ = child.run([*command, f'--data_root={_DATA_ROOT.value}'])
-  return result
+  command = [
+    sys.executable,
+    os.path.abspath(__file__),
+    f'--child={spec}:{grappler}',
+    f'--data_root={_DATA_ROOT.value}',
+  ]
+  return child.run(command)[0]
 
 
 def _figure(x: float) -> str:
