@@ -392,7 +392,7 @@ def main(argv):
   if not _TF_LOGS.value:  # TensorFlow's own Python INFO lines (e.g. checkpoint sharding)
     logging.get_absl_handler().addFilter(_hide_tensorflow_info)
   with collector_paused():  # TensorFlow is imported (parse_flags); trainer.run here
-    from trainer.run import workers  # --workers, --cluster, --k8s_manifest: may exit here
+    from trainer.launch import workers  # --workers, --cluster, --k8s_manifest: may exit here
 
   workers.dispatch(flags.FLAGS, sys.argv, _CONFIG.value, _default_workdir)  # collector on
   # Imported here so that --help and flag errors do not wait for TensorFlow.
@@ -454,7 +454,7 @@ def main(argv):
     print(str(e), file=sys.stderr)
     exit_now(0, config)
   except Exception as e:  # a bug in the model's code, say: its traceback, then what is on disk
-    # An error an absl exception handler wants goes to it (trainer/run/peers.py: a lost worker
+    # An error an absl exception handler wants goes to it (trainer/launch/peers.py: a lost worker
     # is one line and exit status 3, with the checkpoint on disk named).
     if not _on_disk(trainer) or any(h.wants(e) for h in app.EXCEPTION_HANDLERS):
       raise

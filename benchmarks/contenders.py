@@ -13,7 +13,7 @@ do), so steps per CPU-second is the fairer comparison on a shared machine:
             skipped steps, write the TensorBoard scalars). The iterator lives across rounds.
   KerasFit  `model.fit(dataset, steps_per_epoch=...)` with the same model class, dataset, batch,
             optimizer, policy and `steps_per_execution = steps_per_loop`. The optimizer is the
-            config's, built by trainer/step/optimizers.py: Keras's own class when the config says
+            config's, built by trainer/optim/optimizers.py: Keras's own class when the config says
             `optimizer.fused=False` (what a Keras user has), ours otherwise; with
             `optimizer.clip_norm` > 0 it gets Keras's `global_clipnorm`. Under mixed_float16
             `compile` wraps the optimizer in Keras's LossScaleOptimizer (dynamic scaling).
@@ -34,7 +34,7 @@ import time
 import keras
 import ml_collections
 
-from trainer.step import optimizers
+from trainer.optim import optimizers
 
 
 class Ours:

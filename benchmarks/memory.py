@@ -207,7 +207,7 @@ def child(spec: dict) -> None:
       tf.config.experimental.reset_memory_stats('CPU:0')
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
     if spec.get('breakdown'):
-      from trainer.step import low_precision
+      from trainer.optim import low_precision
 
       trainer.runner.train_loop.run(iterator, 1)  # traced here
       int(trainer.global_step.numpy())

@@ -6,9 +6,9 @@ Times `--updates` compiled `apply_gradients` calls (one tf.function looping over
 variables of the given shapes (default: the MNIST MLP's), the contenders interleaved in rounds
 in one process; prints the median time per update and each contender's speed relative to
 Keras's Adam. bfloat16_sr, bfloat16_kahan (bfloat16 variables), state_bits_8 and the two
-combinations (bfloat16_sr_8, bfloat16_kahan_8) are trainer/step/low_precision.py's Adam updates
+combinations (bfloat16_sr_8, bfloat16_kahan_8) are trainer/optim/low_precision.py's Adam updates
 (`--low_precision`, default on). `tf_kernel` is
-the one-kernel update trainer/step/fused_optimizers.py used before
+the one-kernel update trainer/optim/fused_optimizers.py used before
 it was made bit-identical to Keras (its `1 - beta` rounds differently); it is here as the speed
 bound.
 """
@@ -42,7 +42,7 @@ def contenders():
   import keras
   import tensorflow as tf
 
-  from trainer.step import fused_optimizers
+  from trainer.optim import fused_optimizers
 
   class TfKernelAdam(keras.optimizers.Adam):
     def update_step(self, gradient, variable, learning_rate):
@@ -70,7 +70,7 @@ def contenders():
   if _LOW.value:
     import functools
 
-    from trainer.step import low_precision
+    from trainer.optim import low_precision
 
     for name, kwargs in (
       ('bfloat16_sr', dict(master_weights='bfloat16_sr')),

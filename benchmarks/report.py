@@ -88,7 +88,7 @@ def markdown(results: dict) -> str:
       f'### Where ours / fit comes from ({d})',
       '',
       'Our trainer uses a fused optimizer update (optimizer.fused=True, '
-      "trainer/step/fused_optimizers.py); fit above uses Keras's own. Swapping them:",
+      "trainer/optim/fused_optimizers.py); fit above uses Keras's own. Swapping them:",
       '',
       '| pair | steps/s | ratio (wall) | ratio (CPU) |',
       '|---|---|---|---|',

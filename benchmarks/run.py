@@ -235,7 +235,7 @@ def contender_specs(default_policy: str, s: dict) -> list[dict]:
           )
         )
   # Where ours/fit comes from: the loop alone (both with Keras's update) and fit given our
-  # fused update (trainer/step/fused_optimizers.py).
+  # fused update (trainer/optim/fused_optimizers.py).
   specs.append(
     dict(
       name=f'ours {default_policy} optimizer.fused=False',

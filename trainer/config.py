@@ -79,9 +79,9 @@ LOSS_SCALE_MODES = ('none', 'static', 'dynamic')
 LOSS_SCALES = ('auto', *(m for m in LOSS_SCALE_MODES if m != 'static'))  # static: a number
 STRATEGIES = ('default', 'mirrored', 'multi_worker', 'tpu')
 SWITCHES = ('auto', 'true', 'false')  # train.grappler; train.jit_compile, or a list of policies
-MASTER_WEIGHTS = ('float32', 'bfloat16_sr', 'bfloat16_kahan')  # trainer/step/low_precision.py
+MASTER_WEIGHTS = ('float32', 'bfloat16_sr', 'bfloat16_kahan')  # trainer/optim/low_precision.py
 STATE_BITS = (32, 8)
-LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/step/low_precision.py has
+LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/optim/low_precision.py has
 # precision.float8: 'delayed' is Keras's model.quantize('float8'); the others are current-scaling
 # recipes (trainer/nn/float8_gemm.py).
 FLOAT8_RECIPES = ('none', 'delayed', 'tensorwise', 'rowwise', 'mxfp8')
@@ -99,8 +99,8 @@ def _float8_recipe(v):
 
 def is_address(address: object) -> bool:
   """'host:port' (an IPv6 host in brackets) with a port in [1, 65535] and no spaces: the one
-  check of a worker's address, for --cluster (trainer/run/cluster.py) and TF_CONFIG
-  (trainer/step/distribute.py)."""
+  check of a worker's address, for --cluster (trainer/launch/cluster.py) and TF_CONFIG
+  (trainer/distribute/strategy.py)."""
   if not isinstance(address, str) or any(c.isspace() for c in address):
     return False
   host, _, port = address.rpartition(':')
@@ -261,7 +261,7 @@ SCHEMA: dict[str, Key] = {
     int,
     32,
     'bits per Adam/AdamW moment element: 32, or 8 (block-'
-    'wise quantized codes, trainer/step/rounding.py)',
+    'wise quantized codes, trainer/optim/rounding.py)',
     lambda v: None if v in STATE_BITS else 'must be 32 or 8',
   ),
   'precision.policy': Key(str, 'auto', 'dtype policy', _one_of(*POLICIES)),
@@ -314,7 +314,7 @@ SCHEMA: dict[str, Key] = {
     'the weights the optimizer updates: '
     "'float32', or bfloat16 (mixed_bfloat16 or 'auto') rounded "
     "stochastically ('bfloat16_sr') or Kahan-compensated "
-    "('bfloat16_kahan'); trainer/step/low_precision.py",
+    "('bfloat16_kahan'); trainer/optim/low_precision.py",
     _one_of(*MASTER_WEIGHTS),
   ),
   'precision.max_consecutive_skips': Key(

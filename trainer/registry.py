@@ -1,7 +1,7 @@
 """The optimizer registry: `config.optimizer.name` -> the builder that makes the optimizer.
 
 It imports no TensorFlow, so the config schema can check a name without loading it. The built-in
-names map to builders in trainer/step/optimizers.py, imported only when an optimizer is built; a
+names map to builders in trainer/optim/optimizers.py, imported only when an optimizer is built; a
 project adds its own with `register_optimizer(name, builder)` before the Trainer is built (e.g.
 at the top of its model's module).
 """
@@ -16,9 +16,9 @@ from typing import Any
 Builder = Callable[..., Any]
 # A built-in builder is named by its dotted path and imported on first use.
 _REGISTRY: dict[str, Builder | str] = {
-  'adam': 'trainer.step.optimizers._adam',
-  'adamw': 'trainer.step.optimizers._adamw',
-  'sgd': 'trainer.step.optimizers._sgd',
+  'adam': 'trainer.optim.optimizers._adam',
+  'adamw': 'trainer.optim.optimizers._adamw',
+  'sgd': 'trainer.optim.optimizers._sgd',
 }
 
 

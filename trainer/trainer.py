@@ -40,7 +40,7 @@ from trainer.data.datasets import Datasets
 from trainer.errors import UserError
 from trainer.run import build
 from trainer.run.runner import Runner
-from trainer.step import optimizers
+from trainer.optim import optimizers
 from trainer.step.train_step import TrainStep
 
 

@@ -9,10 +9,10 @@ import pytest
 import trainer
 from tiny import TinyTrainer, tiny_config
 from trainer import config as config_lib
-from trainer.step import distribute
+from trainer.distribute import strategy as distribute
 from trainer.step import loss_scale
 from trainer import registry
-from trainer.step import optimizers
+from trainer.optim import optimizers
 from trainer.step import precision
 from trainer.errors import ConfigError
 

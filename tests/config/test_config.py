@@ -153,7 +153,8 @@ def test_a_hand_built_section_reads_the_schema_default(monkeypatch):
   validate) takes the default from SCHEMA, the one table of defaults: changed there, it changes
   everywhere."""
   from trainer.nn import remat
-  from trainer.step import loss_scale, optimizers
+  from trainer.optim import optimizers
+  from trainer.step import loss_scale
 
   empty = ml_collections.ConfigDict()
   assert config_lib.value(ml_collections.ConfigDict({'beta_1': 0.8}), 'optimizer.beta_1') == 0.8

@@ -20,13 +20,16 @@ LAYERS = {
   'onednn': 0,
   'compile_cache': 0,
   'data': 1,
+  'distribute': 1,
   'nn': 2,
-  'step': 3,
-  'mixed_precision': 3,
-  'insight': 4,
-  'run': 5,
-  'trainer': 6,
-  '__init__': 7,
+  'optim': 3,
+  'step': 4,
+  'mixed_precision': 4,
+  'insight': 5,
+  'run': 6,
+  'trainer': 7,
+  'launch': 7,
+  '__init__': 8,
 }
 
 

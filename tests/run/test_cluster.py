@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from trainer.errors import UserError
-from trainer.run import cluster, k8s, peers
+from trainer.launch import cluster, k8s, peers
 
 from conftest import ROOT
 

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from tiny import TinyTrainer, tiny_config
 from trainer.run import runner as runner_lib
-from trainer.step import optimizers
+from trainer.optim import optimizers
 
 
 def scalars(workdir, tag) -> dict[int, float]:

@@ -1,11 +1,11 @@
-"""launch.py --workers' supervisor (trainer/run/supervisor.py) names the lost worker even when
+"""launch.py --workers' supervisor (trainer/launch/supervisor.py) names the lost worker even when
 every worker ended between two of its polls: a killed chief's survivor exits within a second,
 and the final line was missing."""
 
 import signal
 import sys
 
-from trainer.run import supervisor
+from trainer.launch import supervisor
 
 KILLED = 'import os, signal; os.kill(os.getpid(), signal.SIGKILL)'
 SURVIVOR = 'import sys, time; time.sleep(0.05); sys.exit(3)'  # peers.py's EXIT_PEER_LOST

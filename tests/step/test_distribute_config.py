@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from configs import mnist
 from trainer import config as config_lib
-from trainer.step import distribute
+from trainer.distribute import strategy as distribute
 from trainer.errors import ConfigError, UserError
 
 
@@ -136,7 +136,7 @@ def test_multi_worker_with_bad_tf_config(monkeypatch):
 def test_tf_config_addresses_follow_the_cluster_flag_rule(monkeypatch, address):
   """One host:port rule (trainer.config.is_address) for TF_CONFIG and --cluster: an address
   with a space passed TF_CONFIG's own copy of the check and was refused by --cluster's."""
-  from trainer.run import cluster
+  from trainer.launch import cluster
 
   tf_config = json.dumps({'cluster': {'worker': [address]}, 'task': {'type': 'worker', 'index': 0}})
   monkeypatch.setenv('TF_CONFIG', tf_config)

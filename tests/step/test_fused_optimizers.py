@@ -1,11 +1,11 @@
-"""trainer/step/fused_optimizers.py: the fused updates equal Keras's own, step after step."""
+"""trainer/optim/fused_optimizers.py: the fused updates equal Keras's own, step after step."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer.step import fused_optimizers
+from trainer.optim import fused_optimizers
 
 CASES = {
   'adam': (keras.optimizers.Adam, fused_optimizers.FusedAdam, {}),
@@ -192,14 +192,14 @@ def test_fused_optimizers_serialize_like_keras_ones(case):
 
 
 def test_keras_internals_the_fused_updates_read_exist_in_this_keras():
-  from trainer.step import fused_optimizers
+  from trainer.optim import fused_optimizers
 
   for kind in fused_optimizers.KERAS_ATTRIBUTES:
     fused_optimizers.check_keras(kind)  # raises when this Keras renamed one
 
 
 def test_a_keras_without_those_internals_is_named(monkeypatch):
-  from trainer.step import fused_optimizers
+  from trainer.optim import fused_optimizers
   from trainer.errors import ConfigError
 
   monkeypatch.setitem(fused_optimizers.KERAS_ATTRIBUTES, 'SGD', ('momentums', '_renamed_in_4'))

@@ -1,4 +1,4 @@
-"""16-bit master weights (config.precision.master_weights; trainer/step/low_precision.py and
+"""16-bit master weights (config.precision.master_weights; trainer/optim/low_precision.py and
 rounding.py): the rounding against NumPy references, the optimizers' updates against a float64
 Adam/SGD, skipped steps, resumes, MirroredStrategy and the config errors."""
 
@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import low_precision_runs as runs
 from tiny import TinyTrainer, tiny_config
-from trainer.step import low_precision, rounding
+from trainer.optim import low_precision, rounding
 from trainer.errors import ConfigError
 
 from conftest import ROOT
@@ -414,7 +414,7 @@ def test_mirrored_skip_and_resume(tmp_path):
 @pytest.mark.parametrize('name', ['adam', 'adamw', 'sgd'])
 def test_built_from_the_config_with_its_hyperparameters(name):
   from trainer import config as config_lib
-  from trainer.step import optimizers
+  from trainer.optim import optimizers
 
   config = config_lib.validate(
     tiny_config(

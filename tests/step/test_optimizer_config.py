@@ -9,7 +9,7 @@ import pytest
 
 from trainer import ConfigError
 from trainer import config as config_lib
-from trainer.step import fused_optimizers, optimizers
+from trainer.optim import fused_optimizers, optimizers
 
 
 def _opt_config(**values):

@@ -1,4 +1,4 @@
-"""8-bit Adam state (config.optimizer.state_bits=8; trainer/step/low_precision.py and
+"""8-bit Adam state (config.optimizer.state_bits=8; trainer/optim/low_precision.py and
 rounding.py): the block-wise dynamic map against NumPy and bitsandbytes' scheme, the update
 against a float64 Adam, the bytes, skipped steps and resumes."""
 
@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import low_precision_runs as runs
 from tiny import TinyTrainer, tiny_config
-from trainer.step import low_precision, rounding
+from trainer.optim import low_precision, rounding
 from trainer.errors import ConfigError
 
 

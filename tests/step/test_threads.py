@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from trainer import ConfigError
-from trainer.step import distribute
+from trainer.distribute import strategy as distribute
 from trainer import config as config_lib
 
 from conftest import ROOT
@@ -16,7 +16,7 @@ from conftest import ROOT
 
 def test_a_fresh_process_gets_the_configured_pools():
   script = (
-    'from trainer import config\nfrom trainer.step import distribute\n'
+    'from trainer import config\nfrom trainer.distribute import strategy as distribute\n'
     'c = config.defaults(); c.train.intra_op_threads = 1; c.train.inter_op_threads = 3\n'
     'distribute.set_threads(config.validate(c))\n'
     'import tensorflow as tf\n'

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tiny import TinyTrainer, tiny_config
 from trainer import Datasets
-from trainer.step import optimizers
+from trainer.optim import optimizers
 
 
 def snapshot(trainer):

@@ -26,8 +26,11 @@ from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.data import autotune, checks
 from trainer.nn import remat
-from trainer.step import contract, distribute, inject, optimizers, payoff, precision
-from trainer.step.loss_scale import LossScaler, state_variable
+from trainer.distribute import strategy as distribute
+from trainer.optim import optimizers
+from trainer.step import contract, inject, payoff, precision
+from trainer.distribute.strategy import state_variable
+from trainer.step.loss_scale import LossScaler
 from trainer.step.train_step import TrainStep
 
 HOOKS = tuple(contract.HOOK_CALLS)  # the hooks the contract checks, the one list of them

@@ -9,7 +9,7 @@ weight or an optimizer slot non-finite, trainer/step/state_check.py, or a save f
   * with `train.recover_tries` left, it restores the last healthy checkpoint and the run goes on
     from its step with the data after the failure, the learning rate multiplied by
     `train.recover_lr_factor` once more (the factor is a variable the schedule reads:
-    trainer/step/optimizers.py's Recoverable, checkpointed as 'lr_factor');
+    trainer/optim/optimizers.py's Recoverable, checkpointed as 'lr_factor');
   * else a collapse or a non-finite state raises as without recovery (saying so when tries
     were left but no checkpoint is healthy), and a divergence stops the run
     (DivergenceError) with `numerics.divergence_stop`, or is left to the collapse guard.

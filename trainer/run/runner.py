@@ -51,7 +51,8 @@ from trainer.run import (
 )
 from trainer.run.workdir import Workdir
 from trainer.data import checks
-from trainer.step import contract, optimizers
+from trainer.optim import optimizers
+from trainer.step import contract
 from trainer.step.eval_step import EvalLoop
 from trainer.step.loop import TrainLoop
 

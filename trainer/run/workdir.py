@@ -64,7 +64,7 @@ from trainer.run.config_record import (
   read_config,
   saved_policy,
 )
-from trainer.step import distribute
+from trainer.distribute import strategy as distribute
 from trainer.step.eager_then_compiled import EagerThenCompiled
 from trainer.run import lock as workdir_lock
 from trainer.errors import ConfigError, UserError

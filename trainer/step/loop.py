@@ -29,7 +29,7 @@ from trainer.step import grappler as grappler_lib
 from trainer.step import kept_batch
 from trainer.step import outputs as step_outputs
 from trainer.step import user_code
-from trainer.step.loss_scale import state_variable
+from trainer.distribute.strategy import state_variable
 
 
 def _ours(error: Exception) -> Exception:

@@ -43,25 +43,9 @@ import ml_collections
 import tensorflow as tf
 
 from trainer import config
+from trainer.distribute.strategy import state_variable
 
 MODES = config.LOSS_SCALE_MODES
-
-
-def state_variable(
-  value: Any, dtype: tf.DType, name: str, shape: tf.TensorShape | None = None
-) -> tf.Variable:
-  """A non-trainable variable of the step's own state (loss scale, counters, step), created
-  under the strategy's scope and written once per step in cross-replica context: every replica
-  holds the same value, and on save/restore the first replica's stands for all. `shape`: a
-  less specific shape than the value's, for state whose size is set later."""
-  return tf.Variable(
-    value,
-    dtype=dtype,
-    trainable=False,
-    name=name,
-    shape=shape,
-    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-  )
 
 
 def overwritten(variables: Iterable[tf.Variable]) -> list[bool]:

@@ -33,7 +33,8 @@ from absl import logging
 
 from trainer.errors import UserError
 from trainer.step import apply_or_skip as shared
-from trainer.step.loss_scale import LossScaler, state_variable, update_scalers
+from trainer.distribute.strategy import state_variable
+from trainer.step.loss_scale import LossScaler, update_scalers
 
 _SCALED = '_trainer_loss_scaled'  # set on a loss `scale_loss` returned
 _UNSCALED = '_trainer_unscaled'  # set on a gradient `get_unscaled_gradients` returned

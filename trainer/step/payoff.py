@@ -14,7 +14,7 @@ CPU seconds user + system):
 The smaller rise of each is the fixed cost below (FIXED_MIB), so the line errs towards silence;
 the small CNN rose by 207 and 71 MiB (issue 35). That cost is taken not to grow with the model
 (code and compiled calls, not per-parameter buffers): not measured on a larger one. Bytes saved
-per parameter, from the layouts trainer/step/low_precision.py documents: 8-bit Adam moments
+per parameter, from the layouts trainer/optim/low_precision.py documents: 8-bit Adam moments
 store 1 + 4/256 bytes per element instead of 4, two moments; bfloat16 masters store the weight
 and each slot in 2 bytes instead of 4, minus the 2-byte compensation buffer of 'bfloat16_kahan'.
 """

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from trainer.errors import CollapseError
 from trainer.step.apply_or_skip import SKIP_SCOPE
-from trainer.step.loss_scale import state_variable
+from trainer.distribute.strategy import state_variable
 
 SUM = tf.distribute.ReduceOp.SUM
 SHOWN = 3  # variables named per line

@@ -32,7 +32,8 @@ import numpy as np
 import tensorflow as tf
 
 from trainer.errors import NonFiniteError
-from trainer.step.loss_scale import all_finite, state_variable
+from trainer.distribute.strategy import state_variable
+from trainer.step.loss_scale import all_finite
 
 SHOWN = 3  # variables named in the error line
 

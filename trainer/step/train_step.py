@@ -67,11 +67,13 @@ import tensorflow as tf
 from trainer.errors import ConfigError, UserError
 from trainer.nn import fused
 from trainer.step import apply_or_skip as shared
-from trainer.step import contract, low_precision, optimizers
+from trainer.optim import low_precision, optimizers
+from trainer.step import contract
 from trainer.step import outputs as step_outputs
 from trainer.step import user_code
 from trainer.step.forward_state import forward_state
-from trainer.step.loss_scale import overwritten, state_variable, update_scalers
+from trainer.distribute.strategy import state_variable
+from trainer.step.loss_scale import overwritten, update_scalers
 from trainer.step.skip_guard import SkipGuard
 from trainer.step.state_check import StateCheck
 

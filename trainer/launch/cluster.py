@@ -18,7 +18,7 @@ touched:
     worker's shard of every batch, and so the run, would change under the resume.
 The same index on two *different* hosts cannot be seen from either host before the rendezvous;
 there TensorFlow's coordination service fails the run ("... unexpectedly tried to connect with a
-different incarnation"), an AbortedError that trainer/run/peers.py reports in one line.
+different incarnation"), an AbortedError that trainer/launch/peers.py reports in one line.
 """
 
 from __future__ import annotations

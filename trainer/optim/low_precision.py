@@ -4,7 +4,7 @@
   'float32'         the model's variables are float32 (every other policy's behaviour).
   'bfloat16_sr'     the model's variables and the optimizer's slots are bfloat16. Each update is
                     computed in float32 from the stored values and stored with stochastic
-                    rounding (trainer/step/rounding.py): updates far below a weight's bfloat16
+                    rounding (trainer/optim/rounding.py): updates far below a weight's bfloat16
                     spacing (lr x Adam step, about 1e-3 relative) survive on average instead of
                     rounding away.
   'bfloat16_kahan'  bfloat16 weights plus a bfloat16 compensation buffer per weight (Kahan
@@ -21,7 +21,7 @@ restore into them (a mismatch, not a misread). The update dequantizes, computes 
 float32 exactly as Keras's Adam, and requantizes.
 
 The managed variables are updated together, in compiled calls of up to CALL_ELEMENTS elements
-(trainer/step/low_precision_updates.py). Each call's random bits are one stateless draw seeded by
+(trainer/optim/low_precision_updates.py). Each call's random bits are one stateless draw seeded by
 (config.seed, the trainer's global step, the call's number; with several update groups, also
 the group's index): a resumed run draws the same bits
 as an uninterrupted one, every replica draws the same bits (mirrored copies stay identical), and
@@ -42,8 +42,8 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from trainer.step import fused_optimizers, low_precision_updates
-from trainer.step.rounding import BLOCK, blocks, random_bits
+from trainer.optim import fused_optimizers, low_precision_updates
+from trainer.optim.rounding import BLOCK, blocks, random_bits
 
 if TYPE_CHECKING:
   # The mixins' `super()` is the fused Keras optimizer they are mixed ahead of; Keras ships no
@@ -121,7 +121,7 @@ class _LowPrecision(_KerasOptimizer):
     self, distribution: tf.distribute.Strategy, grads_and_vars: list, learning_rate: tf.Tensor
   ) -> None:
     # Keras updates one variable at a time; the managed ones are updated together, in one
-    # compiled call per device (trainer/step/low_precision_updates.py), the others by the fused
+    # compiled call per device (trainer/optim/low_precision_updates.py), the others by the fused
     # update.
     managed = [self._managed[self._get_variable_index(v)] for _, v in grads_and_vars]
     super()._distributed_tf_update_step(

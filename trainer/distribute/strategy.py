@@ -31,6 +31,7 @@ import shutil
 import socket
 import tempfile
 import urllib.parse
+from typing import Any
 
 import ml_collections
 import tensorflow as tf
@@ -262,6 +263,23 @@ def check_batch(strategy: tf.distribute.Strategy, global_batch: int) -> int:
       f'{(global_batch // replicas + 1) * replicas}).'
     )
   return global_batch // replicas
+
+
+def state_variable(
+  value: Any, dtype: tf.DType, name: str, shape: tf.TensorShape | None = None
+) -> tf.Variable:
+  """A non-trainable variable of the step's own state (loss scale, counters, step), created
+  under the strategy's scope and written once per step in cross-replica context: every replica
+  holds the same value, and on save/restore the first replica's stands for all. `shape`: a
+  less specific shape than the value's, for state whose size is set later."""
+  return tf.Variable(
+    value,
+    dtype=dtype,
+    trainable=False,
+    name=name,
+    shape=shape,
+    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+  )
 
 
 # ---- who writes ------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ repeats into the true gradient. (Keras's own Adam squares each repeated row sepa
 summing them, so on an embedding its second moment differs from Adam's; on unique rows the two
 agree.)
 
-`config.optimizer.fused=False` selects Keras's classes instead (trainer/step/optimizers.py).
+`config.optimizer.fused=False` selects Keras's classes instead (trainer/optim/optimizers.py).
 """
 
 from __future__ import annotations

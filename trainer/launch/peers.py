@@ -16,7 +16,7 @@ service's heartbeat timeout) and 17 s later when the chief died (the connection 
 Ending the process then writes nothing half: checkpoints and the run folder's records are
 written under temporary names and renamed into place, so the newest complete checkpoint is the
 one named, and the same command resumes from it. The chief's watchdog also records the cluster in
-the run folder once the run has written its config record (trainer/run/cluster.py).
+the run folder once the run has written its config record (trainer/launch/cluster.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 
 from absl import app, logging
 
-from trainer.run import cluster
+from trainer.launch import cluster
 
 EXIT_PEER_LOST = 3
 POLL_SECONDS = 1.0

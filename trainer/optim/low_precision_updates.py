@@ -1,10 +1,10 @@
-"""The updates of trainer/step/low_precision.py's optimizers: pure functions of the stored
+"""The updates of trainer/optim/low_precision.py's optimizers: pure functions of the stored
 tensors, compiled by XLA, one call for many variables.
 
 Unfused, each element-wise op of an update (casts, bit masks; a log and gathers per 8-bit
 moment) is its own pass over memory, and with one compiled call per variable the launches would
 cost more than the math (most variables are small). The random bits are drawn before the call
-(trainer/step/rounding.py says why). The optimizer reads the variables before and assigns them
+(trainer/optim/rounding.py says why). The optimizer reads the variables before and assigns them
 after, so a trace depends only on the shapes and the static rules (decay rates,
 hyperparameters).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from trainer.step.rounding import (
+from trainer.optim.rounding import (
   BLOCK,
   blocks,
   dequantize,

@@ -8,7 +8,7 @@ all-reduce) and exits with code 0. A second SIGINT is sent on as SIGINT: every w
 once, without saving (exit code 130).
 
 A worker that ends with a non-zero code while others run is a lost worker: the others end on
-their own within --worker_timeout (trainer/run/peers.py); any still running `timeout` + 30 s
+their own within --worker_timeout (trainer/launch/peers.py); any still running `timeout` + 30 s
 later are killed. Then one line names the lost worker and the run folder's newest checkpoint.
 The exit code is the worst of the workers': a signal's death counts as 128 + the signal number
 (the shell's convention), and the highest code wins.

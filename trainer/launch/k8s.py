@@ -7,10 +7,10 @@ pods, pod i with hostname `<name>-i`; the headless Service `<name>` gives each t
 `<name>-i.<name>`, so the cluster list is known before any pod starts. Each pod runs launch.py
 with the same arguments plus `--cluster=<name>-0.<name>:2222,...` and
 `--task_index=$(JOB_COMPLETION_INDEX)` (Kubernetes expands the variable, set from the pod's
-completion-index annotation), so each builds its own TF_CONFIG (trainer/run/cluster.py). The run
+completion-index annotation), so each builds its own TF_CONFIG (trainer/launch/cluster.py). The run
 folder is /runs/<name> on a volume every pod mounts (a ReadWriteMany PersistentVolumeClaim).
 
-A lost worker ends the others with exit code 3 (trainer/run/peers.py); restartPolicy OnFailure
+A lost worker ends the others with exit code 3 (trainer/launch/peers.py); restartPolicy OnFailure
 restarts every container, and each resumes from the chief's newest checkpoint. SIGTERM (a pod
 evicted or deleted) saves at the same step on every worker within the grace period.
 """

@@ -1,7 +1,7 @@
 """The optimizer and learning-rate schedule from `config.optimizer`.
 
 `optimizer.fused` (default True) picks the one-kernel-per-variable update of
-trainer/step/fused_optimizers.py (the same formulas as Keras's Adam, AdamW and SGD, measurably
+trainer/optim/fused_optimizers.py (the same formulas as Keras's Adam, AdamW and SGD, measurably
 faster on small models); False picks Keras's own classes.
 
 Optimizers come from a registry a project can extend (trainer/registry.py:
@@ -31,8 +31,8 @@ from absl import logging
 
 from trainer import config, registry
 from trainer.errors import ConfigError
-from trainer.step import fused_optimizers
-from trainer.step.loss_scale import state_variable
+from trainer.optim import fused_optimizers
+from trainer.distribute.strategy import state_variable
 
 # What Keras takes as an optimizer's learning rate: a float, a LearningRateSchedule, or a
 # no-argument callable; it reads a schedule or a callable at every update.
@@ -183,7 +183,7 @@ def build(
   `learning_rate` is a float or a LearningRateSchedule (Keras 3 calls it every update).
 
   With bfloat16 `master_weights` (config.precision.master_weights) or
-  `opt_config.state_bits=8`, adam, adamw and sgd are trainer/step/low_precision.py's classes
+  `opt_config.state_bits=8`, adam, adamw and sgd are trainer/optim/low_precision.py's classes
   instead, seeded by (`seed`, `step`: the trainer's global step variable)."""
   found = registry.builder(opt_config.name)
   if found is None:
@@ -193,7 +193,7 @@ def build(
   state_bits = int(config.value(opt_config, 'optimizer.state_bits'))
   if master_weights == 'float32' and state_bits == 32:
     return found(opt_config, learning_rate)
-  from trainer.step import low_precision  # pylint: disable=import-outside-toplevel
+  from trainer.optim import low_precision  # pylint: disable=import-outside-toplevel
 
   kwargs: dict[str, Any] = dict(
     learning_rate=learning_rate,

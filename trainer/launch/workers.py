@@ -1,14 +1,14 @@
 """launch.py's multi-worker flags: what this process does before it trains, if it trains at all.
 
-  --workers=N                 supervise N workers on this host (trainer/run/supervisor.py) and
+  --workers=N                 supervise N workers on this host (trainer/launch/supervisor.py) and
                               exit with the worst of their codes; this process does not train
   --cluster=... --task_index  be worker i of that cluster: TF_CONFIG is built here
   TF_CONFIG (already set)     used as it is (with config.distribute.strategy='multi_worker')
-  --k8s_manifest=N            print a Kubernetes manifest for N workers (trainer/run/k8s.py)
+  --k8s_manifest=N            print a Kubernetes manifest for N workers (trainer/launch/k8s.py)
 
 A worker (--cluster, or TF_CONFIG under multi_worker) is checked before TensorFlow starts and
-before the run folder is touched (trainer/run/cluster.py), then watches the other workers
-(trainer/run/peers.py). A mistake is one line and exit code 2, with nothing written.
+before the run folder is touched (trainer/launch/cluster.py), then watches the other workers
+(trainer/launch/peers.py). A mistake is one line and exit code 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import sys
 
 from trainer.errors import UserError
-from trainer.run import cluster
+from trainer.launch import cluster
 
 # launch.py flags the manifest and the workers' commands set themselves.
 OWN_FLAGS = (
@@ -65,7 +65,7 @@ def _use_multi_worker(config, flag: str) -> None:
 
 
 def _supervise(flag_values, argv: list[str], config, default_workdir) -> int:
-  from trainer.run import supervisor
+  from trainer.launch import supervisor
 
   n = flag_values.workers
   if flag_values.cluster or flag_values.task_index is not None:
@@ -118,13 +118,13 @@ def _join(flag_values, config) -> None:
     cluster.check_record(workdir, addresses, config.train.accept_config_change)
   if not text:
     os.environ['TF_CONFIG'] = json.dumps(cluster.tf_config(addresses, index))
-  from trainer.run import peers
+  from trainer.launch import peers
 
   peers.install(addresses, index, workdir, flag_values.worker_timeout)
 
 
 def _manifest(flag_values, argv: list[str], config) -> str:
-  from trainer.run import k8s
+  from trainer.launch import k8s
 
   n = flag_values.k8s_manifest
   if flag_values.workers or flag_values.cluster or flag_values.task_index is not None:
