@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from trainer.distribute import tf_config
 from trainer.errors import UserError
 from trainer.launch import cluster, k8s, peers
 
@@ -42,19 +43,72 @@ def one_error_line(proc) -> str:
 
 
 # ---- TF_CONFIG from --cluster ---------------------------------------------------------------
+def worker_tf_config(addresses, index) -> dict:
+  return json.loads(tf_config.for_worker(addresses, index))
+
+
 def test_cluster_and_index_build_tf_config():
   addresses = cluster.parse('host1:2222,host2:2223')
-  assert cluster.tf_config(addresses, 1) == {
+  assert worker_tf_config(addresses, 1) == {
     'cluster': {'worker': ['host1:2222', 'host2:2223']},
     'task': {'type': 'worker', 'index': 1},
   }
+
+
+def test_tf_config_roles_place_the_chief_first():
+  """MultiWorkerMirroredStrategy's collective: the chief, then the workers in order."""
+  spec = {'chief': ['a:1'], 'worker': ['b:2', 'c:3']}
+  worker = tf_config.read(json.dumps({'cluster': spec, 'task': {'type': 'worker', 'index': 1}}))
+  chief = tf_config.read(json.dumps({'cluster': spec, 'task': {'type': 'chief', 'index': 0}}))
+  assert (worker.addresses, worker.position, worker.name) == (['a:1', 'b:2', 'c:3'], 2, 'worker:1')
+  assert (chief.addresses, chief.position, chief.name) == (['a:1', 'b:2', 'c:3'], 0, 'chief:0')
+  assert tf_config.read('') is None and tf_config.read('  ') is None
+
+
+@pytest.mark.parametrize(
+  'kind, words',
+  [
+    ('evaluator', 'a side-car evaluator is not supported'),
+    ('ps', 'parameter servers are not supported'),
+  ],
+)
+def test_an_evaluator_or_ps_task_is_refused_never_made_a_worker(kind, words):
+  """Issue 56's case: an evaluator beside one worker was read as the worker at hostA."""
   text = json.dumps(
     {
-      'cluster': {'chief': ['a:1'], 'worker': ['b:2', 'c:3']},
-      'task': {'type': 'worker', 'index': 1},
+      'cluster': {'worker': ['hostA:2222'], kind: ['hostB:2222']},
+      'task': {'type': kind, 'index': 0},
     }
   )
-  assert cluster.from_tf_config(text) == (['a:1', 'b:2', 'c:3'], 2)
+  with pytest.raises(UserError, match=f"TF_CONFIG: task type '{kind}': {words}"):
+    tf_config.read(text)
+
+
+@pytest.mark.parametrize(
+  'text, words',
+  [
+    ('{"cluster": {"worker": ["a:1"]}}', 'TF_CONFIG is not valid (KeyError'),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}', "'chief' is not"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 1}}', 'index 1 is not'),
+    ('{"cluster": {"worker": ["a"]}, "task": {"type": "worker", "index": 0}}', "'a' in cluster."),
+  ],
+)
+def test_a_bad_tf_config_is_named(text, words):
+  with pytest.raises(UserError, match=words.replace('(', r'\(')):
+    tf_config.read(text)
+
+
+def test_the_launcher_refuses_an_evaluator_task_in_one_line(tmp_path):
+  spec = {'worker': ['127.0.0.1:2001'], 'evaluator': ['127.0.0.1:2002']}
+  env = {
+    **ENV,
+    'TF_CONFIG': json.dumps({'cluster': spec, 'task': {'type': 'evaluator', 'index': 0}}),
+  }
+  proc = launch(
+    '--config.distribute.strategy=multi_worker', f'--workdir={tmp_path / "run"}', env=env
+  )
+  assert "TF_CONFIG: task type 'evaluator'" in one_error_line(proc)
+  assert not os.path.exists(tmp_path / 'run')  # it did not train as worker 0
 
 
 @pytest.mark.parametrize(
@@ -164,7 +218,7 @@ def test_a_cluster_of_another_size_than_the_run_folders_is_refused(tmp_path):
 
 
 def test_cluster_and_tf_config_together_are_refused(tmp_path):
-  env = {**ENV, 'TF_CONFIG': json.dumps(cluster.tf_config(['127.0.0.1:1'], 0))}
+  env = {**ENV, 'TF_CONFIG': tf_config.for_worker(['127.0.0.1:1'], 0)}
   proc = launch(
     '--cluster=127.0.0.1:2001', '--task_index=0', f'--workdir={tmp_path / "run"}', env=env
   )
@@ -208,8 +262,8 @@ def test_the_k8s_manifest_loads_and_gives_each_pod_its_tf_config(tmp_path):
     assert '--config.train.steps=500' in command and '--workdir=/runs/mnist-4' in command
     assert not any(a.startswith(('--k8s', '--workdir=runs')) for a in command)
     flags = dict(a[2:].split('=', 1) for a in command[2:])
-    tf_config = cluster.tf_config(cluster.parse(flags['cluster']), int(flags['task_index']))
-    assert tf_config == {
+    built = worker_tf_config(cluster.parse(flags['cluster']), int(flags['task_index']))
+    assert built == {
       'cluster': {'worker': [f'mnist-4-{i}.mnist-4:2222' for i in range(4)]},
       'task': {'type': 'worker', 'index': index},
     }
@@ -221,10 +275,11 @@ def test_a_tf_config_already_set_is_used_as_it_is(tmp_path):
     held.bind(('127.0.0.1', 0))
     held.listen()
     port = held.getsockname()[1]
-    tf_config = cluster.tf_config(['127.0.0.1:2001', f'127.0.0.1:{port}'], 1)
-    env = {**ENV, 'TF_CONFIG': json.dumps(tf_config)}
+    env = {**ENV, 'TF_CONFIG': tf_config.for_worker(['127.0.0.1:2001', f'127.0.0.1:{port}'], 1)}
     proc = launch(
       '--config.distribute.strategy=multi_worker', f'--workdir={tmp_path / "run"}', env=env
     )
-  assert f'TF_CONFIG (task 1): port {port} of 127.0.0.1:{port} is in use' in one_error_line(proc)
+  assert f'TF_CONFIG (task worker:1): port {port} of 127.0.0.1:{port} is in use' in one_error_line(
+    proc
+  )
   assert not os.path.exists(tmp_path / 'run')

@@ -25,8 +25,6 @@ removed right after (`scratch_dir`, `remove_scratch`).
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import socket
 import tempfile
@@ -38,6 +36,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer import config
+from trainer.distribute import tf_config
 from trainer.errors import ConfigError, UserError
 
 STRATEGIES = config.STRATEGIES
@@ -179,46 +178,18 @@ def _short(name: str) -> str:
 
 
 def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
-  text = os.environ.get('TF_CONFIG', '')
-  if not text:
+  task = tf_config.read()
+  if task is None:
     raise UserError(
       "config.distribute.strategy='multi_worker' needs the TF_CONFIG environment "
-      'variable (cluster and task of this process); see '
-      'docs/guides/distribution.md.'
+      'variable (cluster and task of this process); see docs/guides/distribution.md.'
     )
-  try:
-    tf_config = json.loads(text)
-    workers = dict(tf_config['cluster'])
-    task = tf_config['task']
-    task['type'], int(task['index'])
-  except (ValueError, KeyError, TypeError) as e:
-    raise UserError(
-      f'TF_CONFIG is not valid ({type(e).__name__}: {e}); it must be JSON like '
-      '{"cluster": {"worker": ["host1:port", "host2:port"]}, '
-      '"task": {"type": "worker", "index": 0}}.'
-    ) from None
-  task_type, index = task['type'], int(task['index'])
-  if task_type not in workers or not isinstance(workers[task_type], list):
-    raise UserError(
-      f'TF_CONFIG: task type {task_type!r} is not in the cluster (it has '
-      f'{", ".join(map(repr, workers)) or "no task types"}); set task.type to '
-      'one of them.'
-    )
-  if not 0 <= index < len(workers[task_type]):
-    raise UserError(
-      f'TF_CONFIG: task index {index} is not in the cluster: {task_type!r} has '
-      f'{len(workers[task_type])} address(es), so the index must be in '
-      f'[0, {len(workers[task_type])}).'
-    )
-  for kind, addresses in workers.items():
-    for address in addresses if isinstance(addresses, list) else [addresses]:
-      if not config.is_address(address):
-        raise UserError(
-          f'TF_CONFIG: {address!r} in cluster.{kind} is not an address; each '
-          'is a string "host:port" with a port in [1, 65535], such as '
-          '"10.0.0.2:2222".'
-        )
-  logging.info('multi_worker: cluster %s, this task %s:%s', workers, task_type, index)
+  logging.info(
+    'multi_worker: %d tasks in the collective, this task %s (place %d)',
+    len(task.addresses),
+    task.name,
+    task.position,
+  )
   return tf.distribute.MultiWorkerMirroredStrategy()
 
 

@@ -51,35 +51,12 @@ def parse(text: str, flag: str = '--cluster') -> list[str]:
   return addresses
 
 
-def is_usable(addresses: list[str], index: int) -> bool:
-  """Every address valid and the index in range (a TF_CONFIG's; distribute.py names faults)."""
-  return all(map(is_address, addresses)) and 0 <= index < len(addresses)
-
-
 def check_index(index: int, addresses: list[str]) -> None:
   if not 0 <= index < len(addresses):
     raise UserError(
       f'--task_index={index} is not in the cluster: --cluster lists {len(addresses)} '
       f'worker(s), so the index is in [0, {len(addresses) - 1}]'
     )
-
-
-def tf_config(addresses: list[str], index: int) -> dict:
-  """The TF_CONFIG of worker `index` (worker 0 is the chief)."""
-  return {'cluster': {'worker': list(addresses)}, 'task': {'type': 'worker', 'index': index}}
-
-
-def from_tf_config(text: str) -> tuple[list[str], int] | None:
-  """(the addresses of the chief and workers, in task order, this task's position) of a
-  TF_CONFIG; None when it is not one this module can read (distribute.py names the problem)."""
-  try:
-    value = json.loads(text)
-    spec, task = value['cluster'], value['task']
-    chief, workers = list(spec.get('chief', [])), list(spec.get('worker', []))
-    offset = len(chief) if task['type'] == 'worker' else 0
-    return chief + workers, offset + int(task['index'])
-  except (ValueError, KeyError, TypeError, AttributeError):
-    return None
 
 
 def check_port_free(address: str, who: str) -> None:

@@ -13,10 +13,10 @@ before the run folder is touched (trainer/launch/cluster.py), then watches the o
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
+from trainer.distribute import tf_config
 from trainer.errors import UserError
 from trainer.launch import cluster
 
@@ -96,12 +96,11 @@ def _join(flag_values, config) -> None:
   text = os.environ.get('TF_CONFIG', '')
   if flag_values.cluster is None and flag_values.task_index is None:
     if config is None or config.distribute.strategy != 'multi_worker' or not text:
-      return  # not a worker; or TF_CONFIG missing, which distribute.py names
-    parsed = cluster.from_tf_config(text)
-    if parsed is None or not cluster.is_usable(*parsed):
-      return  # distribute.py names what is wrong with it
-    addresses, index = parsed
-    who = f'TF_CONFIG (task {index})'
+      return  # not a worker; or TF_CONFIG missing, which the strategy names
+    task = tf_config.read(text)
+    if task is None:
+      return  # blank: the strategy names it
+    addresses, index, who = task.addresses, task.position, f'TF_CONFIG (task {task.name})'
   else:
     if flag_values.cluster is None or flag_values.task_index is None:
       raise UserError('--cluster and --task_index go together: pass both (or a TF_CONFIG)')
@@ -117,7 +116,7 @@ def _join(flag_values, config) -> None:
   if workdir:
     cluster.check_record(workdir, addresses, config.train.accept_config_change)
   if not text:
-    os.environ['TF_CONFIG'] = json.dumps(cluster.tf_config(addresses, index))
+    os.environ['TF_CONFIG'] = tf_config.for_worker(addresses, index)
   from trainer.launch import peers
 
   peers.install(addresses, index, workdir, flag_values.worker_timeout)
@@ -131,16 +130,8 @@ def _manifest(flag_values, argv: list[str], config) -> str:
     raise UserError(f'--k8s_manifest={n} writes its own --cluster: leave out --workers/--cluster')
   _check_train_only(flag_values, f'--k8s_manifest={n}')
   _use_multi_worker(config, f'--k8s_manifest={n}')  # checked here; the pods set it themselves
-  source = flag_values.workdir or os.path.splitext(os.path.basename(argv_config(argv)))[0]
+  config_file = flag_values['config'].config_filename
+  source = flag_values.workdir or os.path.splitext(os.path.basename(config_file))[0]
   name = k8s.name_for(os.path.basename(os.path.normpath(source)))
   args = k8s.pod_args(argv[1:], OWN_FLAGS)
   return k8s.manifest(n, name, args, flag_values.k8s_image, flag_values.k8s_claim)
-
-
-def argv_config(argv: list[str]) -> str:
-  for i, arg in enumerate(argv):
-    if arg.startswith('--config='):
-      return arg.split('=', 1)[1].split(':', 1)[0]
-    if arg == '--config' and i + 1 < len(argv):
-      return argv[i + 1]
-  return 'run'
