@@ -20,7 +20,9 @@ if '--tf_xla_persistent_cache_directory' not in os.environ.get('TF_XLA_FLAGS', '
     os.environ.get('TF_XLA_FLAGS', '') + ' --tf_xla_persistent_cache_directory='
   ).strip()
 
-import trainer  # noqa: E402, F401  (before TensorFlow: the tests run the kernels users run, trainer/onednn.py)
+import trainer  # noqa: E402
+
+trainer.launcher_defaults()  # before TensorFlow: the tests run the kernels launch.py runs
 import keras  # noqa: E402
 import pytest  # noqa: E402
 from tensorflow.python.framework import config as tf_config  # noqa: E402

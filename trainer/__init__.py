@@ -2,9 +2,8 @@
 
 The public names are imported on first use (PEP 562), so `import trainer.config` (the schema) or
 `from trainer import ConfigError` loads no TensorFlow; `from trainer import Trainer` does.
-Importing the package turns TensorFlow's oneDNN CPU kernels (trainer/onednn.py) and XLA's persistent
-compile cache (trainer/compile_cache.py) on, unless the environment says otherwise or TensorFlow
-is already loaded.
+Importing the package changes nothing in the process: no environment variable, no file, no
+thread setting. `launcher_defaults()` opts in to what launch.py runs with.
 """
 
 from __future__ import annotations
@@ -15,8 +14,16 @@ from trainer import compile_cache, onednn
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.registry import register_optimizer
 
-onednn.prefer()  # before TensorFlow loads (the three imports above load none): read once
-compile_cache.prefer()
+
+def launcher_defaults() -> None:
+  """What launch.py sets before TensorFlow loads, for a script of your own: TensorFlow's oneDNN
+  CPU kernels on (trainer/onednn.py; TensorFlow's default turns them on only on CPUs with
+  AVX512) and XLA's persistent compile cache in ~/.cache/mpt-trainer/xla (trainer/compile_cache.py).
+  Call it before importing TensorFlow; what the environment already says (TF_ENABLE_ONEDNN_OPTS,
+  TF_XLA_FLAGS) is kept. The run's log says what is on."""
+  onednn.prefer()
+  compile_cache.prefer()
+
 
 _LAZY = {
   'Datasets': 'trainer.data.datasets',
@@ -39,6 +46,7 @@ __all__ = [
   'TrainStep',
   'UpdateGroup',
   'UserError',
+  'launcher_defaults',
   'register_optimizer',
 ]
 

@@ -1,10 +1,11 @@
-"""XLA's persistent compile cache: on unless the user says otherwise.
+"""XLA's persistent compile cache: on for launch.py's runs unless the user says otherwise.
 
 With TensorFlow's flag --tf_xla_persistent_cache_directory (in the environment variable
 TF_XLA_FLAGS) naming a folder, each program XLA compiles is saved there and loaded instead of
 compiled the next time the same program comes (its function's name, argument shapes and HLO are
 the key). TensorFlow reads its XLA flags once, when its runtime starts (the first op), so
-`import trainer` sets them when three things hold:
+`prefer` (called by `trainer.launcher_defaults()`, which launch.py calls first; importing trainer
+sets nothing) sets them when three things hold:
   * TF_XLA_FLAGS does not mention the flag (`--tf_xla_persistent_cache_directory=`, empty, keeps
     the cache off; a folder of the user's own replaces ours);
   * TensorFlow is not imported yet (then it is too late to tell whether its runtime started);
@@ -85,8 +86,8 @@ def prefer() -> None:
     return
   if 'tensorflow' in sys.modules:
     _off_reason = (
-      f'TensorFlow was imported before trainer: import trainer first, or name a folder in {ENV} '
-      f'before TensorFlow runs its first op ({FLAG}=DIR)'
+      'TensorFlow was imported before trainer.launcher_defaults(): call it first, or name a '
+      f'folder in {ENV} before TensorFlow runs its first op ({FLAG}=DIR)'
     )
     return
   folder = default_directory()
@@ -126,7 +127,9 @@ def describe() -> str:
   folder = directory()
   if not folder:
     why = _off_reason or (
-      f'{ENV} sets {FLAG}= empty' if FLAG in os.environ.get(ENV, '') else f'{ENV} names no folder'
+      f'{ENV} sets {FLAG}= empty'
+      if FLAG in os.environ.get(ENV, '')
+      else f'{ENV} names no folder; trainer.launcher_defaults() names one'
     )
     return f'XLA compile cache off ({why}): every run compiles its XLA programs'
   programs = _programs(folder)

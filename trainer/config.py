@@ -11,7 +11,7 @@ import difflib
 import math
 import os
 from typing import Any, NamedTuple
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import ml_collections
 
@@ -498,6 +498,21 @@ _LEAVES = {
 }
 
 
+def did_you_mean(key: str, known: Iterable[str]) -> str | None:
+  """The one key of `known` that `key` most likely meant: a near spelling (train.batch_sise), or
+  the same last name in another section (train.learning_rate, learning_rate: the optimizer's),
+  PyTorch's and Keras's `lr` read as learning_rate; None when there is no single guess. The one
+  did-you-mean of the schema check and of launch.py's override errors."""
+  known = list(known)
+  close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+  if close:
+    return close[0]
+  leaf = key.rsplit('.', 1)[-1]
+  leaf = {'lr': 'learning_rate'}.get(leaf, leaf)
+  same = [k for k in known if k.rsplit('.', 1)[-1] == leaf and k != key]
+  return same[0] if len(same) == 1 else None
+
+
 def _check_unknown(config) -> None:
   """ConfigError with a did-you-mean for each key the schema does not know (all of them, in one
   line): any key under a schema section (train, optimizer, ...), a top-level key that is a near
@@ -511,7 +526,8 @@ def _check_unknown(config) -> None:
       if top in SCHEMA:  # a scalar key such as `seed` given sub-keys
         problems.append(f'config.{top} is a single value, not a section (config.{name})')
         continue
-      close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+      guess = did_you_mean(name, known)
+      close = [guess] if guess else []
     else:
       close = difflib.get_close_matches(top, SECTIONS, n=1, cutoff=0.8)
       if not close and name in _LEAVES:  # e.g. config.learning_rate: a section left out

@@ -1,13 +1,13 @@
-"""oneDNN's CPU kernels for TensorFlow: on unless the user says otherwise.
+"""oneDNN's CPU kernels for TensorFlow: on for launch.py's runs unless the user says otherwise.
 
 TensorFlow reads its switch, the environment variable TF_ENABLE_ONEDNN_OPTS, when its library
 loads, and by default turns oneDNN's kernels on only on CPUs with AVX512 (or newer); elsewhere
 its matmuls and convolutions are Eigen's. On the AVX2 CPU this project measures on, oneDNN's
-were the faster in every race run (the pages docs/guides/performance.md links), so `import
-trainer` sets TF_ENABLE_ONEDNN_OPTS=1 when two things hold:
+were the faster in every race run (the pages docs/guides/performance.md links), so `prefer`
+(called by `trainer.launcher_defaults()`, which launch.py calls first; importing trainer sets
+nothing) sets TF_ENABLE_ONEDNN_OPTS=1 when two things hold:
   * the variable is unset (TF_ENABLE_ONEDNN_OPTS=0 keeps Eigen's kernels);
-  * TensorFlow is not imported yet (after that the switch no longer changes anything; import
-    trainer first, or set the variable yourself).
+  * TensorFlow is not imported yet (after that the switch no longer changes anything).
 The run's first log line says whether oneDNN's kernels are on (`enabled`), whatever set them.
 TensorFlow-free: this module only touches the environment.
 """
@@ -46,11 +46,11 @@ def enabled() -> bool:
 
 def hint() -> str | None:
   """One line for the log when oneDNN's kernels are off and the user did not ask for that (it
-  was TensorFlow's own default, TensorFlow having loaded before `import trainer`), else None."""
+  was TensorFlow's own default for this CPU), else None."""
   if enabled() or user_setting() is not None:
     return None
   return (
-    "TensorFlow's oneDNN CPU kernels are off: TensorFlow was imported before trainer, so its "
-    'default for this CPU holds; import trainer first, or set TF_ENABLE_ONEDNN_OPTS=1 before '
-    'TensorFlow loads, for the faster kernels (TF_ENABLE_ONEDNN_OPTS=0 keeps them off quietly)'
+    "TensorFlow's oneDNN CPU kernels are off (TensorFlow's default for this CPU); call "
+    'trainer.launcher_defaults() before TensorFlow loads, or set TF_ENABLE_ONEDNN_OPTS=1, for '
+    'the faster kernels (TF_ENABLE_ONEDNN_OPTS=0 keeps them off quietly)'
   )

@@ -13,6 +13,7 @@ import pytest
 
 from trainer import config as config_lib
 from trainer.errors import ConfigError
+from trainer.launch import config_errors
 
 from conftest import ROOT
 
@@ -217,44 +218,25 @@ def test_launch_an_override_of_the_wrong_type_says_what_it_is_not(tmp_path):
   flag', 'yes')", "invalid literal for int() with base 10: 'abc'"."""
   line = launch(tmp_path, '--config=configs/mnist.py', '--config.train.deterministic=yes')
   assert line == "error: --config.train.deterministic=yes: 'yes' is not a boolean (True or False)"
-  in_launch("""
-for flag, words, said in (
-  ('train.steps=1.5', "invalid literal for int() with base 10: '1.5'", "'1.5' is not an integer"),
-  ('seed=x', "invalid literal for int() with base 10: 'x'", "'x' is not an integer"),
-  (
-    'optimizer.epsilon=1e-7,',
-    "could not convert string to float: '1e-7,'",
-    "'1e-7,' is not a number",
-  ),
-):
-  assert launch._flag_error(f'flag --config.{flag}: {words}') == f'--config.{flag}: {said}', flag
-""")
-
-
-def in_launch(code: str) -> None:
-  """Runs `code` in a child process with launch.py imported as `launch`: importing it here
-  would define its absl flags (--config) in the test process, where benchmarks.memory, imported
-  by other tests of the same worker, defines a flag of the same name."""
-  done = subprocess.run(
-    [sys.executable, '-c', 'import launch\n' + code],
-    cwd=ROOT,
-    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'),
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
+  for flag, words, said in (
+    ('train.steps=1.5', "invalid literal for int() with base 10: '1.5'", "'1.5' is not an integer"),
+    ('seed=x', "invalid literal for int() with base 10: 'x'", "'x' is not an integer"),
+    (
+      'optimizer.epsilon=1e-7,',
+      "could not convert string to float: '1e-7,'",
+      "'1e-7,' is not a number",
+    ),
+  ):
+    got = config_errors.flag_error(f'flag --config.{flag}: {words}')
+    assert got == f'--config.{flag}: {said}', flag
 
 
 def test_launch_an_override_in_the_wrong_section_names_the_key():
   """--config.train.learning_rate=0.1 and --config.train.lr=0.1 said 'see the keys in
   configs/...', a file that may list none (built from config_lib.defaults())."""
-  in_launch("""
-from trainer import config as config_lib
-known = list(config_lib.flatten(config_lib.defaults()))
-for key in ('train.learning_rate', 'learning_rate', 'optimizer.lr', 'train.lr'):
-  assert launch._same_leaf(key, known) == ['optimizer.learning_rate'], key
-assert launch._same_leaf('train.frobnicate', known) == []
-assert launch._same_leaf('steps', known) == ['train.steps']
-assert launch._same_leaf('metric', known) == []  # two sections hold one: no guess
-""")
+  known = list(config_lib.flatten(config_lib.defaults()))
+  for key in ('train.learning_rate', 'learning_rate', 'optimizer.lr', 'train.lr'):
+    assert config_lib.did_you_mean(key, known) == 'optimizer.learning_rate', key
+  assert config_lib.did_you_mean('train.frobnicate', known) is None
+  assert config_lib.did_you_mean('steps', known) == 'train.steps'
+  assert config_lib.did_you_mean('metric', known) is None  # two sections hold one: no guess

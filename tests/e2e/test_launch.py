@@ -98,7 +98,7 @@ def test_tensorflows_tf_data_options_warning_is_hidden_and_others_are_not():
   """A mirrored eval printed TensorFlow's 'To make it possible to preserve tf.data options ...'
   UserWarning, raised inside its own distributed-dataset reduce; other warnings still show."""
   code = (
-    'import warnings, launch; launch.quiet_tensorflow(); '
+    'import warnings; from trainer.launch import startup; startup.quiet_tensorflow(); '
     'warnings.warn("To make it possible to preserve tf.data options across '
     'serialization boundaries, ..."); warnings.warn("a warning of the user\'s own")'
   )
@@ -116,7 +116,7 @@ def test_launch_imports_keras_without_matplotlib_and_keras_plots_still_work(tmp_
   pytest.importorskip('matplotlib')
   png = tmp_path / 'gallery.png'
   code = (
-    'import sys, launch; launch.import_keras(); '
+    'import sys; from trainer.launch import startup; startup.import_keras(); '
     "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib')); "
     'import numpy as np, keras; '
     f'keras.visualization.plot_image_gallery(np.zeros([2, 8, 8, 3]), path={str(png)!r}); '

@@ -1,7 +1,7 @@
-"""trainer/compile_cache.py: `import trainer` turns XLA's persistent compile cache on (a folder
-per TensorFlow version and CPU, for CPU programs) unless TF_XLA_FLAGS names one or TensorFlow
-loaded first; the folder is kept under its size limit, oldest programs first. The runs that load
-their programs from it: tests/e2e/test_launch.py."""
+"""trainer/compile_cache.py: `trainer.launcher_defaults()` turns XLA's persistent compile cache
+on (a folder per TensorFlow version and CPU, for CPU programs) unless TF_XLA_FLAGS names one or
+TensorFlow loaded first; the folder is kept under its size limit, oldest programs first. The
+runs that load their programs from it: tests/e2e/test_launch.py."""
 
 import os
 import sys
@@ -57,7 +57,7 @@ def test_off_when_tensorflow_loaded_first_or_the_folder_cannot_be_written(fresh,
   monkeypatch.setitem(sys.modules, 'tensorflow', tf)
   compile_cache.prefer()
   assert compile_cache.ENV not in os.environ and not fresh.exists()
-  assert 'off (TensorFlow was imported before trainer: import trainer first' in (
+  assert 'off (TensorFlow was imported before trainer.launcher_defaults(): call it first' in (
     compile_cache.describe()
   )
 

@@ -1,5 +1,6 @@
-"""trainer/onednn.py: `import trainer` turns TensorFlow's oneDNN kernels on unless the user said
-otherwise, and the test process itself runs them (tests/conftest.py imports trainer first)."""
+"""trainer/onednn.py: `trainer.launcher_defaults()` (launch.py's first call) turns TensorFlow's
+oneDNN kernels on unless the user said otherwise, and the test process itself runs them
+(tests/conftest.py calls it first); `import trainer` alone leaves the switch alone."""
 
 import os
 import subprocess
@@ -44,12 +45,13 @@ def probe(first: str, env_value: str | None) -> str:
 @pytest.mark.parametrize(
   'first, env_value, expected',
   [
-    ('import trainer', None, '1 True'),  # unset: trainer turns it on
-    ('import trainer', '0', '0 False'),  # the user's 0 holds
-    ('import tensorflow; import trainer', None, None),  # too late: TensorFlow's own default
+    ('import trainer; trainer.launcher_defaults()', None, '1 True'),  # unset: turned on
+    ('import trainer; trainer.launcher_defaults()', '0', '0 False'),  # the user's 0 holds
+    ('import tensorflow, trainer; trainer.launcher_defaults()', None, None),  # too late
+    ('import trainer', None, None),  # the import alone: TensorFlow's own default
   ],
 )
-def test_import_trainer_turns_onednn_on_unless_told_or_too_late(first, env_value, expected):
+def test_launcher_defaults_turn_onednn_on_unless_told_or_too_late(first, env_value, expected):
   got = probe(first, env_value)
   if expected is None:
     # TensorFlow loaded first: trainer leaves the variable unset, and what runs is TensorFlow's
