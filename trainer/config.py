@@ -72,7 +72,7 @@ def _jit_setting(v):
 
 
 # The choices, defined here once (this module imports no TensorFlow); the modules that implement
-# them (trainer/step/precision.py, loss_scale.py, distribute.py) read them from here.
+# them (trainer/step/precision.py and loss_scale.py, trainer/distribute/strategy.py) read them here.
 PRECISION_POLICIES = ('float32', 'mixed_float16', 'mixed_bfloat16')
 POLICIES = ('auto', *PRECISION_POLICIES)
 LOSS_SCALE_MODES = ('none', 'static', 'dynamic')
