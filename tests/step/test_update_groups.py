@@ -219,7 +219,7 @@ def test_the_skip_line_names_the_group_skipped_and_its_scale(gan2, tmp_path, cap
   ]
   assert float(trainer.loss_scaler.scale.numpy()) == 512.0  # the D's, backed off at step 1
   assert float(step.g_scaler.scale.numpy()) == 512.0  # the G's, backed off at step 3
-  assert float(step.guard.last_scale.numpy()) == 1024.0  # the skipped group's, for the replay
+  assert float(step.state.guard.last_scale.numpy()) == 1024.0  # the skipped group's, for the replay
 
 
 def test_a_helper_named_evaluate_is_one_line_at_class_definition():

@@ -125,6 +125,7 @@ class Runner:
       )
       train_loop = TrainLoop(
         t.train_step,
+        strategy=t.strategy,
         forensics=c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0,
         element_spec=t.datasets.train.element_spec,
         grappler=self.grappler,
@@ -152,7 +153,7 @@ class Runner:
     variables), so every checkpoint on disk, and the newest one rotation keeps, is finite."""
     step = int(self.trainer.global_step.numpy())
     self.check_finite_state()  # before anything is written for this save
-    healthy = self.recovery.healthy(int(self.trainer.train_step.guard.consecutive.numpy()))
+    healthy = self.recovery.healthy(int(self.trainer.train_step.state.guard.consecutive.numpy()))
     with self.clock.timing('checkpoint'):
       path = self.workdir.save(step, healthy=healthy, loss=self.recovery.health.loss)
     self.saved_at = step
@@ -278,7 +279,7 @@ class Runner:
     )
     self.step = step = self.restore()
     self.training = True
-    self.clock.skipped_from = int(tr.train_step.skipped_steps.numpy())  # this process's skips
+    self.clock.skipped_from = tr.train_step.state.skipped()  # this process's skips
     total = tr.total_steps
     logging.info(
       'training %s: %d steps, global batch %d, policy %s, loss scale %s, %d replica(s), '
@@ -454,13 +455,13 @@ class Runner:
   def run_steps(self, iterator, num_steps: int) -> int:
     """The inner loop: `num_steps` steps from `iterator` (a distributed iterator over
     `datasets.train`) in one compiled call; returns the global step after them. The call
-    returns its counters (TrainLoop.run); the host raises CollapseError when the guard stopped
-    the loop. With forensics on, a skipped step that gets forensics ends the compiled call
-    early: it is replayed, and a second call runs the rest."""
-    tr, loop = self.trainer, self.train_loop
-    guard = tr.train_step.guard
+    returns its counters (TrainLoop.run), and the step's state raises what the call found
+    (StepState.check: NonFiniteError, CollapseError). With forensics on, a skipped step that
+    gets forensics ends the compiled call early: it is replayed, and a second call runs the
+    rest."""
+    tr, loop, state = self.trainer, self.train_loop, self.trainer.train_step.state
     target = None  # the global step to reach: the first call's start + num_steps
-    skipped = int(tr.train_step.skipped_steps.numpy()) if loop.forensics else 0
+    skipped = state.skipped() if loop.forensics else 0
     while True:
       if loop.forensics:  # the compiled loop stops after the next skip that gets forensics
         stop_at = self.forensics.next_after(skipped)
@@ -470,14 +471,7 @@ class Runner:
         target = counters.first_step + num_steps
       skipped = counters.skipped_steps
       step = counters.global_step
-      self.check_updated_state(counters)  # NonFiniteError: an update left the state non-finite
-      if counters.consecutive >= guard.max_consecutive_skips > 0:
-        guard.check(
-          step=step,
-          scaler=tr.loss_scaler,
-          checkpoint=self.workdir.latest_checkpoint,
-          healthy=health.describe(self.workdir.healthy_record()),
-        )
+      state.check(counters, scaler=tr.loss_scaler, kept=self._kept)
       if step >= target:
         break
       # Stopped early, right after a skipped step: replay it, then run the rest of the call.
@@ -487,16 +481,9 @@ class Runner:
       self.record_forensics(step - 1)  # the skip was the call's last step
     return step
 
-  def check_updated_state(self, counters) -> None:
-    """After a compiled call (`counters`, what it returned): NonFiniteError when an applied
-    update left the weights or the optimizer's state non-finite (checked at the end of the call:
-    trainer/step/state_check.py); the recovery policy takes it like a collapse."""
-    check = getattr(self.trainer.train_step, 'state_check', None)
-    if check is not None and counters.nonfinite_state_step >= 0:
-      check.check(
-        checkpoint=self.workdir.latest_checkpoint,
-        healthy=health.describe(self.workdir.healthy_record()),
-      )
+  def _kept(self) -> tuple[str | None, str | None]:
+    """The newest checkpoint and the last healthy one in words (what a failure's line names)."""
+    return self.workdir.latest_checkpoint, health.describe(self.workdir.healthy_record())
 
   def record_forensics(self, step: int) -> None:
     """Replays skipped step `step` eagerly, layer by layer, from the current weights (a skip
@@ -519,7 +506,8 @@ class Runner:
       batch = next(iter(tr.datasets.train.skip(step)))
     self.workdir.open_for_writing(step)
     try:
-      forensics.record(tr, batch, step, loss_scale=float(tr.train_step.guard.last_scale.numpy()))
+      scale = float(tr.train_step.state.guard.last_scale.numpy())  # the skipped group's
+      forensics.record(tr, batch, step, loss_scale=scale)
     except UserError as e:  # a planted symlink, a full disk: refused, said in one line
       logging.warning('step %d: %s; training goes on', step, e)
     except Exception as e:  # pylint: disable=broad-except  (diagnostics never end a run)
@@ -539,9 +527,9 @@ class Runner:
     counts = {k: outputs.pop(k) for k in ('steps', 'skipped', 'nonfinite_loss') if k in outputs}
     groups = tr.train_step.groups
     rates, scales = progress.learning_rates(groups), progress.loss_scales(groups)
-    skipped = int(tr.train_step.skipped_steps.numpy())
+    skipped = tr.train_step.state.skipped()
     nonfinite = counts.get('nonfinite_loss', 0)
-    unprinted = tr.train_step.guard.unprinted()  # skips right after a skip: one line for all
+    unprinted = tr.train_step.state.guard.unprinted()  # skips right after a skip: one line for all
     if unprinted:
       logging.warning(unprinted)
     logging.info(
@@ -581,7 +569,7 @@ class Runner:
     """The goodput line and its scalars (trainer/run/goodput.py); never raises (it runs while
     a run ends, maybe with an error that must not be masked)."""
     try:
-      self.clock.count_skipped(int(self.trainer.train_step.skipped_steps.numpy()))
+      self.clock.count_skipped(self.trainer.train_step.state.skipped())
       shares = self.clock.shares()
       logging.info(self.clock.line(shares))
       if self.workdir.latest_checkpoint is not None:  # the run folder is open for writing
