@@ -122,7 +122,7 @@ LONG = {
   'trainer.step.contract:check_outputs': "one check per way a step's outputs can be wrong",
   'trainer.insight.audit:audit': 'one row per layer, one rule per hazard',
   'trainer.run.runner:Runner': 'the run folder, the outer loop and its boundaries (save, eval, '
-  'preemption), one short method each; the forensic replay still here (issue 34)',
+  'preemption), one short method each',
   'trainer.run.workdir:Workdir': 'the run folder: lock, record, checkpoints and summaries',
 }
 

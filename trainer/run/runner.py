@@ -34,8 +34,8 @@ from absl import flags, logging
 
 from trainer import config as config_lib
 from trainer import compile_cache, onednn
-from trainer.errors import CollapseError, NonFiniteError, UserError
-from trainer.insight import audit, forensics, numerics
+from trainer.errors import CollapseError, NonFiniteError
+from trainer.insight import audit, forensic_stop, numerics
 from trainer.run import (
   actions,
   build,
@@ -89,12 +89,12 @@ class Runner:
       self.items['lr_factor'] = factor
     self.clock = goodput.Clock(started)
     self.checkpoint = tf.train.Checkpoint(**self.items)
-    self.forensics = forensics.RateLimiter(c.numerics.forensics_first, c.numerics.forensics_every)
     self.stop_reason: str | None = None
     self.workdir = Workdir(
       t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items, policy=t.policy
     )
     self.is_chief = self.workdir.is_chief  # writes the run folder (multi_worker)
+    self._forensic_stop = forensic_stop.ForensicStop(t, self.train_loop, self.workdir, c.numerics)
     self.recovery = recovery.Recovery(
       c,
       workdir=self.workdir,
@@ -454,69 +454,20 @@ class Runner:
 
   def run_steps(self, iterator, num_steps: int) -> int:
     """The inner loop: `num_steps` steps from `iterator` (a distributed iterator over
-    `datasets.train`) in one compiled call; returns the global step after them. The call
-    returns its counters (TrainLoop.run), and the step's state raises what the call found
-    (StepState.check: NonFiniteError, CollapseError). With forensics on, a skipped step that
-    gets forensics ends the compiled call early: it is replayed, and a second call runs the
-    rest."""
-    tr, loop, state = self.trainer, self.train_loop, self.trainer.train_step.state
-    target = None  # the global step to reach: the first call's start + num_steps
-    skipped = state.skipped() if loop.forensics else 0
-    while True:
-      if loop.forensics:  # the compiled loop stops after the next skip that gets forensics
-        stop_at = self.forensics.next_after(skipped)
-        loop.stop_after_skip(stop_at)
-      counters = loop.run(iterator, num_steps)
-      if target is None:
-        target = counters.first_step + num_steps
-      skipped = counters.skipped_steps
-      step = counters.global_step
-      state.check(counters, scaler=tr.loss_scaler, kept=self._kept)
-      if step >= target:
-        break
-      # Stopped early, right after a skipped step: replay it, then run the rest of the call.
-      self.record_forensics(step - 1)
-      num_steps = target - step
-    if loop.forensics and skipped == stop_at:
-      self.record_forensics(step - 1)  # the skip was the call's last step
-    return step
+    `datasets.train`) in one compiled call (more when a skip stops it for its forensic replay:
+    trainer/insight/forensic_stop.py); returns the global step after them. After each call the
+    step's state raises what the call found: NonFiniteError when an applied update left the
+    state non-finite, CollapseError when the guard stopped the loop (StepState.check)."""
+    tr = self.trainer
+
+    def check(counters) -> None:
+      tr.train_step.state.check(counters, scaler=tr.loss_scaler, kept=self._kept)
+
+    return self._forensic_stop.run(iterator, num_steps, check)
 
   def _kept(self) -> tuple[str | None, str | None]:
     """The newest checkpoint and the last healthy one in words (what a failure's line names)."""
     return self.workdir.latest_checkpoint, health.describe(self.workdir.healthy_record())
-
-  def record_forensics(self, step: int) -> None:
-    """Replays skipped step `step` eagerly, layer by layer, from the current weights (a skip
-    changed none), and writes <workdir>/forensics/step-N/ (trainer/insight/forensics.py)."""
-    if not self.is_chief:
-      return
-    tr = self.trainer
-    # The step's own batch, kept on the device by the compiled loop when it stopped after the
-    # skip (trainer/step/kept_batch.py: re-reading element N of the pipeline gives another
-    # batch when it reshuffles, augments at random or is non-deterministic).
-    kept = self.train_loop.kept_batch
-    batch = kept.read() if kept is not None else None
-    if batch is None:
-      logging.warning(
-        "step %d: the skipped step's batch was not kept; replaying element %d of "
-        'datasets.train, which differs when the pipeline reshuffles',
-        step,
-        step,
-      )
-      batch = next(iter(tr.datasets.train.skip(step)))
-    self.workdir.open_for_writing(step)
-    try:
-      scale = float(tr.train_step.state.guard.last_scale.numpy())  # the skipped group's
-      forensics.record(tr, batch, step, loss_scale=scale)
-    except UserError as e:  # a planted symlink, a full disk: refused, said in one line
-      logging.warning('step %d: %s; training goes on', step, e)
-    except Exception as e:  # pylint: disable=broad-except  (diagnostics never end a run)
-      logging.warning(
-        'step %d: the forensic replay failed (%s: %s); training goes on',
-        step,
-        type(e).__name__,
-        (str(e).strip().splitlines() or [''])[-1][:200],
-      )
 
   def log_progress(self, step: int, steps_per_sec: float) -> dict[str, float]:
     """Reads and resets the step outputs' sums; writes the progress line and TensorBoard
