@@ -26,7 +26,7 @@ def run(trainer, n):
     iterator = trainer._it = iter(
       trainer.strategy.experimental_distribute_dataset(trainer.datasets.train)
     )
-  return trainer.runner.run_steps(iterator, n)
+  return trainer.runner._run_steps(iterator, n)
 
 
 def test_checkpoint_written_before_checkpoint_items_still_restores(tmp_path):

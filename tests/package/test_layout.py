@@ -154,6 +154,18 @@ def test_functions_and_classes_are_short_or_listed():
   assert not stale, f'listed as long but no longer over the limit (or gone): {stale}'
 
 
+def test_the_runner_has_at_most_ten_public_methods():
+  """Issue 56: the Runner showed 27 public methods on the API page, 18 of them called from no
+  other module; its internals are underscored, and what stays public is what users, tests, the
+  launcher and the benchmarks call."""
+  tree = ast.parse(open(modules()['trainer.run.runner']).read())
+  (runner,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == 'Runner']
+  public = [
+    n.name for n in runner.body if isinstance(n, ast.FunctionDef) and not n.name.startswith('_')
+  ]
+  assert len(public) <= 10, public
+
+
 def test_the_config_schema_loads_no_tensorflow():
   code = (
     'import sys, trainer.config, trainer.errors; from trainer import ConfigError; '
