@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from trainer.errors import ConfigError, UserError
+from trainer.errors import UserError
 from trainer.nn import fused
 from trainer.step import apply_or_skip as shared
 from trainer.optim import low_precision, optimizers
@@ -124,7 +124,7 @@ class TrainStep:
     self.global_step = trainer.global_step
     self.global_batch_size = int(c.train.batch_size)
     self.clip_norm = float(c.optimizer.clip_norm)
-    self.grad_accum_steps = _accumulation(c, self.strategy.num_replicas_in_sync)
+    self.grad_accum_steps = int(c.train.grad_accum_steps)  # divides the batch: build checked
     self.build_optimizers()
     # Keras float8 layers' scale and amax-history variables: their "gradients" are new values the
     # optimizer assigns: never unscaled, clipped or summed; MAX over micro-batches and replicas.
@@ -374,17 +374,6 @@ def _update_metrics(outputs: dict, metrics: dict) -> None:
   loss = outputs.get('loss')
   loss_finite = tf.reduce_all(tf.math.is_finite(loss)) if loss is not None else tf.constant(True)
   tf.cond(loss_finite, update, lambda: tf.constant(False))
-
-
-def _accumulation(c, replicas: int) -> int:
-  """config.train.grad_accum_steps, checked to divide the per-replica batch."""
-  k, batch = int(c.train.grad_accum_steps), int(c.train.batch_size)
-  if (batch // replicas) % k:
-    raise ConfigError(
-      f'config.train.grad_accum_steps={k} does not divide the per-replica batch '
-      f'{batch // replicas} (config.train.batch_size={batch} over {replicas} replicas).'
-    )
-  return k
 
 
 def _accumulated(micro, metrics: dict, overwritten: list) -> tuple:
