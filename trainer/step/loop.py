@@ -49,7 +49,7 @@ class Counters(NamedTuple):
   """What a compiled call returns to the host, read once: the global step at its start and at
   its end, the cumulative skipped steps, the collapse guard's bad steps in a row, and the first
   step of the first call whose updates left the state non-finite (-1: none; trainer/step/
-  state_check.py). One read per call: each eager read of a variable on the host costs 0.1-0.4
+  step_state.py). One read per call: each eager read of a variable on the host costs 0.1-0.4
   ms, a few per cent of a call of 10 MNIST MLP steps."""
 
   first_step: int
