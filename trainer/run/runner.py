@@ -25,6 +25,7 @@ and best checkpoint), then to the trainer's `build_actions()`, all through the s
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -36,7 +37,7 @@ from absl import flags, logging
 from trainer import config as config_lib
 from trainer import compile_cache, onednn
 from trainer.errors import CollapseError, NonFiniteError
-from trainer.insight import audit, forensic_stop, numerics
+from trainer.insight import audit, forensics, numerics
 from trainer.run import (
   actions,
   build,
@@ -97,7 +98,7 @@ class Runner:
       t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items, policy=t.policy
     )
     self.is_chief = self.workdir.is_chief  # writes the run folder (multi_worker)
-    self._forensic_stop = forensic_stop.ForensicStop(t, self.train_loop, self.workdir, c.numerics)
+    self._forensic_stop = forensics.ForensicStop(t, self.train_loop, self.workdir, c.numerics)
     self.recovery = recovery.Recovery(
       c,
       workdir=self.workdir,
@@ -475,14 +476,11 @@ class Runner:
   def _run_steps(self, iterator, num_steps: int) -> int:
     """The inner loop: `num_steps` steps from `iterator` (a distributed iterator over
     `datasets.train`) in one compiled call (more when a skip stops it for its forensic replay:
-    trainer/insight/forensic_stop.py); returns the global step after them. After each call the
+    trainer/insight/forensics.py); returns the global step after them. After each call the
     step's state raises what the call found: NonFiniteError when an applied update left the
     state non-finite, CollapseError when the guard stopped the loop (StepState.check)."""
     tr = self.trainer
-
-    def check(counters) -> None:
-      tr.train_step.state.check(counters, scaler=tr.loss_scaler, kept=self._kept)
-
+    check = functools.partial(tr.train_step.state.check, scaler=tr.loss_scaler, kept=self._kept)
     return self._forensic_stop.run(iterator, num_steps, check)
 
   def _kept(self) -> tuple[str | None, str | None]:

@@ -66,13 +66,7 @@ class TrainLoop:
   optimizer on the compiled loop (config.train.grappler)."""
 
   def __init__(
-    self,
-    step,
-    *,
-    strategy,
-    forensics: bool = False,
-    element_spec: Any = None,
-    grappler: bool = True,
+    self, step, strategy, *, forensics: bool = False, element_spec=None, grappler: bool = True
   ):
     self.step = step
     self.state = step.state  # what the loop reads and checks of the step between steps
@@ -131,8 +125,9 @@ class TrainLoop:
       self.output_names = sorted(outputs)
     sums += self._stacked(outputs)
     stop = tf.convert_to_tensor(self.state.collapsed())  # the runner raises CollapseError
-    if self.forensics:  # the runner replays the skipped step (trainer/insight/forensics.py)
-      at_skip = self.forensic_stop()
+    if self.forensics:  # right after the skip the host asked to stop at (0 = never)
+      skipped = self.state.skipped_steps  # the runner replays it (trainer/insight/forensics.py)
+      at_skip = tf.logical_and(self.stop_at_skip > 0, tf.equal(skipped, self.stop_at_skip))
       if not self._kept_on_skip:  # a custom step without apply_or_skip: keep it here
         tf.cond(at_skip, lambda: self._keep(batches.last), lambda: tf.constant(True))
       stop = tf.logical_or(stop, at_skip)
@@ -172,11 +167,6 @@ class TrainLoop:
     if count != self._stop_at_skip:
       self.stop_at_skip.assign(count)
       self._stop_at_skip = count
-
-  def forensic_stop(self) -> tf.Tensor:
-    """True right after the skip the host asked to stop at (stop_at_skip; 0 = never)."""
-    skipped = self.state.skipped_steps
-    return tf.logical_and(self.stop_at_skip > 0, tf.equal(skipped, self.stop_at_skip))
 
   def run(self, iterator, num_steps: int) -> Counters:
     """Host side: one compiled call of `num_steps` steps; the counters after it."""
