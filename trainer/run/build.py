@@ -215,11 +215,10 @@ def _check_grad_accum(step, k: int) -> None:
 
 
 def check_config(c, *, replicas: int, policy: str, total_steps: int, train_examples) -> None:
-  """The config's checks against this run: its replicas, the policy ('auto' resolved), its
-  length (train.steps, or epochs of the train set: `train_examples`, Datasets'). One ConfigError
-  naming the key, before the model, optimizer and step are built (`build` calls it once).
-  What needs a built model or optimizer is checked where it is built: float32_layers' names,
-  float8's MX blocks, an optimizer without low-precision state, early stopping's metric."""
+  """The config against this run (replicas, the resolved policy, the length: train.steps or epochs
+  of `train_examples`): one ConfigError naming the key, before the model is built. What needs a
+  built object is checked where it is built: float32_layers' names, float8's MX blocks, the
+  optimizer's low-precision state, early stopping's metric."""
   batch, k, float8 = int(c.train.batch_size), int(c.train.grad_accum_steps), c.precision.float8
   if batch % replicas:
     raise ConfigError(

@@ -184,8 +184,7 @@ class TrainStep:
 
   @property
   def skipped_steps(self) -> tf.Variable:
-    """The skipped steps so far (cumulative, checkpointed; held by `state`): a custom step that
-    skips without `apply_or_skip` adds its skips to it."""
+    """The skipped steps so far (`state`'s): a step skipping without `apply_or_skip` adds to it."""
     return self.state.skipped_steps
 
   def build_optimizers(self) -> None:
