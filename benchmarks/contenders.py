@@ -7,10 +7,11 @@ wall-clock seconds and the process CPU seconds (user + system, all threads) they
 steady state. CPU seconds barely move when other processes compete for the cores (wall seconds
 do), so steps per CPU-second is the fairer comparison on a shared machine:
 
-  Ours      what `Trainer.train` does per compiled call: `run_steps(iterator, steps_per_loop)`
-            (the compiled loop and its counters, the collapse-guard check) and, every
-            `log_every` steps, `log_progress` (read and reset the metric sums, the loss scale and
-            skipped steps, write the TensorBoard scalars). The iterator lives across rounds.
+  Ours      `runner.train_steps(steps)`: what `Trainer.train` does between its evals and
+            checkpoints (compiled calls of steps_per_loop steps, their counters and the
+            collapse-guard and state checks; at each progress line, every `log_every` steps, the
+            metric sums read and reset, the TensorBoard scalars and the 'log' event). Its first
+            call opens the run folder as `train()` does; the iterator lives across rounds.
   KerasFit  `model.fit(dataset, steps_per_epoch=...)` with the same model class, dataset, batch,
             optimizer, policy and `steps_per_execution = steps_per_loop`. The optimizer is the
             config's, built by trainer/optim/optimizers.py: Keras's own class when the config says
@@ -44,22 +45,13 @@ class Ours:
   def __init__(self, trainer_class, config: ml_collections.ConfigDict):
     self._workdir = tempfile.TemporaryDirectory(prefix='bench-')
     self.trainer = trainer_class(config, self._workdir.name)
-    self.trainer.runner.restore()  # opens the workdir (TensorBoard writer) as `train()` does
     self.policy = self.trainer.policy
     self.steps_per_loop = self.trainer.config.train.steps_per_loop
-    self.log_every = self.trainer.config.train.log_every
-    strategy = self.trainer.strategy
-    self.iterator = iter(strategy.experimental_distribute_dataset(self.trainer.datasets.train))
 
   def timed(self, steps: int) -> tuple[float, float]:
-    """Runs `steps` steps (a multiple of steps_per_loop) as Trainer.train's loop body does."""
-    t = self.trainer
+    """Runs `steps` steps as Trainer.train does between its evals and checkpoints."""
     start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(steps // self.steps_per_loop):
-      call_start = time.perf_counter()
-      step = t.runner.run_steps(self.iterator, self.steps_per_loop)
-      if step % self.log_every == 0:
-        t.runner.log_progress(step, self.steps_per_loop / (time.perf_counter() - call_start))
+    self.trainer.runner.train_steps(steps)
     return time.perf_counter() - start, time.process_time() - cpu_start
 
   def close(self):

@@ -312,8 +312,9 @@ def host_ops(ours) -> tuple[list[str], list[str]]:
   from trainer.step.train_step import SKIP_SCOPE
 
   t = ours.trainer
+  iterator = iter(t.strategy.experimental_distribute_dataset(t.datasets.train))  # same spec
   concrete = t.runner.train_loop.compiled.get_concrete_function(
-    ours.iterator, tf.constant(ours.steps_per_loop, tf.int64)
+    iterator, tf.constant(ours.steps_per_loop, tf.int64)
   )
   graph_def = concrete.graph.as_graph_def()
   nodes = list(graph_def.node)

@@ -259,7 +259,8 @@ def main(out_dir):
     scale_before = local(t.strategy, [t.loss_scaler.scale])
     from trainer.step.loss_scale import all_finite
 
-    injection = t.train_step.guard.injection  # installed around compute_gradients by the build
+    # Installed around compute_gradients by the build.
+    injection = t.train_step.state.guard.injection
     flags = t.strategy.run(  # at step 1, which replicas would the injection poison?
       lambda: all_finite(injection.poison([tf.ones([2])]))
     )

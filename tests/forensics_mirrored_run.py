@@ -34,7 +34,7 @@ def main(workdir):
   trainer = models.get_trainer_class('overflow_demo')(config, workdir)
   first_batch = next(iter(trainer.datasets.train))
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  trainer.runner.run_steps(iterator, 2)
+  trainer.runner._run_steps(iterator, 2)
   report = forensics.record(trainer, first_batch, 0)
   replayed = forensics.replay_folder(trainer, forensics.folder_for(workdir, 0))
   print(trainer.strategy.num_replicas_in_sync)

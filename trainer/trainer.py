@@ -151,8 +151,7 @@ class Trainer:
       'optimizer': self.optimizer,
       'loss_scaler': self.loss_scaler,
       'global_step': self.global_step,
-      'skipped_steps': self.train_step.skipped_steps,
-      'consecutive_skips': self.train_step.guard.consecutive,
+      **self.train_step.state.checkpoint_items(),  # 'skipped_steps', 'consecutive_skips'
     }
 
   def build_actions(self) -> list:

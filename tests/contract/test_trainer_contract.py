@@ -26,7 +26,7 @@ def run(trainer, n):
     iterator = trainer._it = iter(
       trainer.strategy.experimental_distribute_dataset(trainer.datasets.train)
     )
-  return trainer.runner.run_steps(iterator, n)
+  return trainer.runner._run_steps(iterator, n)
 
 
 def test_checkpoint_written_before_checkpoint_items_still_restores(tmp_path):
@@ -39,7 +39,7 @@ def test_checkpoint_written_before_checkpoint_items_still_restores(tmp_path):
   assert trainer.runner.restore() == 10
   assert int(trainer.train_step.skipped_steps.numpy()) == 1
   assert float(trainer.loss_scaler.scale.numpy()) == 16.0
-  assert int(trainer.train_step.guard.consecutive.numpy()) == 0  # absent: its initial value
+  assert int(trainer.train_step.state.guard.consecutive.numpy()) == 0  # absent: its initial value
   reader = tf.train.load_checkpoint(str(workdir / 'checkpoints' / 'ckpt-10'))
   kernel = trainer.model.trainable_variables[0]
   stored = [
@@ -53,11 +53,11 @@ def test_checkpoint_written_before_checkpoint_items_still_restores(tmp_path):
 def test_collapse_counter_is_checkpointed(tiny_trainer):
   trainer = tiny_trainer(**{'debug.inject_nonfinite_steps': '8,9', 'train.steps': 10})
   assert run(trainer, 10) == 10
-  assert int(trainer.train_step.guard.consecutive.numpy()) == 2
+  assert int(trainer.train_step.state.guard.consecutive.numpy()) == 2
   trainer.runner.save()
   fresh = tiny_trainer(**{'debug.inject_nonfinite_steps': '8,9', 'train.steps': 10})
   assert fresh.runner.restore() == 10
-  assert int(fresh.train_step.guard.consecutive.numpy()) == 2
+  assert int(fresh.train_step.state.guard.consecutive.numpy()) == 2
 
 
 def test_nonfinite_learning_rate_skips_the_step(tmp_path):

@@ -67,16 +67,16 @@ def test_gan_step_one_scale_skips_both_updates_together(package, tmp_path):
   trainer = gan.GanTrainer(gan_config(**{'debug.inject_nonfinite_steps': '2'}), str(tmp_path / 'w'))
   step = trainer.train_step
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  trainer.runner.run_steps(iterator, 2)  # steps 0, 1 apply both updates
+  trainer.runner._run_steps(iterator, 2)  # steps 0, 1 apply both updates
   before, scale = state(trainer), float(trainer.loss_scaler.scale.numpy())
   d_applied, g_applied = int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)
   assert (d_applied, g_applied) == (2, 2)
-  trainer.runner.run_steps(iterator, 1)  # step 2: the D's first gradient is poisoned
+  trainer.runner._run_steps(iterator, 1)  # step 2: the D's first gradient is poisoned
   for a, b in zip(before, state(trainer)):
     np.testing.assert_array_equal(a, b)  # neither model nor either optimizer moved
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (2, 2)
   assert float(trainer.loss_scaler.scale.numpy()) == scale / 2  # the one scale backed off
-  trainer.runner.run_steps(iterator, 1)  # step 3: both apply again
+  trainer.runner._run_steps(iterator, 1)  # step 3: both apply again
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (3, 3)
   outputs = trainer.runner.train_loop.read_outputs()
   assert set(outputs) >= {'loss', 'd_loss', 'g_loss', 'steps', 'skipped'}
@@ -102,9 +102,7 @@ def test_gan_resume_is_bit_identical(package, tmp_path):
   straight.train()
   # Interrupted: 4 steps, a checkpoint, a new process-like trainer resumes to 8.
   first = gan.GanTrainer(gan_config(), str(tmp_path / 'resumed'))
-  first.runner.restore()
-  iterator = iter(first.strategy.experimental_distribute_dataset(first.datasets.train))
-  assert first.runner.run_steps(iterator, 4) == 4
+  assert first.runner.train_steps(4) == 4
   first.runner.save()
   resumed = gan.GanTrainer(gan_config(), str(tmp_path / 'resumed'))
   resumed.train()

@@ -122,7 +122,7 @@ LONG = {
   'trainer.step.contract:check_outputs': "one check per way a step's outputs can be wrong",
   'trainer.insight.audit:audit': 'one row per layer, one rule per hazard',
   'trainer.run.runner:Runner': 'the run folder, the outer loop and its boundaries (save, eval, '
-  'preemption), one short method each; the forensic replay still here (issue 34)',
+  'preemption), one short method each',
   'trainer.run.workdir:Workdir': 'the run folder: lock, record, checkpoints and summaries',
 }
 
@@ -152,6 +152,18 @@ def test_functions_and_classes_are_short_or_listed():
   assert not long, f'over {FUNCTION_LINES} lines (function) or {CLASS_LINES} (class): {long}'
   stale = [k for k in LONG if k not in lengths or lengths[k][0] <= lengths[k][1]]
   assert not stale, f'listed as long but no longer over the limit (or gone): {stale}'
+
+
+def test_the_runner_has_at_most_ten_public_methods():
+  """Issue 56: the Runner showed 27 public methods on the API page, 18 of them called from no
+  other module; its internals are underscored, and what stays public is what users, tests, the
+  launcher and the benchmarks call."""
+  tree = ast.parse(open(modules()['trainer.run.runner']).read())
+  (runner,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == 'Runner']
+  public = [
+    n.name for n in runner.body if isinstance(n, ast.FunctionDef) and not n.name.startswith('_')
+  ]
+  assert len(public) <= 10, public
 
 
 def test_the_config_schema_loads_no_tensorflow():

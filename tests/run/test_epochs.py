@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tiny import TinyTrainer, tiny_config
 from trainer import Datasets
-from trainer.run import epochs
+from trainer.run import build, epochs
 from trainer.errors import ConfigError, DataError
 
 
@@ -41,7 +41,8 @@ def test_prepare_unknown_cardinality_uses_train_examples():
   _, steps = epochs.prepare(Datasets(train, train), 32)
   assert steps == 0
   with pytest.raises(ConfigError, match='set Datasets.train_examples'):
-    epochs.check_length(Datasets(train, train), 0, tiny_config(**{'train.steps': 0}))
+    length = dict(total_steps=0, train_examples=Datasets(train, train).train_examples)
+    build.check_config(tiny_config(**{'train.steps': 0}), replicas=1, policy='float32', **length)
 
 
 def test_prepare_leaves_an_endless_dataset_alone():

@@ -2,7 +2,7 @@
 
 A finite step can leave an optimizer slot non-finite (a gradient above ~1.8e19 squares to inf in
 Adam's second moment), and a NaN put in a weight behind a ReLU trains on with a finite loss. The
-first is caught at the end of that step's compiled call (trainer/step/state_check.py), a
+first is caught at the end of that step's compiled call (trainer/step/step_state.py), a
 non-finite state at a save too; both are recovery triggers like a collapse (trainer/run/
 recovery.py), never a stop with train.recover_tries unused."""
 

@@ -177,7 +177,7 @@ class ExtraTrainer(TinyTrainer):
 def test_plain_variable_and_actions_state_are_checked(tmp_path):
   trainer = ExtraTrainer(config(), str(tmp_path))
   trainer.runner.restore()
-  names = {v.name for v in trainer.runner.checkpoint_variables()}
+  names = {v.name for v in checkpoints.variables(trainer.runner.items)}
   assert {'ema_decay:0', 'global_step:0', 'scale:0'} <= names
   trainer.ema_decay.assign(float('inf'))
   with pytest.raises(NonFiniteError, match='ema_decay'):

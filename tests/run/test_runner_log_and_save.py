@@ -199,3 +199,27 @@ def test_an_error_during_training_says_what_is_on_disk(tmp_path):
     f'the newest checkpoint on disk is {workdir / "checkpoints" / "ckpt-10"} (step 10): '
     'the same command resumes from it'
   ), last
+
+
+def test_train_steps_trains_on_the_grid_with_the_progress_lines(tmp_path, caplog):
+  """Runner.train_steps (the benchmarks' loop, issue 56): n more steps in calls ending on
+  multiples of steps_per_loop, the progress lines and scalars train() writes, no checkpoint and
+  no eval, the data carried on from call to call (and past total_steps)."""
+  workdir = str(tmp_path / 'w')
+  trainer = TinyTrainer(tiny_config(**{'train.steps': 10}), workdir)
+  with caplog.at_level(logging.INFO):
+    assert trainer.runner.train_steps(7) == 7  # calls of 5 and 2 steps
+    assert trainer.runner.train_steps(8) == 15  # 3 (back on the grid), then 5
+  assert int(trainer.optimizer.iterations.numpy()) == 15
+  logged = [m.split()[1] for m in messages(caplog) if m.startswith('step ')]
+  assert logged == ['5/10', '10/10', '15/10']  # the first call, then every log_every
+  assert sorted(scalars(workdir, 'train/loss')) == [5, 10, 15]
+  assert not any(m.startswith('eval at step') for m in messages(caplog))
+  assert trainer.runner.workdir.latest_checkpoint is None
+  assert not os.path.exists(os.path.join(workdir, 'checkpoints', 'ckpt-10.index'))
+  at_once = TinyTrainer(tiny_config(**{'train.steps': 10}), str(tmp_path / 'once'))
+  assert at_once.runner.train_steps(15) == 15
+  for a, b in zip(trainer.model.weights, at_once.model.weights):  # the same batches, in order
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  trainer.runner.workdir.close()
+  at_once.runner.workdir.close()

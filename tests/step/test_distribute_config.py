@@ -11,6 +11,7 @@ import tensorflow as tf
 from configs import mnist
 from trainer import config as config_lib
 from trainer.distribute import strategy as distribute
+from trainer.run import build
 from trainer.errors import ConfigError, UserError
 
 
@@ -150,7 +151,10 @@ def test_default_strategy_is_one_replica_and_chief():
   strategy = distribute.build(_config())
   assert strategy.num_replicas_in_sync == 1
   assert distribute.is_chief(strategy)
-  assert distribute.check_batch(strategy, 7) == 7
+  c = _config(**{'train.batch_size': 7})  # divides among 1 replica, not 2 (run/build.py)
+  build.check_config(c, replicas=1, policy='float32', total_steps=10, train_examples=None)
+  with pytest.raises(ConfigError, match=r'batch_size=7 does not divide among 2 replicas; .*8\)'):
+    build.check_config(c, replicas=2, policy='float32', total_steps=10, train_examples=None)
 
 
 def test_mirrored_unknown_device_lists_the_known_ones():

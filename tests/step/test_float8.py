@@ -37,7 +37,7 @@ def run(trainer, n):
   if not hasattr(trainer, '_it'):
     trainer.runner.restore()
     trainer._it = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  return trainer.runner.run_steps(trainer._it, n)
+  return trainer.runner._run_steps(trainer._it, n)
 
 
 def test_float8_state_under_dynamic_loss_scaling(tmp_path):

@@ -129,7 +129,7 @@ def test_isolated_skips_never_trip_the_guard(tmp_path):
   trainer = TinyTrainer(config, str(tmp_path))
   trainer.train()
   assert int(trainer.train_step.skipped_steps.numpy()) == 9  # 2, 4, ..., 18
-  assert int(trainer.train_step.guard.consecutive.numpy()) == 0
+  assert int(trainer.train_step.state.guard.consecutive.numpy()) == 0
 
 
 def test_finite_steps_do_not_touch_the_overflow_record(tmp_path):
@@ -138,8 +138,9 @@ def test_finite_steps_do_not_touch_the_overflow_record(tmp_path):
   config = tiny_config(**{'debug.inject_nonfinite_steps': '3', 'train.steps': 10})
   trainer = TinyTrainer(config, str(tmp_path))
   trainer.train()
-  assert trainer.train_step.guard.nonfinite_names() == [trainer.model.trainable_variables[0].path]
-  assert list(trainer.train_step.guard.nonfinite.numpy()) == [1, 0, 0, 0]
+  guard = trainer.train_step.state.guard
+  assert guard.nonfinite_names() == [trainer.model.trainable_variables[0].path]
+  assert list(guard.nonfinite.numpy()) == [1, 0, 0, 0]
 
 
 def test_max_consecutive_skips_is_validated():

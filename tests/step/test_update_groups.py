@@ -47,7 +47,7 @@ def test_one_group_skips_alone_and_the_forward_state_is_put_back(gan2, tmp_path)
   )
   step, model = trainer.train_step, trainer.model
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  trainer.runner.run_steps(iterator, 2)  # steps 0, 1: both groups apply
+  trainer.runner._run_steps(iterator, 2)  # steps 0, 1: both groups apply
   d_vars = model.discriminator.trainable_variables
   bn = [v for v in model.discriminator.non_trainable_variables]
   assert bn, 'the discriminator has BatchNorm moving statistics'
@@ -57,7 +57,7 @@ def test_one_group_skips_alone_and_the_forward_state_is_put_back(gan2, tmp_path)
   d_scale, g_scale = float(trainer.loss_scaler.scale.numpy()), float(step.g_scaler.scale.numpy())
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (2, 2)
 
-  trainer.runner.run_steps(iterator, 1)  # step 2: the first group's (the D's) gradient poisoned
+  trainer.runner._run_steps(iterator, 1)  # step 2: the first group's (the D's) gradient poisoned
   for a, b in zip(
     before_d + before_d_opt + before_bn,
     arrays(d_vars) + arrays(trainer.optimizer.variables) + arrays(bn),
@@ -71,7 +71,7 @@ def test_one_group_skips_alone_and_the_forward_state_is_put_back(gan2, tmp_path)
   assert float(step.g_scaler.scale.numpy()) == g_scale  # the G's did not
   assert int(step.skipped_steps.numpy()) == 1
 
-  trainer.runner.run_steps(iterator, 1)  # step 3: both apply again
+  trainer.runner._run_steps(iterator, 1)  # step 3: both apply again
   assert (int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)) == (3, 4)
   outputs = trainer.runner.train_loop.read_outputs()
   assert outputs['steps'] == 4 and outputs['skipped'] == 1
@@ -84,9 +84,7 @@ def test_two_scale_gan_resumes_bit_identically(gan2, tmp_path):
   straight = gan2.TwoScaleGanTrainer(gan_config(**overrides), str(tmp_path / 'straight'))
   straight.train()
   first = gan2.TwoScaleGanTrainer(gan_config(**overrides), str(tmp_path / 'resumed'))
-  first.runner.restore()
-  iterator = iter(first.strategy.experimental_distribute_dataset(first.datasets.train))
-  assert first.runner.run_steps(iterator, 4) == 4
+  assert first.runner.train_steps(4) == 4
   first.runner.save()
   resumed = gan2.TwoScaleGanTrainer(gan_config(**overrides), str(tmp_path / 'resumed'))
   resumed.train()
@@ -170,7 +168,7 @@ def test_an_ema_in_apply_group_counts_every_applied_step(gan2, tmp_path):
   step = trainer.train_step
   averages = [arrays(ema.averages) for ema in step.emas]
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  assert trainer.runner.run_steps(iterator, 8) == 8
+  assert trainer.runner._run_steps(iterator, 8) == 8
   assert int(step.skipped_steps.numpy()) == 2
   counts = [int(ema.updates.numpy()) for ema in step.emas]
   assert counts == [int(trainer.optimizer.iterations), int(step.g_optimizer.iterations)]
@@ -206,7 +204,7 @@ def test_the_skip_line_names_the_group_skipped_and_its_scale(gan2, tmp_path, cap
   step = trainer.train_step
   assert step.group_names == ['discriminator', 'generator']
   iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
-  trainer.runner.run_steps(iterator, 4)
+  trainer.runner._run_steps(iterator, 4)
   d_kernel = trainer.model.discriminator.trainable_variables[0].path
   g_kernel = trainer.model.generator.trainable_variables[0].path
   lines = [l for l in capfd.readouterr().err.splitlines() if l.startswith('skipped step ')]
@@ -219,7 +217,7 @@ def test_the_skip_line_names_the_group_skipped_and_its_scale(gan2, tmp_path, cap
   ]
   assert float(trainer.loss_scaler.scale.numpy()) == 512.0  # the D's, backed off at step 1
   assert float(step.g_scaler.scale.numpy()) == 512.0  # the G's, backed off at step 3
-  assert float(step.guard.last_scale.numpy()) == 1024.0  # the skipped group's, for the replay
+  assert float(step.state.guard.last_scale.numpy()) == 1024.0  # the skipped group's, for the replay
 
 
 def test_a_helper_named_evaluate_is_one_line_at_class_definition():

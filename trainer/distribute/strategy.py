@@ -224,18 +224,6 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
     ) from None
 
 
-def check_batch(strategy: tf.distribute.Strategy, global_batch: int) -> int:
-  """The per-replica batch; ConfigError if `global_batch` does not divide among the replicas."""
-  replicas = strategy.num_replicas_in_sync
-  if global_batch % replicas:
-    raise ConfigError(
-      f'config.train.batch_size={global_batch} does not divide among '
-      f'{replicas} replicas; use a multiple of {replicas} (e.g. '
-      f'{(global_batch // replicas + 1) * replicas}).'
-    )
-  return global_batch // replicas
-
-
 def state_variable(
   value: Any, dtype: tf.DType, name: str, shape: tf.TensorShape | None = None
 ) -> tf.Variable:

@@ -28,14 +28,9 @@ KEY = 'config.precision.float8'
 def apply(model, name: str, policy: str, leave_out: tuple[str, ...] = ()) -> list[str]:
   """Quantizes `model`'s layers with recipe `name` under the global `policy` (a resolved policy
   name), except those named in `leave_out` (precision.float32_layers) and the layers nested in
-  them; the quantized layers' paths. ConfigError for a recipe that forbids the policy's float16
-  compute, or an mxfp8 layer whose contraction axes do not divide into 32-element blocks."""
+  them; the quantized layers' paths. ConfigError for an mxfp8 layer whose contraction axes do
+  not divide into 32-element blocks (a recipe's float16 compute: run/build.py's check_config)."""
   recipe = float8_gemm.RECIPES[name]
-  if policy == 'mixed_float16' and not recipe.float16:
-    raise ConfigError(
-      f'{KEY}={name!r} does not run with float16 compute ({recipe.source}: its scaled GEMM '
-      "writes bfloat16 or float32); use config.precision.policy='mixed_bfloat16'"
-    )
   sixteen = keras.mixed_precision.dtype_policy().compute_dtype != 'float32'
   done = []
   # pylint: disable-next=protected-access

@@ -2,7 +2,8 @@
 
 `build(trainer, config, workdir, strategy)` sets on the trainer, in this order: `config`
 (validated), `workdir`, `strategy` (multi_worker and TPU set up before anything touches a
-device), `policy`, `datasets` and `total_steps`, then under the strategy's scope `model` (whose
+device), `policy`, `datasets` and `total_steps`; then it checks the config against the run
+(`check_config`: replicas, policy, length), then under the strategy's scope `model` (whose
 build_model may read `datasets`: a finite train set not yet repeated),
 `train_metrics` and `eval_metrics`, `global_step`, `metric_names` (from one eager forward pass on
 the first eval batch that checks the hooks' contract: one-line errors before anything is
@@ -26,6 +27,7 @@ from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.data import autotune, checks
 from trainer.nn import remat
+from trainer.nn.float8_gemm import RECIPES
 from trainer.distribute import strategy as distribute
 from trainer.optim import optimizers
 from trainer.step import contract, inject, payoff, precision
@@ -114,11 +116,16 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   prepared, steps_per_epoch = epochs.prepare(
     trainer.datasets, c.train.batch_size, c.train.eval_max_batches
   )
-  epochs.check_length(prepared, steps_per_epoch, c)
   trainer.datasets = autotune.datasets_without_thread(trainer.datasets)
   prepared = autotune.datasets_without_thread(prepared)
   trainer.total_steps = c.train.steps or c.train.epochs * steps_per_epoch
-  _check_against_the_run(c, trainer.total_steps, trainer.strategy.num_replicas_in_sync)
+  check_config(
+    c,
+    replicas=trainer.strategy.num_replicas_in_sync,
+    policy=trainer.policy,
+    total_steps=trainer.total_steps,
+    train_examples=prepared.train_examples,
+  )
 
   trainer.jit_compile = jit(c.train.jit_compile, trainer.policy)
   with trainer.strategy.scope():
@@ -153,12 +160,10 @@ def _set_runtime(trainer, c, strategy: tf.distribute.Strategy | None) -> None:
   TPU set up before anything touches a device), determinism, the seed and the policy."""
   distribute.set_threads(c)
   trainer.strategy = strategy or distribute.build(c)
-  distribute.check_batch(trainer.strategy, c.train.batch_size)
   if c.train.deterministic:
     tf.config.experimental.enable_op_determinism()
   keras.utils.set_random_seed(c.seed)
   trainer.policy = precision.apply(c.precision.policy)
-  config_lib.check_master_weights_policy(c, trainer.policy)  # 'auto', now resolved
 
 
 def _build_update(trainer, c) -> None:
@@ -209,8 +214,39 @@ def _check_grad_accum(step, k: int) -> None:
     )
 
 
-def _check_against_the_run(c, total_steps: int, replicas: int) -> None:
-  """Keys that are valid alone but not for this run's length or replicas: one ConfigError."""
+def check_config(c, *, replicas: int, policy: str, total_steps: int, train_examples) -> None:
+  """The config against this run (replicas, the resolved policy, the length: train.steps or epochs
+  of `train_examples`): one ConfigError naming the key, before the model is built. What needs a
+  built object is checked where it is built: float32_layers' names, float8's MX blocks, the
+  optimizer's low-precision state, early stopping's metric."""
+  batch, k, float8 = int(c.train.batch_size), int(c.train.grad_accum_steps), c.precision.float8
+  if batch % replicas:
+    raise ConfigError(
+      f'config.train.batch_size={batch} does not divide among {replicas} replicas; use a '
+      f'multiple of {replicas} (e.g. {(batch // replicas + 1) * replicas}).'
+    )
+  if (batch // replicas) % k:
+    raise ConfigError(
+      f'config.train.grad_accum_steps={k} does not divide the per-replica batch '
+      f'{batch // replicas} (config.train.batch_size={batch} over {replicas} replicas).'
+    )
+  config_lib.check_master_weights_policy(c, policy)
+  recipe = RECIPES.get(float8)  # None: 'none', or 'delayed' (Keras's, under any policy)
+  if policy == 'mixed_float16' and recipe is not None and not recipe.float16:
+    raise ConfigError(
+      f'config.precision.float8={float8!r} does not run with float16 compute '
+      f'({recipe.source}: its scaled GEMM writes bfloat16 or float32); use '
+      "config.precision.policy='mixed_bfloat16'"
+    )
+  if not total_steps and train_examples:  # no train.steps, and an epoch of no batch
+    raise ConfigError(
+      f'config.train.batch_size={batch} is larger than the {train_examples} training examples.'
+    )
+  if not total_steps:
+    raise ConfigError(
+      'config.train.epochs needs the epoch length of a train dataset of unknown '
+      'length: set Datasets.train_examples in build_datasets, or config.train.steps'
+    )
   if c.optimizer.warmup_steps > total_steps:
     raise ConfigError(
       f'config.optimizer.warmup_steps={c.optimizer.warmup_steps} is longer than '

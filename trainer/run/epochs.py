@@ -25,7 +25,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.data import checks
-from trainer.errors import ConfigError, DataError
+from trainer.errors import DataError
 
 
 def prepare(datasets, batch_size: int, eval_max_batches: int = 0):
@@ -56,22 +56,6 @@ def prepare(datasets, batch_size: int, eval_max_batches: int = 0):
     from_examples,
   )
   return datasets._replace(train=train), from_examples
-
-
-def check_length(datasets, steps_per_epoch: int, config) -> None:
-  """A run needs a length: config.train.steps, or epochs of a known number of steps."""
-  if config.train.steps or steps_per_epoch:
-    return
-  if datasets.train_examples:
-    raise ConfigError(
-      f'config.train.batch_size={config.train.batch_size} is larger than the '
-      f'{datasets.train_examples} training examples.'
-    )
-  raise ConfigError(
-    'config.train.epochs needs the epoch length of a train dataset of unknown '
-    'length: set Datasets.train_examples in build_datasets, or '
-    'config.train.steps'
-  )
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """The health test of a checkpoint, and which one is the last healthy one.
 
-A save is only ever made of a finite state (Runner.check_finite_state). A finite state can still
+A save is only ever made of a finite state (Runner.save checks it). A finite state can still
 be useless: one huge update (a learning rate of 1e38) leaves finite weights that make every
 later step non-finite, and a learning rate of 20 leaves a network at chance whose loss never
 moves again (its running minimum, from before, looks fine). A checkpoint is *healthy* (DEFINITION)

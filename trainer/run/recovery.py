@@ -4,7 +4,7 @@ At each progress line the policy asks the divergence rule (trainer/insight/diver
 the logged loss and records the loss's health (trainer/run/health.py: what makes the next save
 the last healthy checkpoint). When the loss diverged, the collapse guard stopped the compiled
 loop (CollapseError), or the state is not finite (NonFiniteError: an applied update left a
-weight or an optimizer slot non-finite, trainer/step/state_check.py, or a save found one),
+weight or an optimizer slot non-finite, trainer/step/step_state.py, or a save found one),
 
   * with `train.recover_tries` left, it restores the last healthy checkpoint and the run goes on
     from its step with the data after the failure, the learning rate multiplied by

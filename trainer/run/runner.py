@@ -15,7 +15,8 @@ step) an eval and an 'eval' event, after the save, so that an eval that fails or
 trained step; when the eval changed the actions' checkpointed state (best eval, evals without
 improvement) the step is saved again with it, and the run folder records the eval as done. A
 resumed run whose restored step was due an eval that did not complete (Ctrl-C or a kill during
-it) evaluates that step first. A preemption notice saves and raises `Preempted`.
+it) evaluates that step first. A preemption notice saves and raises `Preempted`. `train_steps(n)`
+runs the calls and their log steps alone, for a benchmark or a loop of one's own.
 Every event goes to the built-in actions first (the numerics line, the config's early stopping
 and best checkpoint), then to the trainer's `build_actions()`, all through the same API
 (trainer/run/actions.py).
@@ -24,6 +25,7 @@ and best checkpoint), then to the trainer's `build_actions()`, all through the s
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -34,7 +36,7 @@ from absl import flags, logging
 
 from trainer import config as config_lib
 from trainer import compile_cache, onednn
-from trainer.errors import CollapseError, NonFiniteError, UserError
+from trainer.errors import CollapseError, NonFiniteError
 from trainer.insight import audit, forensics, numerics
 from trainer.run import (
   actions,
@@ -60,28 +62,30 @@ EVAL_REPORT_SECONDS = 30.0  # a long eval prints its progress this often
 
 
 class Runner:
-  """Runs `trainer` (built: trainer/run/build.py). `workdir` is its run folder (a Workdir)."""
+  """Runs `trainer` (built: trainer/run/build.py): `train`, `train_steps` (the outer loop's calls
+  alone), `evaluate`, `request_stop`; `workdir` is its run folder (a Workdir): `restore`, `save`,
+  `on_disk`, `write_scalars`."""
 
   def __init__(self, trainer, started: float | None = None, first_eval_batch=None):
     if not flags.FLAGS.is_parsed():  # used from Python, not launch.py: show the progress lines
       logging.set_verbosity(logging.INFO)
     self.trainer = t = trainer
     self.config = c = t.config
-    self.grappler = build.grappler(c.train.grappler)
+    self._grappler = build.grappler(c.train.grappler)
     self.eval_loop, self.train_loop = self._loops()
     # The first eval batch (read by build unless given): the start-of-run loss, the probe's.
-    self.first_eval_batch = (
+    self._first_eval_batch = (
       checks.first_eval_batch(t.datasets) if first_eval_batch is None else first_eval_batch
     )
     self.numerics = numerics.Recorder(
-      t, c.numerics.every, self.write_scalars, batch=self.first_eval_batch
+      t, c.numerics.every, self.write_scalars, batch=self._first_eval_batch
     )
     user_actions = list(t.build_actions())
     contract.check_actions(user_actions)
     config_actions = actions.from_config(c, self.eval_loop.reports)
     self.actions = [numerics.NumericsLine(self.numerics), *config_actions, *user_actions]
-    self.actions_state = actions.state(config_actions + user_actions)  # checkpointed
-    self.items = {**t.checkpoint_items(), 'actions': self.actions_state}
+    self._actions_state = actions.state(config_actions + user_actions)  # checkpointed
+    self.items = {**t.checkpoint_items(), 'actions': self._actions_state}
     # The schedule's recovery factor (train.recover_lr_factor != 1), checkpointed.
     rate = t.learning_rate
     factor = rate.factor if isinstance(rate, optimizers.Recoverable) else None
@@ -89,12 +93,12 @@ class Runner:
       self.items['lr_factor'] = factor
     self.clock = goodput.Clock(started)
     self.checkpoint = tf.train.Checkpoint(**self.items)
-    self.forensics = forensics.RateLimiter(c.numerics.forensics_first, c.numerics.forensics_every)
-    self.stop_reason: str | None = None
+    self._stop_reason: str | None = None
     self.workdir = Workdir(
       t.workdir, self.checkpoint, c, strategy=t.strategy, items=self.items, policy=t.policy
     )
     self.is_chief = self.workdir.is_chief  # writes the run folder (multi_worker)
+    self._forensic_stop = forensics.ForensicStop(t, self.train_loop, self.workdir, c.numerics)
     self.recovery = recovery.Recovery(
       c,
       workdir=self.workdir,
@@ -105,10 +109,10 @@ class Runner:
       write_scalars=self.write_scalars,
     )
     self._train_iterator = None
-    self.training = False  # the run folder is open for training (restore ran)
-    self.step = 0  # the global step at the last loop boundary (what the exit lines count)
-    self.saved_at: int | None = None  # the step of this run's newest save
-    self.last_eval: dict[str, float] | None = None  # with '_step'
+    self._training = False  # the run folder is open for training (restore ran)
+    self._step = 0  # the global step at the last loop boundary (what the exit lines count)
+    self._saved_at: int | None = None  # the step of this run's newest save
+    self._last_eval: dict[str, float] | None = None  # with '_step'
 
   def _loops(self) -> tuple[EvalLoop, TrainLoop]:
     """The eval loop and the train loop (the compiled call of steps_per_loop steps), under the
@@ -121,13 +125,14 @@ class Runner:
         metric_names=t.metric_names,
         metrics=t.eval_metrics,
         jit_compile=t.jit_compile,
-        grappler=self.grappler,
+        grappler=self._grappler,
       )
       train_loop = TrainLoop(
         t.train_step,
+        strategy=t.strategy,
         forensics=c.numerics.forensics_first > 0 or c.numerics.forensics_every > 0,
         element_spec=t.datasets.train.element_spec,
-        grappler=self.grappler,
+        grappler=self._grappler,
       )
     return eval_loop, train_loop
 
@@ -151,14 +156,14 @@ class Runner:
     variable finite: a non-finite state is never saved (NonFiniteError naming the step and the
     variables), so every checkpoint on disk, and the newest one rotation keeps, is finite."""
     step = int(self.trainer.global_step.numpy())
-    self.check_finite_state()  # before anything is written for this save
-    healthy = self.recovery.healthy(int(self.trainer.train_step.guard.consecutive.numpy()))
+    self._check_finite_state()  # before anything is written for this save
+    healthy = self.recovery.healthy(int(self.trainer.train_step.state.guard.consecutive.numpy()))
     with self.clock.timing('checkpoint'):
       path = self.workdir.save(step, healthy=healthy, loss=self.recovery.health.loss)
-    self.saved_at = step
+    self._saved_at = step
     return path
 
-  def save_or_recover(self, step: int) -> int | None:
+  def _save_or_recover(self, step: int) -> int | None:
     """The save at a checkpoint step and its 'save' event; None when saved. A state that is not
     finite (a NaN put in a weight between steps, a variable the per-step check does not read)
     is a recovery trigger like a collapse: the restored step, or NonFiniteError when no try is
@@ -166,16 +171,16 @@ class Runner:
     try:
       checkpoint = self.save()
     except NonFiniteError as e:
-      self.step = self.recovery.after_collapse(e)
-      return self.step
-    self.act('save', step, checkpoint=checkpoint)
+      self._step = self.recovery.after_collapse(e)
+      return self._step
+    self._act('save', step, checkpoint=checkpoint)
     return None
 
-  def check_finite_state(self) -> None:
+  def _check_finite_state(self) -> None:
     """Raises NonFiniteError when a variable of the checkpoint items (model, optimizer, loss
     scaler, counters, actions' state, a custom step's own plain tf.Variables) holds inf or NaN
     (one reduction on the device; the names are looked up only then)."""
-    bad = checkpoints.nonfinite(self.checkpoint_variables())
+    bad = checkpoints.nonfinite(checkpoints.variables(self.items))
     if not bad:
       return
     newest = self.workdir.latest_checkpoint
@@ -186,19 +191,15 @@ class Runner:
       + 'lower config.optimizer.learning_rate, use a loss scale, or check the input data.'
     )
 
-  def checkpoint_variables(self) -> list:
-    """Every variable a checkpoint saves (what check_finite_state checks)."""
-    return checkpoints.variables(self.items)
-
   def on_disk(self) -> str:
     """What an exit line says is on disk: the newest checkpoint and its step, or that there is
     none, and how many of the steps trained (to the last loop boundary) the same command redoes;
     '' before training opened the run folder."""
-    if not self.training:
+    if not self._training:
       return ''
     newest = self.workdir.newest_for_resume
     at = int(newest.rsplit('-', 1)[-1]) if newest else 0
-    redo = f', redoing {self.step - at} steps' if self.step > at else ''
+    redo = f', redoing {self._step - at} steps' if self._step > at else ''
     if newest is None:
       return 'no checkpoint is on disk: the same command starts again from step 0' + redo
     return (
@@ -212,7 +213,7 @@ class Runner:
 
   def request_stop(self, reason: str) -> None:
     """Ends the outer loop after the current boundary (with a checkpoint)."""
-    self.stop_reason = reason
+    self._stop_reason = reason
 
   # ---- the outer loop --------------------------------------------------------------------
   def evaluate(self, stop=None, step: int | None = None) -> dict[str, float] | None:
@@ -227,7 +228,7 @@ class Runner:
       max_batches=int(self.config.train.eval_max_batches),
     )
 
-  def act(self, kind: str, step: int, metrics=None, checkpoint=None) -> None:
+  def _act(self, kind: str, step: int, metrics=None, checkpoint=None) -> None:
     """Calls every action with one Event."""
     event = actions.Event(kind, step, dict(metrics or {}), self.trainer, checkpoint, self)
     for action in self.actions:
@@ -237,34 +238,49 @@ class Runner:
     """Trains to `total_steps` (resuming from the run folder), saves, evaluates; returns the
     eval metrics. Ends early, with a checkpoint, when an action calls `request_stop`."""
     t, total = self.config.train, self.trainer.total_steps
-    step = self.start()
-    with self.running(step) as (watcher, iterator):
-      self.redo_cut_eval(watcher, step)
-      while step < total and self.stop_reason is None:
+    step = self._start()
+    with self._running(step) as watcher:
+      self._redo_cut_eval(watcher, step)
+      while step < total and self._stop_reason is None:
         # Calls end on multiples of steps_per_loop (eval_every and checkpoint_every are
         # multiples of it): a resume from another step (a longer train.steps, a changed
         # steps_per_loop, an early-stop or end-of-data save) comes back onto that grid.
         n = min(t.steps_per_loop - step % t.steps_per_loop, total - step)
-        step, boundary = self.advance(watcher, iterator, step, n)
+        step, boundary = self._advance(watcher, step, n)
         if not boundary:  # a recovery went back to the last healthy checkpoint's step
           continue
-        if step % t.checkpoint_every == 0 or step == total or self.stop_reason is not None:
-          restored = self.save_or_recover(step)  # before the eval: nothing lost
+        if step % t.checkpoint_every == 0 or step == total or self._stop_reason is not None:
+          restored = self._save_or_recover(step)  # before the eval: nothing lost
           if restored is not None:  # the state was not finite: the last healthy checkpoint's
             step = restored
             continue
-        if self.eval_due(step):
-          self.eval_at(watcher, step)
-        self.maybe_preempt(watcher, step)
-        self.ticker.draw(step)  # the live bar, on a terminal
-      if not self.evaluated(step):  # an early stop off the eval grid; a finished run again
-        self.eval_at(watcher, step)
-        self.maybe_preempt(watcher, step)
-    if self.stop_reason is not None:
-      logging.info('%s; stopped at step %d/%d', self.stop_reason, step, total)
-    return self.final_metrics(step)
+        if self._eval_due(step):
+          self._eval_at(watcher, step)
+        self._maybe_preempt(watcher, step)
+        self._ticker.draw(step)  # the live bar, on a terminal
+      if not self._evaluated(step):  # an early stop off the eval grid; a finished run again
+        self._eval_at(watcher, step)
+        self._maybe_preempt(watcher, step)
+    if self._stop_reason is not None:
+      logging.info('%s; stopped at step %d/%d', self._stop_reason, step, total)
+    return self._final_metrics(step)
 
-  def start(self) -> int:
+  def train_steps(self, n: int) -> int:
+    """Trains `n` more steps as `train()` does between its boundaries (for a benchmark, or a
+    loop of one's own): compiled calls ending on multiples of steps_per_loop, the progress lines
+    with their 'log' events and the recovery policy's look at the loss. No eval, no checkpoint,
+    no signal handling (Ctrl-C raises KeyboardInterrupt), no stop at total_steps. The first call
+    starts the run as `train()` does (restore, start line); the data iterator and the progress
+    lines' cadence carry on from call to call. Returns the global step reached."""
+    if not self._training:
+      self._open(self._start())
+    spl, step = self.config.train.steps_per_loop, self._step
+    target, inline = step + n, preemption.Watcher()  # not entered: it calls inline
+    while step < target:
+      step, _ = self._advance(inline, step, min(spl - step % spl, target - step))
+    return step
+
+  def _start(self) -> int:
     """Before the loop: the precision audit's warnings, the restore, the start line, the
     numerics recorder and the recovery policy; returns the global step."""
     tr, t = self.trainer, self.config.train
@@ -276,9 +292,9 @@ class Runner:
       p.master_weights != 'float32',
       audit.forward(tr),
     )
-    self.step = step = self.restore()
-    self.training = True
-    self.clock.skipped_from = int(tr.train_step.skipped_steps.numpy())  # this process's skips
+    self._step = step = self.restore()
+    self._training = True
+    self.clock.skipped_from = tr.train_step.state.skipped()  # this process's skips
     total = tr.total_steps
     logging.info(
       'training %s: %d steps, global batch %d, policy %s, loss scale %s, %d replica(s), '
@@ -291,7 +307,7 @@ class Runner:
       tr.strategy.num_replicas_in_sync,
       'on' if tr.jit_compile else 'off',
       'on' if onednn.enabled() else 'off',
-      'on' if self.grappler else 'off',
+      'on' if self._grappler else 'off',
     )
     hint = onednn.hint()  # the kernels are off only because TensorFlow loaded first
     if hint:
@@ -309,40 +325,40 @@ class Runner:
       )
     self.numerics.start(step)
     if step < total:  # a resumed or warm-started run has no untrained loss to compare with
-      self.recovery.start(self.first_loss, resumed=step > 0 or bool(t.init_from))
+      self.recovery.start(self._first_loss, resumed=step > 0 or bool(t.init_from))
     return step
 
-  @contextlib.contextmanager
-  def running(self, step: int):
-    """Around the loop: the data iterator, the progress ticker, the profiler, the signal
-    watcher (`preemption.Watcher`) and the end-of-data save; at the end the last background
-    checkpoint write completes, and the goodput line is logged (after an error too)."""
+  def _open(self, step: int) -> None:
+    """The data iterator from `step` on, the progress ticker and the profiler, kept for the
+    calls that follow (and the iterator past them: tearing it down waits for tf.data)."""
     tr, t = self.trainer, self.config.train
+    logdir = os.path.join(tr.workdir, 'tensorboard')
     train_ds = tr.datasets.train.skip(step) if step else tr.datasets.train
-    iterator = iter(tr.strategy.experimental_distribute_dataset(train_ds))
-    self._train_iterator = iterator  # kept past train(): tearing it down waits for tf.data
-    self.ticker = progress.Progress(
-      total=tr.total_steps,
-      log_every=t.log_every,
-      first_step=step,
-      max_interval=progress.MAX_INTERVAL,
-    )
-    self.profiler = profiling.StepProfiler(t.profile_steps, os.path.join(tr.workdir, 'tensorboard'))
+    self._train_iterator = iter(tr.strategy.experimental_distribute_dataset(train_ds))
+    self._ticker = progress.Progress(total=tr.total_steps, log_every=t.log_every, first_step=step)
+    self._profiler = profiling.StepProfiler(t.profile_steps, logdir)
+
+  @contextlib.contextmanager
+  def _running(self, step: int):
+    """Around the loop: `_open`, the signal watcher (`preemption.Watcher`) and the end-of-data
+    save; at the end the last background checkpoint write completes, and the goodput line is
+    logged (after an error too)."""
+    self._open(step)
     with preemption.Watcher(on_disk=self.on_disk) as watcher, epochs.end_of_data(self):
       try:
-        yield watcher, iterator
+        yield watcher
         with self.clock.timing('checkpoint'):
           self.workdir.sync()  # the last background write, complete and recorded
       finally:
-        self.profiler.stop()
+        self._profiler.stop()
         self._sync_quietly()  # after an error too: never leave a background write running
-        self.log_goodput(int(tr.global_step.numpy()))
+        self._log_goodput(int(self.trainer.global_step.numpy()))
 
-  def advance(self, watcher, iterator, step: int, n: int) -> tuple[int, bool]:
-    """One compiled call of `n` steps, then at a due log step the progress line, its 'log'
-    event and the recovery policy's look at it. Returns (the step to go on from, whether it is
-    the call's end: False after a recovery went back to an earlier step)."""
-    self.profiler.before(step, step + n)
+  def _advance(self, watcher, step: int, n: int) -> tuple[int, bool]:
+    """One compiled call of `n` steps (by `watcher.call`), then at a due log step the progress
+    line, its 'log' event and the recovery policy's look at it. Returns (the step to go on from,
+    whether it is the call's end: False after a recovery went back to an earlier step)."""
+    self._profiler.before(step, step + n)
     if self.clock.first_call is None:  # nothing is printed while the step is traced
       logging.info(
         'tracing and compiling the train step (the first call: steps %d-%d)', step, step + n
@@ -350,35 +366,36 @@ class Runner:
     start = time.perf_counter()
     beat = self._heartbeat(step, step + n)
     try:
-      self.step = step = watcher.call(self.run_steps, iterator, n, on_wait=beat)  # Ctrl-C twice
+      # A second Ctrl-C stops at once (trainer/run/preemption.py).
+      self._step = step = watcher.call(self._run_steps, self._train_iterator, n, on_wait=beat)
     except (CollapseError, NonFiniteError) as e:  # its steps ran: train time, not start-up
       ran = max(int(self.trainer.global_step.numpy()) - step, 1)
       self.clock.steps(time.perf_counter() - start, ran, start)
-      self.step = self.recovery.after_collapse(e)  # or raises e: no recovery left
-      return self.step, False
+      self._step = self.recovery.after_collapse(e)  # or raises e: no recovery left
+      return self._step, False
     self.clock.steps(time.perf_counter() - start, n, start)
-    self.ticker.timed(time.perf_counter() - start, n)
-    self.profiler.after(step)
-    if not self.ticker.due(step):  # the first call, log_every, the last step, or 30 s passed
+    self._ticker.timed(time.perf_counter() - start, n)
+    self._profiler.after(step)
+    if not self._ticker.due(step):  # the first call, log_every, the last step, or 30 s passed
       return step, True
-    logged = self.log_progress(step, self.ticker.steps_per_sec())
-    self.act('log', step, logged)
+    logged = self._log_progress(step, self._ticker.steps_per_sec())
+    self._act('log', step, logged)
     rate = next(iter(progress.learning_rates(self.trainer.train_step.groups).values()), None)
-    self.step = self.recovery.after_log(step, logged, rate)  # before this step's save
-    return self.step, self.step == step
+    self._step = self.recovery.after_log(step, logged, rate)  # before this step's save
+    return self._step, self._step == step
 
   def _heartbeat(self, first: int, last: int):
     """`on_wait` for a compiled call of steps `first` to `last`: the ticker's heartbeat line."""
-    started = self.ticker.clock()
+    started = self._ticker.clock()
 
     def beat() -> None:
-      line = self.ticker.heartbeat(first, last, started)
+      line = self._ticker.heartbeat(first, last, started)
       if line is not None:
         logging.info(line)
 
     return beat
 
-  def eval_at(self, watcher, step: int) -> None:
+  def _eval_at(self, watcher, step: int) -> None:
     """The eval at `step` (Ctrl-C honoured between its batches), then a save when the eval
     changed what the actions keep in the checkpoint (best eval, evals without improvement)
     and `step` was saved, or when an action asked to stop and it was not."""
@@ -386,29 +403,29 @@ class Runner:
     single = preemption.workers(self.trainer.strategy) == 1  # else stopping is a collective
     stop = (lambda: watcher.requested) if single else None
     with self.clock.timing('eval'):
-      metrics = watcher.call(self.log_eval, step, stop)
-    if metrics is None:  # interrupted: maybe_preempt saves (if needed) and stops
+      metrics = watcher.call(self._log_eval, step, stop)
+    if metrics is None:  # interrupted: _maybe_preempt saves (if needed) and stops
       return
     changed = any(not np.array_equal(a, b) for a, b in zip(kept, self._actions_values()))
-    if (changed and self.saved_at == step) or (
-      self.stop_reason is not None and self.saved_at != step
+    if (changed and self._saved_at == step) or (
+      self._stop_reason is not None and self._saved_at != step
     ):
-      self.act('save', step, checkpoint=self.save())
+      self._act('save', step, checkpoint=self.save())
     self.workdir.record_eval(step)  # after that save: a resume redoes no eval it has
 
-  def eval_due(self, step: int) -> bool:
+  def _eval_due(self, step: int) -> bool:
     """Whether the outer loop evaluates at loop boundary `step`: the last step and every
     eval_every."""
     every = self.config.train.eval_every
     return step == self.trainer.total_steps or bool(every and step % every == 0)
 
-  def redo_cut_eval(self, watcher, step: int) -> None:
+  def _redo_cut_eval(self, watcher, step: int) -> None:
     """Before a resumed run trains on: the eval due at the restored `step`, when the run folder
     does not record it completed (Workdir.record_eval). The checkpoint of an eval step is
     written before its eval, so an eval cut by Ctrl-C or a kill would otherwise never happen.
     A run folder from before the record redoes it too (it cannot tell)."""
     done = self.workdir.evaluated_step()
-    if step == 0 or not self.eval_due(step) or (done is not None and done >= step):
+    if step == 0 or not self._eval_due(step) or (done is not None and done >= step):
       return
     logging.info(
       'the run folder records no completed eval at step %d, the restored step (cut by Ctrl-C or '
@@ -416,32 +433,32 @@ class Runner:
       step,
     )
     # Restored from ckpt-<step>: an eval that changes the actions' state saves it again.
-    self.saved_at = step
-    self.eval_at(watcher, step)
-    self.maybe_preempt(watcher, step)
+    self._saved_at = step
+    self._eval_at(watcher, step)
+    self._maybe_preempt(watcher, step)
 
   def _actions_values(self) -> list:
-    return [np.array(v.numpy()) for v in self.actions_state.variables]
+    return [np.array(v.numpy()) for v in self._actions_state.variables]
 
-  def evaluated(self, step: int) -> bool:
-    return self.last_eval is not None and self.last_eval['_step'] == step
+  def _evaluated(self, step: int) -> bool:
+    return self._last_eval is not None and self._last_eval['_step'] == step
 
-  def maybe_preempt(self, watcher, step: int) -> None:
+  def _maybe_preempt(self, watcher, step: int) -> None:
     """A signal (on any worker): saves unless `step` is saved, then raises Preempted."""
     if not watcher.should_stop(self.trainer.strategy):  # a collective under multi_worker
       return
-    path = self.save() if self.saved_at != step else None
+    path = self.save() if self._saved_at != step else None
     with self.clock.timing('checkpoint'):
       self.workdir.sync()  # a background write completes before the process ends
     raise preemption.Preempted(
       watcher.reason, step, self.trainer.total_steps, path or self.workdir.latest_checkpoint
     )
 
-  def final_metrics(self, step: int) -> dict[str, float]:
+  def _final_metrics(self, step: int) -> dict[str, float]:
     """The last eval's metrics; NonFiniteError when its loss is not finite."""
-    assert self.last_eval is not None and self.last_eval['_step'] == step
-    metrics = {k: v for k, v in self.last_eval.items() if k != '_step'}
-    if self.stop_reason is None and not math.isfinite(metrics['loss']):
+    assert self._last_eval is not None and self._last_eval['_step'] == step
+    metrics = {k: v for k, v in self._last_eval.items() if k != '_step'}
+    if self._stop_reason is None and not math.isfinite(metrics['loss']):
       raise NonFiniteError(
         f'the final eval at step {step} has loss {metrics["loss"]}: the '
         'model does not compute finite outputs; see the skipped steps in '
@@ -451,86 +468,21 @@ class Runner:
     health.check_end(r.divergence, r.health, metrics['loss'], step, self.workdir.healthy_record())
     return metrics
 
-  def run_steps(self, iterator, num_steps: int) -> int:
+  def _run_steps(self, iterator, num_steps: int) -> int:
     """The inner loop: `num_steps` steps from `iterator` (a distributed iterator over
-    `datasets.train`) in one compiled call; returns the global step after them. The call
-    returns its counters (TrainLoop.run); the host raises CollapseError when the guard stopped
-    the loop. With forensics on, a skipped step that gets forensics ends the compiled call
-    early: it is replayed, and a second call runs the rest."""
-    tr, loop = self.trainer, self.train_loop
-    guard = tr.train_step.guard
-    target = None  # the global step to reach: the first call's start + num_steps
-    skipped = int(tr.train_step.skipped_steps.numpy()) if loop.forensics else 0
-    while True:
-      if loop.forensics:  # the compiled loop stops after the next skip that gets forensics
-        stop_at = self.forensics.next_after(skipped)
-        loop.stop_after_skip(stop_at)
-      counters = loop.run(iterator, num_steps)
-      if target is None:
-        target = counters.first_step + num_steps
-      skipped = counters.skipped_steps
-      step = counters.global_step
-      self.check_updated_state(counters)  # NonFiniteError: an update left the state non-finite
-      if counters.consecutive >= guard.max_consecutive_skips > 0:
-        guard.check(
-          step=step,
-          scaler=tr.loss_scaler,
-          checkpoint=self.workdir.latest_checkpoint,
-          healthy=health.describe(self.workdir.healthy_record()),
-        )
-      if step >= target:
-        break
-      # Stopped early, right after a skipped step: replay it, then run the rest of the call.
-      self.record_forensics(step - 1)
-      num_steps = target - step
-    if loop.forensics and skipped == stop_at:
-      self.record_forensics(step - 1)  # the skip was the call's last step
-    return step
-
-  def check_updated_state(self, counters) -> None:
-    """After a compiled call (`counters`, what it returned): NonFiniteError when an applied
-    update left the weights or the optimizer's state non-finite (checked at the end of the call:
-    trainer/step/state_check.py); the recovery policy takes it like a collapse."""
-    check = getattr(self.trainer.train_step, 'state_check', None)
-    if check is not None and counters.nonfinite_state_step >= 0:
-      check.check(
-        checkpoint=self.workdir.latest_checkpoint,
-        healthy=health.describe(self.workdir.healthy_record()),
-      )
-
-  def record_forensics(self, step: int) -> None:
-    """Replays skipped step `step` eagerly, layer by layer, from the current weights (a skip
-    changed none), and writes <workdir>/forensics/step-N/ (trainer/insight/forensics.py)."""
-    if not self.is_chief:
-      return
+    `datasets.train`) in one compiled call (more when a skip stops it for its forensic replay:
+    trainer/insight/forensics.py); returns the global step after them. After each call the
+    step's state raises what the call found: NonFiniteError when an applied update left the
+    state non-finite, CollapseError when the guard stopped the loop (StepState.check)."""
     tr = self.trainer
-    # The step's own batch, kept on the device by the compiled loop when it stopped after the
-    # skip (trainer/step/kept_batch.py: re-reading element N of the pipeline gives another
-    # batch when it reshuffles, augments at random or is non-deterministic).
-    kept = self.train_loop.kept_batch
-    batch = kept.read() if kept is not None else None
-    if batch is None:
-      logging.warning(
-        "step %d: the skipped step's batch was not kept; replaying element %d of "
-        'datasets.train, which differs when the pipeline reshuffles',
-        step,
-        step,
-      )
-      batch = next(iter(tr.datasets.train.skip(step)))
-    self.workdir.open_for_writing(step)
-    try:
-      forensics.record(tr, batch, step, loss_scale=float(tr.train_step.guard.last_scale.numpy()))
-    except UserError as e:  # a planted symlink, a full disk: refused, said in one line
-      logging.warning('step %d: %s; training goes on', step, e)
-    except Exception as e:  # pylint: disable=broad-except  (diagnostics never end a run)
-      logging.warning(
-        'step %d: the forensic replay failed (%s: %s); training goes on',
-        step,
-        type(e).__name__,
-        (str(e).strip().splitlines() or [''])[-1][:200],
-      )
+    check = functools.partial(tr.train_step.state.check, scaler=tr.loss_scaler, kept=self._kept)
+    return self._forensic_stop.run(iterator, num_steps, check)
 
-  def log_progress(self, step: int, steps_per_sec: float) -> dict[str, float]:
+  def _kept(self) -> tuple[str | None, str | None]:
+    """The newest checkpoint and the last healthy one in words (what a failure's line names)."""
+    return self.workdir.latest_checkpoint, health.describe(self.workdir.healthy_record())
+
+  def _log_progress(self, step: int, steps_per_sec: float) -> dict[str, float]:
     """Reads and resets the step outputs' sums; writes the progress line and TensorBoard
     scalars; returns the metrics it logged. The learning rates and loss scales are read from
     the update groups' optimizers and scalers (what runs), one per group when they differ."""
@@ -539,9 +491,9 @@ class Runner:
     counts = {k: outputs.pop(k) for k in ('steps', 'skipped', 'nonfinite_loss') if k in outputs}
     groups = tr.train_step.groups
     rates, scales = progress.learning_rates(groups), progress.loss_scales(groups)
-    skipped = int(tr.train_step.skipped_steps.numpy())
+    skipped = tr.train_step.state.skipped()
     nonfinite = counts.get('nonfinite_loss', 0)
-    unprinted = tr.train_step.guard.unprinted()  # skips right after a skip: one line for all
+    unprinted = tr.train_step.state.guard.unprinted()  # skips right after a skip: one line for all
     if unprinted:
       logging.warning(unprinted)
     logging.info(
@@ -577,11 +529,11 @@ class Runner:
     except Exception as e:  # pylint: disable=broad-except  (an error is already on its way)
       logging.warning('the last checkpoint write failed too (%s)', e)
 
-  def log_goodput(self, step: int) -> None:
+  def _log_goodput(self, step: int) -> None:
     """The goodput line and its scalars (trainer/run/goodput.py); never raises (it runs while
     a run ends, maybe with an error that must not be masked)."""
     try:
-      self.clock.count_skipped(int(self.trainer.train_step.skipped_steps.numpy()))
+      self.clock.count_skipped(self.trainer.train_step.state.skipped())
       shares = self.clock.shares()
       logging.info(self.clock.line(shares))
       if self.workdir.latest_checkpoint is not None:  # the run folder is open for writing
@@ -589,14 +541,14 @@ class Runner:
     except Exception as e:  # pylint: disable=broad-except
       logging.warning('goodput not reported (%s: %s)', type(e).__name__, e)
 
-  def first_loss(self) -> float:
+  def _first_loss(self) -> float:
     """The mean loss of the first eval batch at the current weights (one forward pass): where
     the divergence monitor's running minimum starts."""
     tr = self.trainer
-    per_example, _ = tr.compute_loss(self.first_eval_batch, training=False)
+    per_example, _ = tr.compute_loss(self._first_eval_batch, training=False)
     return float(tf.reduce_mean(tf.cast(per_example, tf.float32)))
 
-  def log_eval(self, step: int, stop=None) -> dict[str, float] | None:
+  def _log_eval(self, step: int, stop=None) -> dict[str, float] | None:
     """One eval (`evaluate`), its line, its scalars and an 'eval' event; the metrics with
     '_step', kept as `last_eval`. None (and no event) when `stop()` ended it early."""
     metrics = self.evaluate(stop, step)
@@ -607,9 +559,9 @@ class Runner:
     self.write_scalars('eval', metrics, step)
     # Before this step's save: an eval back near the first loss makes it unhealthy.
     self.recovery.health.observe_eval(metrics['loss'], self.recovery.divergence.first)
-    self.act('eval', step, metrics)
-    self.last_eval = {**metrics, '_step': step}
-    return self.last_eval
+    self._act('eval', step, metrics)
+    self._last_eval = {**metrics, '_step': step}
+    return self._last_eval
 
   def _eval_progress(self, step: int | None):
     """`batch_done(batches)` for the eval loop: a line every EVAL_REPORT_SECONDS, with the

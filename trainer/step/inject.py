@@ -77,5 +77,5 @@ def install(step: Any, debug) -> Injection | None:
   injection = Injection.from_config(debug, step.global_step)
   if injection is not None:
     step.compute_gradients = injection.wrap(step.compute_gradients)
-    step.guard.injection = injection
+    step.state.guard.injection = injection
   return injection

@@ -1,16 +1,17 @@
 """The compiled train loop: `steps_per_loop` steps of a `TrainStep` in one call.
 
-`TrainLoop(step, forensics=..., element_spec=...)` owns the compiled call and what lives across
-its steps; the step does not know it exists. A call (`run(iterator, n)`) runs `step.step` up to
-`n` times in a `tf.while_loop`, adds each step's outputs to a float32 vector carried through the
-loop (one entry per output name, in sorted order), stores it in the variable `sums` at its end
-and returns the counters (`Counters`: the global step at its start and end, skipped steps, the
-collapse guard's bad steps in a row, the state check's finding); nothing else goes back to the
-host. At its end it checks the state the call's updates wrote (`step.state_check`,
-trainer/step/state_check.py: once per call). The loop stops early when the
-guard's limit is reached or, with forensics on, right after the skip the host asked for
-(`stop_at_skip`), with that step's batch kept on the device (`kept_batch`, trainer/step/
-kept_batch.py). At log time the host reads `read_outputs()`.
+`TrainLoop(step, strategy=..., forensics=..., element_spec=...)` owns the compiled call and what
+lives across its steps; the step does not know it exists. A call (`run(iterator, n)`) runs
+`step.step` up to `n` times in a `tf.while_loop`, adds each step's outputs to a float32 vector
+carried through the loop (one entry per output name, in sorted order), stores it in the variable
+`sums` at its end and returns the counters (`Counters`: the global step at its start and end,
+skipped steps, the collapse guard's bad steps in a row, the state check's finding); nothing else
+goes back to the host. Of the step it reads `step.step`, `step.metrics` and `step.state`
+(trainer/step/step_state.py: the counters, the guard and the check of the state the call's
+updates wrote, once per call). The loop stops early when the guard's limit is reached or, with
+forensics on, right after the skip the host asked for (`stop_at_skip`), with that step's batch
+kept on the device (`kept_batch`, trainer/step/kept_batch.py). At log time the host reads
+`read_outputs()`.
 
 The step is traced once, inside the loop, and the output names are learned there: the first call
 traces the loop, sizes `sums` to the names, then runs it. (A variable created during the trace
@@ -48,7 +49,7 @@ class Counters(NamedTuple):
   """What a compiled call returns to the host, read once: the global step at its start and at
   its end, the cumulative skipped steps, the collapse guard's bad steps in a row, and the first
   step of the first call whose updates left the state non-finite (-1: none; trainer/step/
-  state_check.py). One read per call: each eager read of a variable on the host costs 0.1-0.4
+  step_state.py). One read per call: each eager read of a variable on the host costs 0.1-0.4
   ms, a few per cent of a call of 10 MNIST MLP steps."""
 
   first_step: int
@@ -59,17 +60,18 @@ class Counters(NamedTuple):
 
 
 class TrainLoop:
-  """Runs `step` (a TrainStep). Create it under the strategy's scope (it owns variables: the
-  output sums, the forensic stop, the kept batch). `element_spec`: the train dataset's, for the
-  kept batch (needed with `forensics` only). `grappler`: TensorFlow's graph optimizer on the
-  compiled loop (config.train.grappler)."""
+  """Runs `step` (a TrainStep) under `strategy`. Create it under the strategy's scope (it owns
+  variables: the output sums, the forensic stop, the kept batch). `element_spec`: the train
+  dataset's, for the kept batch (needed with `forensics` only). `grappler`: TensorFlow's graph
+  optimizer on the compiled loop (config.train.grappler)."""
 
   def __init__(
-    self, step, *, forensics: bool = False, element_spec: Any = None, grappler: bool = True
+    self, step, strategy, *, forensics: bool = False, element_spec=None, grappler: bool = True
   ):
     self.step = step
+    self.state = step.state  # what the loop reads and checks of the step between steps
     self.grappler = grappler  # TensorFlow's graph optimizer on the loop (trainer/step/grappler.py)
-    self.strategy = step.strategy
+    self.strategy = strategy
     self.forensics = bool(forensics)
     # Forensics: the loop stops right after the skip that brings the step's skipped_steps to
     # this count (the host sets it; 0 = never): the host sees that step's pre-step weights and
@@ -87,7 +89,7 @@ class TrainLoop:
       # The batch is kept on the step's skip branch (its `on_skip`), so a finite step pays
       # nothing for it: a tf.cond per step costs (benchmarks/ablate_step.py). A custom step
       # that skips without `apply_or_skip` gets the cond per step instead (`_one_step`).
-      step.on_skip.append(self._keep_at_stop)
+      self.state.on_skip.append(self._keep_at_stop)
     self.compiled = tf.function(self._loop, autograph=False)  # autograph: user code only
 
   def _loop(self, iterator, num_steps):
@@ -104,10 +106,7 @@ class TrainLoop:
     def one_step(done, stop, sums):
       return done + 1, *self._one_step(batches, sums)
 
-    step = self.step
-    first_step = step.global_step.read_value()
-    first_skipped = step.skipped_steps.read_value()
-
+    begin = self.state.begin_call()
     _, _, sums = tf.while_loop(
       keep_going,
       one_step,
@@ -116,21 +115,7 @@ class TrainLoop:
     )
     self.sums.assign(sums)
     self._recording = None
-    nonfinite_state_step = tf.constant(-1, tf.int64)
-    if hasattr(step, 'state_check'):  # the runner raises NonFiniteError (step/state_check.py)
-      end_step = step.global_step.read_value()
-      applied = (end_step - first_step) - (step.skipped_steps.read_value() - first_skipped)
-      step.state_check.after_call(step.groups, first_step, end_step, applied > 0)
-      nonfinite_state_step = step.state_check.bad_steps[0]
-    return tf.stack(
-      [
-        first_step,  # every counter is an int64 variable (state_variable)
-        step.global_step.read_value(),
-        step.skipped_steps.read_value(),
-        step.guard.consecutive.read_value(),
-        nonfinite_state_step,
-      ]
-    )
+    return self.state.end_call(begin)  # the runner raises what it found (StepState.check)
 
   def _one_step(self, batches, sums):
     """One step in the loop's body: (stop, sums + its outputs)."""
@@ -139,9 +124,10 @@ class TrainLoop:
     if self.output_names is None:
       self.output_names = sorted(outputs)
     sums += self._stacked(outputs)
-    stop = tf.convert_to_tensor(self.step.guard.collapsed())  # the runner raises CollapseError
-    if self.forensics:  # the runner replays the skipped step (trainer/insight/forensics.py)
-      at_skip = self.forensic_stop()
+    stop = tf.convert_to_tensor(self.state.collapsed())  # the runner raises CollapseError
+    if self.forensics:  # right after the skip the host asked to stop at (0 = never)
+      skipped = self.state.skipped_steps  # the runner replays it (trainer/insight/forensics.py)
+      at_skip = tf.logical_and(self.stop_at_skip > 0, tf.equal(skipped, self.stop_at_skip))
       if not self._kept_on_skip:  # a custom step without apply_or_skip: keep it here
         tf.cond(at_skip, lambda: self._keep(batches.last), lambda: tf.constant(True))
       stop = tf.logical_or(stop, at_skip)
@@ -154,7 +140,7 @@ class TrainLoop:
       return  # the step was not traced by this loop
     self._kept_on_skip = True
     tf.cond(
-      tf.equal(self.step.skipped_steps + 1, self.stop_at_skip),
+      tf.equal(self.state.skipped_steps + 1, self.stop_at_skip),
       lambda: self._keep(cast(kept_batch.Recording, self._recording).last),
       lambda: tf.constant(True),
     )
@@ -181,11 +167,6 @@ class TrainLoop:
     if count != self._stop_at_skip:
       self.stop_at_skip.assign(count)
       self._stop_at_skip = count
-
-  def forensic_stop(self) -> tf.Tensor:
-    """True right after the skip the host asked to stop at (stop_at_skip; 0 = never)."""
-    skipped = self.step.skipped_steps
-    return tf.logical_and(self.stop_at_skip > 0, tf.equal(skipped, self.stop_at_skip))
 
   def run(self, iterator, num_steps: int) -> Counters:
     """Host side: one compiled call of `num_steps` steps; the counters after it."""

@@ -60,11 +60,10 @@ own pieces are traced as written, without it (trainer/step/user_code.py).
 from __future__ import annotations
 
 from typing import Any, NamedTuple
-from collections.abc import Callable
 
 import tensorflow as tf
 
-from trainer.errors import ConfigError, UserError
+from trainer.errors import UserError
 from trainer.nn import fused
 from trainer.step import apply_or_skip as shared
 from trainer.optim import low_precision, optimizers
@@ -72,10 +71,8 @@ from trainer.step import contract
 from trainer.step import outputs as step_outputs
 from trainer.step import user_code
 from trainer.step.forward_state import forward_state
-from trainer.distribute.strategy import state_variable
 from trainer.step.loss_scale import overwritten, update_scalers
-from trainer.step.skip_guard import SkipGuard
-from trainer.step.state_check import StateCheck
+from trainer.step.step_state import StepState, group_names
 
 SUM = shared.SUM
 
@@ -90,11 +87,6 @@ class UpdateGroup(NamedTuple):
   variables: list
   loss_scaler: Any
   name: str = ''
-
-
-def group_names(groups) -> list[str]:
-  """Each group's name: its own, or its index ('0', '1', ...)."""
-  return [group.name or str(index) for index, group in enumerate(groups)]
 
 
 SKIP_SCOPE = shared.SKIP_SCOPE  # name scope of the skip branch (benchmarks/run.py looks for it)
@@ -132,24 +124,21 @@ class TrainStep:
     self.global_step = trainer.global_step
     self.global_batch_size = int(c.train.batch_size)
     self.clip_norm = float(c.optimizer.clip_norm)
-    self.grad_accum_steps = _accumulation(c, self.strategy.num_replicas_in_sync)
+    self.grad_accum_steps = int(c.train.grad_accum_steps)  # divides the batch: build checked
     self.build_optimizers()
     # Keras float8 layers' scale and amax-history variables: their "gradients" are new values the
     # optimizer assigns: never unscaled, clipped or summed; MAX over micro-batches and replicas.
     self.overwritten = overwritten(self.variables)
-    self.skipped_steps = state_variable(0, tf.int64, 'skipped_steps')  # cumulative, checkpointed
-    groups = self.groups
-    self.guard = SkipGuard(
+    # The skip counter, the collapse guard and the state check: what the loop, the runner and
+    # the checkpoint read of the step (trainer/step/step_state.py).
+    self.state = StepState(
       strategy=self.strategy,
+      global_step=self.global_step,
       variables=self.variables,
+      groups=lambda: self.groups,
       max_consecutive_skips=c.precision.max_consecutive_skips,
-      groups=[(name, len(g.variables)) for name, g in zip(group_names(groups), groups)],
     )
     self._forward_state = forward_state(self.model)
-    self.state_check = StateCheck()  # the loop checks the state its updates wrote, per call
-    # Callables traced into the skip branch only (no cost on a finite step): the compiled loop
-    # adds forensics' batch keeping here (trainer/step/loop.py).
-    self.on_skip: list[Callable[[], Any]] = []
     self._replica_core_fn = user_code.xla_per_replica(self._replica_core, trainer.jit_compile)
 
   def replica_share(self, batch):
@@ -192,6 +181,11 @@ class TrainStep:
   def group_names(self) -> list[str]:
     """Each update group's name (its index when unnamed): the log's and TensorBoard's."""
     return group_names(self.groups)
+
+  @property
+  def skipped_steps(self) -> tf.Variable:
+    """The skipped steps so far (`state`'s): a step skipping without `apply_or_skip` adds to it."""
+    return self.state.skipped_steps
 
   def build_optimizers(self) -> None:
     """Creates each group's optimizer slots for its variables (before any restore), and gives
@@ -271,19 +265,19 @@ class TrainStep:
       for variable, value in zip(self._forward_state, saved_state or []):
         self.strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,))
       scales = [group.loss_scaler.scale for group in self.groups]
-      self.guard.record(grads, self.global_step, flags, scales)
-      for action in self.on_skip:
+      self.state.guard.record(grads, self.global_step, flags, scales)
+      for action in self.state.on_skip:
         action()
 
     skipped = shared.apply_or_skip(flags, apply_groups, on_skip)
-    self.skipped_steps.assign_add(skipped)
+    self.state.skipped_steps.assign_add(skipped)
     return skipped
 
   def end_step(self, flags, loss_finite=True) -> None:
     """Cross-replica, once per step: collapse-guard count, each loss scaler's update with its
     groups' flags (`flags`: `groups_finite`'s, one per group), global step + 1."""
     flags = _flag_list(flags, len(self.groups), 'end_step')
-    self.guard.count(tf.logical_and(tf.reduce_all(tf.stack(flags)), loss_finite))
+    self.state.guard.count(tf.logical_and(tf.reduce_all(tf.stack(flags)), loss_finite))
     update_scalers(self.groups, flags)
     self.global_step.assign_add(1)
 
@@ -379,17 +373,6 @@ def _update_metrics(outputs: dict, metrics: dict) -> None:
   loss = outputs.get('loss')
   loss_finite = tf.reduce_all(tf.math.is_finite(loss)) if loss is not None else tf.constant(True)
   tf.cond(loss_finite, update, lambda: tf.constant(False))
-
-
-def _accumulation(c, replicas: int) -> int:
-  """config.train.grad_accum_steps, checked to divide the per-replica batch."""
-  k, batch = int(c.train.grad_accum_steps), int(c.train.batch_size)
-  if (batch // replicas) % k:
-    raise ConfigError(
-      f'config.train.grad_accum_steps={k} does not divide the per-replica batch '
-      f'{batch // replicas} (config.train.batch_size={batch} over {replicas} replicas).'
-    )
-  return k
 
 
 def _accumulated(micro, metrics: dict, overwritten: list) -> tuple:

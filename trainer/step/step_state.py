@@ -1,4 +1,11 @@
-"""After each compiled call: the state its updates wrote is finite, or the run stops there.
+"""The step's state across steps, one object (`StepState`, the train step's `state`): the skip
+counter, the collapse guard (trainer/step/skip_guard.py) and the check below. The compiled loop
+(trainer/step/loop.py) reads it in the graph (`begin_call`, `collapsed`, `end_call`), the runner on
+the host (`check`, `skipped`), the checkpoint through `checkpoint_items()`: a tf.train.Checkpoint
+keys a variable by its item's name, not by the object holding it, so checkpoints written before
+this object existed restore.
+
+After each compiled call: the state its updates wrote is finite, or the run stops there.
 
 A step is skipped when a gradient or the learning rate is not finite (trainer/step/
 train_step.py); that alone does not keep the state finite. A finite gradient above about 1.8e19
@@ -28,12 +35,16 @@ a recovery or the stop discards them). What it saves: the check is one float32 s
 
 from __future__ import annotations
 
+from typing import Any
+from collections.abc import Callable
+
 import numpy as np
 import tensorflow as tf
 
 from trainer.errors import NonFiniteError
 from trainer.distribute.strategy import state_variable
 from trainer.step.loss_scale import all_finite
+from trainer.step.skip_guard import SkipGuard
 
 SHOWN = 3  # variables named in the error line
 
@@ -51,35 +62,79 @@ def checked_variables(groups) -> list:
   return found
 
 
-class StateCheck(tf.Module):
-  """Create it under the strategy's scope. `after_call` runs in cross-replica context at the end
-  of the compiled loop; `check` on the host between calls."""
+def group_names(groups) -> list[str]:
+  """Each group's name: its own, or its index ('0', '1', ...)."""
+  return [group.name or str(index) for index, group in enumerate(groups)]
 
-  def __init__(self):
-    super().__init__(name='state_check')
+
+class StepState:
+  """Create it under the strategy's scope (it owns variables). `global_step`: the trainer's;
+  `groups()`: the step's update groups (the check reads their variables)."""
+
+  def __init__(self, *, strategy, global_step, variables, groups, max_consecutive_skips):
+    self.global_step, self._groups = global_step, groups
+    self.skipped_steps = state_variable(0, tf.int64, 'skipped_steps')  # cumulative
+    named = zip(group_names(groups()), groups())
+    self.guard = SkipGuard(
+      strategy=strategy,
+      variables=variables,
+      max_consecutive_skips=max_consecutive_skips,
+      groups=[(name, len(group.variables)) for name, group in named],
+    )
     # The first and last global step of the first call whose updates left the state
     # non-finite; -1: none.
     self.bad_steps = state_variable([-1, -1], tf.int64, 'nonfinite_state_steps', shape=[2])
     self._checked: list = []  # what the traced check reads (names for `check`)
+    # Callables traced into the skip branch only (no cost on a finite step): the compiled loop
+    # adds forensics' batch keeping here (trainer/step/loop.py).
+    self.on_skip: list[Callable[[], Any]] = []
 
-  def after_call(self, groups, first_step, end_step, applied) -> None:
-    """Cross-replica, after the call's steps `first_step` .. `end_step` - 1 (global steps);
-    `applied`: a bool tensor, True when a step of the call applied its update. A call whose
-    every step skipped wrote nothing: a non-finite state then came from elsewhere (a write
-    between calls, a broken kernel) and is the skips' and the divergence check's to report."""
-    variables = checked_variables(groups)
-    self._checked = variables
-    finite = all_finite([tf.convert_to_tensor(v) for v in variables])
+  def checkpoint_items(self) -> dict[str, tf.Variable]:
+    return {'skipped_steps': self.skipped_steps, 'consecutive_skips': self.guard.consecutive}
+
+  def begin_call(self) -> tuple[tf.Tensor, tf.Tensor]:
+    """In the compiled loop, first: (the global step, the skipped steps)."""
+    return self.global_step.read_value(), self.skipped_steps.read_value()
+
+  def collapsed(self):
+    """After each step: a bool tensor for the loop to stop on (Python False: the guard is off)."""
+    return self.guard.collapsed()
+
+  def end_call(self, begin) -> tf.Tensor:
+    """In the compiled loop, last (`begin`: `begin_call`'s): the check of the state the call's
+    updates wrote (none when every step skipped), then the int64 counters the host reads (in
+    loop.Counters' order)."""
+    first_step, first_skipped = begin
+    end_step, skipped = self.global_step.read_value(), self.skipped_steps.read_value()
+    applied = (end_step - first_step) - (skipped - first_skipped) > 0
+    self._checked = checked_variables(self._groups())
+    finite = all_finite([tf.convert_to_tensor(v) for v in self._checked])
     first = tf.logical_and(tf.logical_and(applied, tf.logical_not(finite)), self.bad_steps[0] < 0)
     steps = tf.cast(tf.stack([first_step, end_step - 1]), tf.int64)
     self.bad_steps.assign(tf.where(first, steps, self.bad_steps))
+    consecutive = self.guard.consecutive.read_value()
+    return tf.stack([first_step, end_step, skipped, consecutive, self.bad_steps[0]])
 
-  def check(self, *, checkpoint: str | None, healthy: str | None = None) -> None:
-    """Host side: raises NonFiniteError when a call's updates left the state non-finite,
-    naming its steps and the first variables; resets the record first (a recovery goes on)."""
+  def skipped(self) -> int:
+    """Host side: the skipped steps so far."""
+    return int(self.skipped_steps.numpy())
+
+  def check(self, counters, *, scaler, kept: Callable[[], tuple[str | None, str | None]]) -> None:
+    """Host side, after a compiled call (`counters`: what it returned): NonFiniteError when its
+    updates left the state non-finite, CollapseError when the guard's limit was reached.
+    `kept()`: the newest checkpoint and the last healthy one in words, read for an error only."""
+    if counters.nonfinite_state_step >= 0:
+      self._nonfinite(*kept())
+    if counters.consecutive >= self.guard.max_consecutive_skips > 0:
+      checkpoint, healthy = kept()
+      self.guard.check(
+        step=counters.global_step, scaler=scaler, checkpoint=checkpoint, healthy=healthy
+      )
+
+  def _nonfinite(self, checkpoint: str | None, healthy: str | None) -> None:
+    """NonFiniteError naming the call's steps and the first variables; resets the record first
+    (a recovery goes on)."""
     first, last = (int(s) for s in self.bad_steps.numpy())
-    if first < 0:
-      return
     self.bad_steps.assign([-1, -1])
     bad = [_name(v) for v in self._checked if not np.isfinite(v.numpy()).all()]
     kept = (
