@@ -1,10 +1,8 @@
 """What the benchmarks that run cells in fresh processes share (references.py, peer_torch.py,
-grappler.py, eager_or_compiled.py): a cell in a fresh Python (its JSON result line, with its
-whole-life wall and CPU-seconds, tried twice: an intermittent failure of our final eval,
+peer_lockstep.py): a cell in a fresh Python (its JSON result line, with its whole-life wall and
+CPU-seconds, tried twice: an intermittent failure of our final eval,
 `tf___log_eval() missing 1 required positional argument`, ended some long runs; a retry is a
-fresh run, reported as such), and the table and raw results they print and save; and the config
-of a cell that builds a Trainer itself (eager_or_compiled.py, grappler.py, ablate_step.py
---config).
+fresh run, reported as such), and the table and raw results they print and save.
 """
 
 from __future__ import annotations
@@ -19,24 +17,6 @@ import time
 from benchmarks import results as results_page
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def config_file(name: str, policy: str, data_root: str):
-  """configs/<name>.py under `policy`, its data read from `data_root` (the folder holding mnist/
-  and tinyshakespeare/): the config of a cell that builds a Trainer in its own process."""
-  from absl import app
-
-  from trainer import config as config_lib
-
-  path = os.path.join(ROOT, 'configs', name + '.py')
-  if not os.path.isfile(path):
-    names = sorted(f[:-3] for f in os.listdir(os.path.dirname(path)) if f.endswith('.py'))
-    raise app.UsageError(f'no config {name!r} in configs/; one of: {", ".join(names)}')
-  config = config_lib.load_file(path)
-  config.precision.policy = policy
-  data = 'mnist' if name.startswith('mnist') else 'tinyshakespeare'
-  config.data.dir = os.path.join(data_root, data)
-  return config
 
 
 def run(command: list[str], env: dict | None = None) -> tuple[dict, float, float]:

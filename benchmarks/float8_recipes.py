@@ -17,8 +17,8 @@ no loss scaling, the layers that are float32 under mixed_bfloat16 left out of fl
     step, and their ratios to the baseline's (CPU-seconds move less when other processes share
     the cores). The float8 casts are emulated on a CPU (quantize, dequantize, float32 GEMM): the
     ratio is the emulation's overhead, not float8 hardware's speed-up, and the machine may be
-    shared (its load is in the header). benchmarks/float8_step_cost.py compares ways of running
-    the emulation.
+    shared (its load is in the header). docs/results/float8_step_cost.md compared ways of
+    running the emulation.
 Writes docs/results/float8.md (benchmarks/results.py: a header of command, commit, machine, load).
 """
 

@@ -5,8 +5,6 @@
       --results_name=peer_nanogpt_loaded                                       # 2 busy loops
   python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt --load=2 --load_nice=19 \\
       --results_name=peer_nanogpt_loaded_nice                           # the same at nice 19
-  python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt --contenders=ours,ours+load:2@19 \\
-      --perf --results_name=peer_nanogpt_profile       # where the CPU went, alone and loaded
   python -m benchmarks.peer_nanogpt --nanogpt=/work/nanogpt --quick            # checks it runs
 
 Not a test. nanoGPT (karpathy/nanoGPT) is not part of this project: export its tree anywhere
@@ -53,11 +51,6 @@ scheduling, processes of one session share one scheduling group, so the loops co
 run thread for thread, as other work of the same user would (--load_nice=19: work the user
 started at low priority); the CPU-seconds they got are reported. A contender's +load:N@P word
 sets its own load instead (P: a nice value, or idle for SCHED_IDLE).
-
---perf runs each contender under Linux perf (`perf record -e cpu-clock`: a timer, so it needs no
-hardware counters and works in a virtual machine; perf must be installed and allowed to sample,
-e.g. as root or with kernel.perf_event_paranoid <= 1) and adds a table: CPU milliseconds per step
-between the step-300 line and the last step line, by library and by function.
 """
 
 from __future__ import annotations
@@ -65,7 +58,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -79,7 +71,6 @@ if ROOT not in sys.path:
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks import cpu_profile  # noqa: E402
 from benchmarks import results as results_page  # noqa: E402
 
 CONTENDERS = ('nanogpt', 'nanogpt_compile', 'ours')
@@ -114,12 +105,6 @@ _LOAD_NICE = flags.DEFINE_integer(
 _SET = flags.DEFINE_multi_string('set', [], "key=value overrides of ours' config (--config.KEY).")
 _QUICK = flags.DEFINE_bool('quick', False, '20 steps, one round: checks that it runs.')
 _OUT = flags.DEFINE_string('out', '', "Folder for peer_nanogpt.json; '' = none.")
-_PERF = flags.DEFINE_bool(
-  'perf',
-  False,
-  "Each run under Linux perf's cpu-clock sampler: the page adds where each run's CPU went per "
-  'steady step, by library and by function.',
-)
 
 
 def command(
@@ -180,18 +165,6 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
   return out
 
 
-def workload(pid: int) -> int:
-  """The process that trains: `pid`, or the child perf started (--perf)."""
-  try:
-    with open(f'/proc/{pid}/comm') as f:
-      if f.read().strip() != 'perf':
-        return pid
-    with open(f'/proc/{pid}/task/{pid}/children') as f:
-      return int(f.read().split()[0])
-  except (OSError, IndexError, ValueError):
-    return pid
-
-
 class ThreadSampler(threading.Thread):
   """Samples a child's per-thread CPU-seconds every `every` s; keeps each thread's latest (a
   thread that ends between samples keeps its last sample)."""
@@ -202,7 +175,7 @@ class ThreadSampler(threading.Thread):
 
   def run(self):
     while not self.done.wait(self.every):
-      self.seen.update(thread_cpu(workload(self.pid)))
+      self.seen.update(thread_cpu(self.pid))
 
   def by_name(self) -> dict[str, list[float]]:
     """{thread name: CPU-seconds of each thread of that name, largest first}."""
@@ -326,17 +299,11 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
         f'--tf_xla_persistent_cache_directory={cache} --tf_xla_persistent_cache_device_types=CPU',
       )
     before = programs(cache)
-    samples = os.path.join(out_dir, 'perf.data')
-    if _PERF.value:
-      argv = [*cpu_profile.record(samples), *argv]
     loops = busy_loops(n_loops, priority)
-    launched = time.perf_counter()  # perf's monotonic clock is the one perf_counter reads
     try:
       lines, wall, cpu, threads = run(argv, cwd, env)
     finally:
       load_cpu = stop(loops)
-    marks = step_marks(lines, _OURS_STEP if contender.startswith('ours') else _ITER)
-    profile = cpu_profile.read(samples, launched, marks) if _PERF.value else None
   parsed = (parse_ours if contender.startswith('ours') else parse_nanogpt)(lines)
   if _OUT.value:  # the child's output, time-stamped from its start
     os.makedirs(_OUT.value, exist_ok=True)
@@ -356,7 +323,6 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
     'xla_compiled': len(programs(cache) - before) if contender.startswith('ours') else None,
     **parsed,
     'thread_cpu_s': threads,
-    'profile': profile,
   }
 
 
@@ -412,39 +378,6 @@ def threads_table(results: list[dict]) -> str:
   return '\n'.join(lines)
 
 
-PROFILE_NOTE = (
-  'Where the CPU went (--perf: each run under '
-  f'`perf record -e cpu-clock -F {cpu_profile.HZ}`, whose own CPU time is inside the wall and '
-  'CPU-seconds above): CPU milliseconds per step between the step-300 line and the last step '
-  'line, by library (JIT code: code generated while the process runs, which has no symbols; in '
-  "ours, XLA's) and by function (benchmarks/cpu_profile.py). nanoGPT's steps include its "
-  'evaluations every 250 iterations.'
-)
-
-
-def profile_table(results: list[dict]) -> str:
-  """--perf: each run's CPU milliseconds per steady step, by library and by busiest function."""
-  lines = [
-    '| precision | contender | round | steps | CPU ms/step | by library | busiest functions |',
-    '|---|---|---|---|---|---|---|',
-  ]
-  for r in results:
-    p = r.get('profile')
-    if not p:  # cpu_profile.window: no step-300 line and fewer than three step lines
-      lines.append(
-        f'| {r["precision"]} | {r["contender"]} | {r["round"] + 1} | - | - | '
-        'no steady window: fewer than three step lines (a longer run has them) | |'
-      )
-      continue
-    libs = '; '.join(f'{k} {v:.1f}' for k, v in p['by_library'].items())
-    fns = '; '.join(f'`{k}` {v:.1f}' for k, v in p['by_function'].items())
-    lines.append(
-      f'| {r["precision"]} | {r["contender"]} | {r["round"] + 1} | {p["steps"]} '
-      f'| {p["cpu_ms_per_step"]:.1f} | {libs} | {fns} |'
-    )
-  return '\n'.join(lines)
-
-
 def notes() -> str:
   load = (
     f'{_LOAD.value} busy loop(s) (`python -c "while True: pass"`, nice {_LOAD_NICE.value}, '
@@ -473,10 +406,6 @@ def main(argv):
   del argv
   for contender in _CONTENDERS.value:  # a bad load word stops the race before its first run
     split_load(contender)
-  if _PERF.value and shutil.which('perf') is None:
-    raise app.UsageError(
-      '--perf: the perf command is not installed (Debian: apt install linux-perf)'
-    )
   started = results_page.start()
   steps, rounds = (20, 1) if _QUICK.value else (_STEPS.value, _ROUNDS.value)
   plan = [
@@ -496,8 +425,6 @@ def main(argv):
     # The page after every run: a run cut short leaves the runs it finished.
     done = '' if len(results) == len(plan) else f' Partial: {len(results)} of {len(plan)} runs.'
     body = f'{notes()}{done}\n\n{table(results)}\n\n{threads_table(results)}'
-    if _PERF.value:
-      body += f'\n\n{PROFILE_NOTE}\n\n{profile_table(results)}'
     results_page.write('peer_nanogpt', body, started=started, quick=_QUICK.value)
     if _OUT.value:
       os.makedirs(_OUT.value, exist_ok=True)

@@ -8,22 +8,15 @@ benchmark rewrites its page, so the numbers the docs show are the ones a command
   ...
   results.write('references', body_markdown, started=started, quick=_QUICK.value)
 
-or, for a benchmark that prints its tables, around the printing:
-
-  with results.recording('ablate_step', markdown=False):
-    ...print(...)...
-
 `--results_dir` (default docs/results; '' writes nothing) chooses the folder; a quick (smoke)
 run writes a page only when `--results_dir` is given, so tests never overwrite the docs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
-import io
 import os
 import platform
 import resource
@@ -231,35 +224,6 @@ def write(
   os.replace(path + '.tmp', path)
   print(f'results page: {path}', file=sys.stderr, flush=True)
   return path
-
-
-class _Tee(io.TextIOBase):
-  def __init__(self, stream):
-    self.stream, self.captured = stream, io.StringIO()
-
-  def write(self, text):
-    self.captured.write(text)
-    return self.stream.write(text)
-
-  def flush(self):
-    self.stream.flush()
-
-
-@contextlib.contextmanager
-def recording(
-  name: str, *, markdown: bool = True, quick: bool = False, results_dir: str | None = None
-):
-  """Everything printed inside the block becomes the body of <name>.md (as a code block when
-  `markdown` is False), written when the block ends without an error."""
-  started, tee = start(), _Tee(sys.stdout)
-  sys.stdout = tee
-  try:
-    yield
-  finally:
-    sys.stdout = tee.stream
-  text = tee.captured.getvalue().strip('\n')
-  body = text if markdown else f'```\n{text}\n```'
-  write(name, body, started=started, quick=quick, results_dir=results_dir)
 
 
 def exit_now() -> None:

@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 import yaml
 from conftest import ROOT
 
@@ -162,22 +161,6 @@ def test_a_quick_run_writes_no_page_unless_asked(tmp_path):
   assert results.target_dir(quick=True) == ''  # flags unparsed: no --results_dir given
   assert results.write('demo', 'x', quick=True) is None
   assert results.target_dir(quick=False) == results.DEFAULT_DIR
-
-
-def test_recording_keeps_what_was_printed_and_writes_nothing_on_an_error(tmp_path):
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    with results.recording('printed', markdown=False, results_dir=str(tmp_path)):
-      print('model   steps/s')
-      print('mlp     1000.0')
-  assert out.getvalue() == 'model   steps/s\nmlp     1000.0\n'  # still printed
-  text = (tmp_path / 'printed.md').read_text()
-  assert '```\nmodel   steps/s\nmlp     1000.0\n```' in text
-  with pytest.raises(RuntimeError), contextlib.redirect_stdout(io.StringIO()):
-    with results.recording('failed', results_dir=str(tmp_path)):
-      print('half a table')
-      raise RuntimeError('the benchmark failed')
-  assert not (tmp_path / 'failed.md').exists()
 
 
 def test_the_peer_benchmarks_report_writes_their_page(tmp_path, monkeypatch):
