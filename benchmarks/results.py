@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
+import re
 import resource
 import shlex
 import subprocess
@@ -179,16 +181,34 @@ def header(command_line: str, started: Start | None, ended: Start) -> str:
   return '\n'.join(['| | |', '|---|---|'] + [f'| {k} | {v} |' for k, v in rows])
 
 
-def page(name: str, command_line: str, body: str, started: Start | None) -> str:
-  """The whole page: title, header, the benchmark's own markdown (its title line dropped)."""
+SECTION = '<!-- section: '  # a page of sections: each starts with this mark and its name
+
+
+def page_text(name, command_line, body, started, section=None, old=''):
+  """The whole page: title, header, the benchmark's own markdown (its title line dropped); with
+  `section`, the page `old` (or a new one) with the section of that name (its heading, header
+  and body) replaced, or added at its end."""
   body = body.strip('\n')
   if body.startswith('# '):
     body = body.split('\n', 1)[1].lstrip('\n') if '\n' in body else ''
-  return (
-    f'# Results: {name}\n\n{MARK}\n\n'
-    f'Written by the run below; running its command again rewrites this page.\n\n'
-    f'{header(command_line, started, start())}\n\n{body}\n'
+  run = f'{header(command_line, started, start())}\n\n{body}\n'
+  if section is None:
+    return (
+      f'# Results: {name}\n\n{MARK}\n\n'
+      f'Written by the run below; running its command again rewrites this page.\n\n{run}'
+    )
+  old = old or (
+    f'# Results: {name}\n\n{MARK}\n\nOne section per run, each under its own header; running '
+    "a section's command again rewrites that section.\n"
   )
+  parts = re.split(f'(?={re.escape(SECTION)})', old.rstrip('\n') + '\n')
+  new = f'{SECTION}{section} -->\n\n## {section}\n\n{run}'
+  same = [i for i, p in enumerate(parts) if p.startswith(f'{SECTION}{section} -->')]
+  if same:
+    parts[same[0]] = new
+  else:
+    parts.append(new)
+  return '\n'.join(p.rstrip('\n') + '\n' for p in parts)
 
 
 def target_dir(quick: bool) -> str:
@@ -208,22 +228,41 @@ def write(
   command_line: str | None = None,
   quick: bool = False,
   results_dir: str | None = None,
+  section: str | None = None,
 ) -> str | None:
-  """Writes docs/results/<name>.md (or <results_dir>/<name>.md); returns its path, or None when
-  this run writes no page."""
+  """Writes docs/results/<name>.md (or <results_dir>/<name>.md), or only its section `section`
+  (--results_name names the page, or the section); returns its path, or None when this run
+  writes no page."""
   folder = target_dir(quick) if results_dir is None else results_dir
   if not folder:
     return None
   if flags.FLAGS.is_parsed() and RESULTS_NAME.value:
-    name = RESULTS_NAME.value
+    name, section = (name, RESULTS_NAME.value) if section else (RESULTS_NAME.value, None)
   os.makedirs(folder, exist_ok=True)
   path = os.path.join(folder, f'{name}.md')
-  text = page(name, command_line or command(), body, started)
+  old = ''
+  if section and os.path.exists(path):
+    with open(path) as f:
+      old = f.read()
+  text = page_text(name, command_line or command(), body, started, section, old)
   with open(path + '.tmp', 'w') as f:
     f.write(text)
   os.replace(path + '.tmp', path)
   print(f'results page: {path}', file=sys.stderr, flush=True)
   return path
+
+
+def report(out: str, stem: str, text: str, results: list, *, page: str, **write_args) -> None:
+  """Prints the markdown `text` and writes it as the results page `page` (`write_args`: those of
+  `write`); with `out`, also as <out>/<stem>.md, and `results` as <out>/<stem>.json."""
+  print(text, flush=True)
+  write(page, text, **write_args)
+  if out:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f'{stem}.md'), 'w') as f:
+      f.write(text + '\n')
+    with open(os.path.join(out, f'{stem}.json'), 'w') as f:
+      json.dump(results, f, indent=1)
 
 
 def exit_now() -> None:

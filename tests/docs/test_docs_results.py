@@ -5,6 +5,7 @@ site, and the test files development.md names exist."""
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -91,8 +92,10 @@ def test_every_results_page_has_its_header_and_is_on_the_site():
     with open(os.path.join(ROOT, 'docs', 'results', page)) as f:
       text = f.read()
     assert text.startswith('# Results: ') and results.MARK in text, page
-    for row in ('| command |', '| commit |', '| recorded |', '| machine |', '| load |'):
-      assert row in text, (page, row)
+    # A page of sections (one per peer: peer_nanogpt.md, ...): each section has its own header.
+    for part in text.split(results.SECTION)[1:] or [text]:
+      for row in ('| command |', '| commit |', '| recorded |', '| machine |', '| load |'):
+        assert row in part, (page, part[:40], row)
     assert f'results/{page}' in on_site, f'docs/results/{page} is not in mkdocs.yml nav'
 
 
@@ -163,21 +166,44 @@ def test_a_quick_run_writes_no_page_unless_asked(tmp_path):
   assert results.target_dir(quick=False) == results.DEFAULT_DIR
 
 
-def test_the_peer_benchmarks_report_writes_their_page(tmp_path, monkeypatch):
-  """benchmarks/child.py's report, which references.py, peer_torch.py and peer_lockstep.py end
-  with (the PyTorch ones need a PyTorch environment, so their own runs are not tests)."""
-  from benchmarks import child
-
+def test_the_report_prints_and_writes_the_page_and_the_out_files(tmp_path, monkeypatch):
+  """results.report, which references.py and peer_nanogpt.py end with (nanoGPT's needs a PyTorch
+  environment and nanoGPT's tree, so its own runs are not tests)."""
   monkeypatch.setattr(results, 'DEFAULT_DIR', str(tmp_path / 'pages'))
   table = '| shape | ours |\n|---|---|\n| nanogpt_cpu | 1.78 |'
   with contextlib.redirect_stdout(io.StringIO()) as printed:
-    child.report(
-      str(tmp_path / 'out'), 'peer', table, [{'a': 1}], page='peer_torch', started=results.start()
+    results.report(
+      str(tmp_path / 'out'), 'peer', table, [{'a': 1}], page='peer_nanogpt', started=results.start()
     )
   assert printed.getvalue() == table + '\n'
   assert (tmp_path / 'out' / 'peer.md').read_text() == table + '\n'
-  page = (tmp_path / 'pages' / 'peer_torch.md').read_text()
-  assert page.startswith('# Results: peer_torch\n') and table in page and '| load |' in page
+  assert json.loads((tmp_path / 'out' / 'peer.json').read_text()) == [{'a': 1}]
+  page = (tmp_path / 'pages' / 'peer_nanogpt.md').read_text()
+  assert page.startswith('# Results: peer_nanogpt\n') and table in page and '| load |' in page
+
+
+def test_a_section_is_rewritten_in_place_and_the_others_kept(tmp_path):
+  """A page of sections (peer_nanogpt.md: one per race): writing a section replaces that section
+  alone, or adds it at the end; each keeps its own header."""
+  write = lambda section, body: results.write(  # noqa: E731
+    'peers',
+    body,
+    section=section,
+    command_line=f'python -m x --{section}',
+    results_dir=str(tmp_path),
+  )
+  write('alone', '| a | 1 |')
+  write('loaded', '| b | 2 |')
+  write('alone', '| a | 3 |')
+  text = (tmp_path / 'peers.md').read_text()
+  assert text.startswith('# Results: peers\n') and text.count(results.MARK) == 1
+  assert '| a | 1 |' not in text and text.index('| a | 3 |') < text.index('| b | 2 |')
+  sections = text.split(results.SECTION)[1:]
+  assert [s.split(' -->')[0] for s in sections] == ['alone', 'loaded']
+  for name, section in zip(('alone', 'loaded'), sections):
+    assert f'\n## {name}\n' in section and f'`python -m x --{name}`' in section
+    for row in ('| command |', '| commit |', '| recorded |', '| machine |', '| load |'):
+      assert section.count(row) == 1, (name, row)
 
 
 def test_the_commit_line_counts_changed_files_but_not_results_pages(tmp_path):
