@@ -26,14 +26,12 @@ Contenders, each a fresh process, interleaved per precision and round (all see t
 nanoGPT's train.py ignores --dtype for the math on a CPU (its autocast context is `nullcontext()`
 there), so its bfloat16 runs compute in float32; the page says so beside the numbers.
 
-Per run: whole-process wall and CPU-seconds (os.wait4 of the child), cores = CPU-s / wall; the
-time from the start to the line reporting step 100 (nanoGPT's `iter 100:`, ours' `step 100/`);
-nanoGPT's iteration-0 time (its evaluation of step 0 and its first step); the steady step
-(nanoGPT: the median of its per-iteration times, evaluation iterations excluded; ours: the median
-over the intervals between progress lines after the first compiled call); each side's final
-validation loss (nanoGPT: its 20-batch estimate; ours: the full split); for ours, how many XLA
-programs the run compiled into the race's own compile cache (trainer/compile_cache.py), which
-starts empty: 0 when it loaded every one, as a second run of the same command does.
+Per run: whole-process wall and CPU-seconds (os.wait4), cores = CPU-s / wall; the time to the
+line reporting step 100; nanoGPT's iteration 0 (its evaluation at step 0 and its first step);
+the steady step (nanoGPT: the median of its iteration times, evaluations excluded; ours: the
+median over the progress lines after the first compiled call); the validation loss each side
+reports (nanoGPT: 20 batches; ours: the full split); and, for ours, the XLA programs compiled into
+the race's own compile cache, which starts empty (0: all loaded, as a second run of a command).
 
 The page: the section --results_name (default peer_nanogpt) of docs/results/peer_nanogpt.md,
 written after every run, so a race cut short keeps the runs it finished.
@@ -206,17 +204,10 @@ def measure(contender: str, precision: str, steps: int, cache: str) -> dict:
     name = f'{contender.replace("+", "_")}_{precision}_{time.strftime("%H%M%S")}.log'
     with open(os.path.join(_OUT.value, name), 'w') as f:
       f.writelines(f'{t:9.3f} {text}\n' for t, text in lines)
-  return {
-    'contender': contender,
-    'precision': precision,
-    'steps': steps,
-    'wall_s': wall,
-    'cpu_s': cpu,
-    'cores': cpu / wall,
-    'busy_loops_cores': load_cpu / wall,
-    'xla_compiled': len(set(os.listdir(cache)) - before) if ours else None,
-    **parse(lines, ours),
-  }
+  compiled = len(set(os.listdir(cache)) - before) if ours else None
+  result = dict(contender=contender, precision=precision, steps=steps, wall_s=wall, cpu_s=cpu)
+  result.update(cores=cpu / wall, busy_loops_cores=load_cpu / wall, xla_compiled=compiled)
+  return {**result, **parse(lines, ours)}
 
 
 def _fmt(value, spec):

@@ -38,14 +38,10 @@ MARK = '<!-- written by benchmarks/results.py -->'
 RESULTS_DIR = flags.DEFINE_string(
   'results_dir',
   DEFAULT_DIR,
-  "Folder of the results page this run writes (<name>.md); '' = none. A quick run writes one only "
-  'when this flag is given.',
+  "Folder of this run's results page; '' = none (a quick run: unless given).",
 )
 RESULTS_NAME = flags.DEFINE_string(
-  'results_name',
-  '',
-  "Name of the results page (default: the benchmark's own), for a run that should not replace "
-  'the page of another run of the same benchmark.',
+  'results_name', '', "The results page's name (or its section's), to keep another run's page."
 )
 
 
@@ -60,11 +56,8 @@ class Start:
 
 
 def _own_cpu() -> float:
-  total = 0.0
-  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-    usage = resource.getrusage(who)
-    total += usage.ru_utime + usage.ru_stime
-  return total
+  usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+  return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
 def _busy_cpu() -> float | None:
@@ -103,16 +96,11 @@ def machine() -> dict:
     except importlib.metadata.PackageNotFoundError:
       return 'not installed'
 
-  return {
-    'cpu': cpu,
-    'cores': os.cpu_count(),
-    'cpu_flags': sorted(
-      cpu_flags & {'avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'f16c'}
-    ),
-    'tensorflow': version('tensorflow'),
-    'keras': version('keras'),
-    'python': platform.python_version(),
-  }
+  wanted = {'avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'f16c'}
+  out = dict(cpu=cpu, cores=os.cpu_count(), cpu_flags=sorted(cpu_flags & wanted))
+  return dict(
+    out, tensorflow=version('tensorflow'), keras=version('keras'), python=platform.python_version()
+  )
 
 
 def commit(root: str = ROOT) -> str:
@@ -267,12 +255,10 @@ def report(out: str, stem: str, text: str, results: list, *, page: str, **write_
 
 def exit_now() -> None:
   """Ends a benchmark's process with code 0 once everything it reports is printed and written,
-  skipping the interpreter's finalization, as launch.py's `exit_now` does. Tearing TensorFlow's
-  objects down costs seconds, and a tf.data iterator still read with autotuning on (a pipeline
-  that is not a Trainer's: trainer/data/autotune.py) can wait up to a minute to be destroyed.
-  Measured on the quick benchmark (run.py --quick --models=mnist_mlp) on the 2-core machine,
-  before the Trainer's pipelines dropped that thread: 26-42 s between its last line and the end
-  of the process in 3 of 5 runs, at 0 % CPU."""
+  skipping the interpreter's finalization, as launch.py's `exit_now` does: tearing TensorFlow's
+  objects down is slow, and a tf.data iterator still read with autotuning on (a pipeline that is
+  not a Trainer's: trainer/data/autotune.py) can wait long to be destroyed (docs/references.md,
+  "Dropping a tf.data iterator could wait")."""
   from absl import logging
 
   from trainer.run import lock
