@@ -74,24 +74,14 @@ _JSON = flags.DEFINE_string('json_out', '', 'Also write the results here as JSON
 _CHILD = flags.DEFINE_string('child', '', 'Internal: JSON spec of one memory measurement.')
 
 
-def peak_rss_mib() -> float:
-  """This process's peak resident set (VmHWM, reset by exec), MiB."""
-  with open('/proc/self/status') as f:
-    for line in f:
-      if line.startswith('VmHWM:'):
-        return int(line.split()[1]) / 1024.0
-  raise RuntimeError('no VmHWM in /proc/self/status')
-
-
-def rss_mib(pid: int) -> float:
+def status_mib(field: str, pid='self') -> float:
+  """A memory line of /proc/<pid>/status, MiB (0 where unreadable): VmHWM, the peak resident set
+  (reset by exec); VmRSS, the resident set now."""
   try:
     with open(f'/proc/{pid}/status') as f:
-      for line in f:
-        if line.startswith('VmRSS:'):
-          return int(line.split()[1]) / 1024.0
-  except OSError:
-    pass
-  return 0.0
+      return next(int(line.split()[1]) / 1024.0 for line in f if line.startswith(field + ':'))
+  except (OSError, StopIteration):
+    return 0.0
 
 
 def flag_spec(policy: str, remat: bool, extra=()) -> dict:
@@ -161,13 +151,13 @@ def child(spec: dict) -> None:
   import keras  # noqa: F401
   import tensorflow as tf
 
-  imported = peak_rss_mib()
+  imported = status_mib('VmHWM')
   config = build_config(spec)
   trainer_class = models.get_trainer_class(config.model)
   extra = {}
   with tempfile.TemporaryDirectory() as workdir:
     trainer = trainer_class(config, workdir)
-    built = peak_rss_mib()
+    built = status_mib('VmHWM')
     if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # the allocator's peak: the steps' only
       tf.config.experimental.reset_memory_stats('CPU:0')
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
@@ -192,7 +182,7 @@ def child(spec: dict) -> None:
     else:
       trainer.runner.train_loop.run(iterator, spec['steps'])
       int(trainer.global_step.numpy())
-  peak = peak_rss_mib()
+  peak = status_mib('VmHWM')
   if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # TF's own account of live tensor bytes
     extra['allocator_peak_mib'] = tf.config.experimental.get_memory_info('CPU:0')['peak'] / 2**20
   mib = dict(imported_mib=imported, built_mib=built, peak_mib=peak, step_mib=peak - imported)
@@ -212,7 +202,7 @@ def measure(policy: str, remat: bool, batch_size, kill_mib=0.0, extra=(), breakd
     proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env, cwd=ROOT)
     while proc.poll() is None:
       time.sleep(0.2)
-      if kill_mib and rss_mib(proc.pid) > kill_mib:
+      if kill_mib and status_mib('VmRSS', proc.pid) > kill_mib:
         proc.kill()
         proc.wait()
         return {'fits': False, 'batch_size': batch_size}

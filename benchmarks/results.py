@@ -1,8 +1,9 @@
 """The results pages under docs/results/: what a benchmark measured, under a header that says how
-(the command), on what code (the commit), on what machine (CPU, cores, TensorFlow and Keras) and
-under what load (the 1-minute load average at the start and the end, and the CPU time other
-processes used meanwhile). The guides state the method and link to these pages; a new run of a
-benchmark rewrites its page, so the numbers the docs show are the ones a command produced.
+(the command, as run from the repository root: no absolute path), on what code (the commit), on
+what machine (CPU, cores, TensorFlow and Keras) and under what load (the 1-minute load average at
+the start and the end, and the CPU time other processes used meanwhile). The guides state the
+method and link to these pages; a new run of a benchmark rewrites its page (or its section of a
+page of sections), so the numbers the docs show are the ones a command produced.
 
   started = results.start()               # first thing in main(): the load and CPU counters
   ...
@@ -25,6 +26,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import flags
@@ -120,8 +122,13 @@ def commit(root: str = ROOT) -> str:
   return f'`{head}`' + (f', with {len(changed)} changed file(s) not committed' if changed else '')
 
 
+# Flags that only say where a run's outputs go: a page's command leaves them out.
+OUTPUT_FLAGS = ('--out', '--results_dir', '--workdir', '--json_out')
+
+
 def command() -> str:
-  """This process's command line, as `python -m benchmarks.<name> ...` when it is a benchmark."""
+  """This process's command line as run from the repository root (`python -m benchmarks.<name>
+  ...` for a benchmark), without its output folders."""
   script = os.path.abspath(sys.argv[0])
   if os.path.dirname(script) == os.path.join(ROOT, 'benchmarks'):
     head = ['python', '-m', 'benchmarks.' + os.path.splitext(os.path.basename(script))[0]]
@@ -129,7 +136,17 @@ def command() -> str:
     head = ['python', os.path.relpath(script, ROOT)]
   env = onednn.user_setting()  # the one variable this project's kernels depend on
   head = ([f'{onednn.ENV}={shlex.quote(env)}'] if env is not None else []) + head
-  return ' '.join(head + [shlex.quote(a) for a in sys.argv[1:]])
+  args = [a for a in sys.argv[1:] if a.split('=', 1)[0] not in OUTPUT_FLAGS]
+  return ' '.join(head + [shlex.quote(a) for a in args])
+
+
+def no_machine_paths(text: str) -> str:
+  """`text` with this machine's paths relative to the repository root, where commands run, and a
+  temporary or home folder named so: a page says how to repeat a run, not where files were."""
+  places = ((ROOT, '.'), (os.path.dirname(ROOT), '..'), (tempfile.gettempdir(), '$TMPDIR'))
+  for path, name in (*places, (os.path.expanduser('~'), '~')):
+    text = re.sub(re.escape(path) + r'(?=/|\b|$)', lambda _: name, text)
+  return re.sub(r'(?<![\w~.])\./', '', text)  # ./benchmarks/x -> benchmarks/x
 
 
 def load_line(started: Start | None, ended: Start) -> str:
@@ -232,7 +249,7 @@ def write(
   if section and os.path.exists(path):
     with open(path) as f:
       old = f.read()
-  text = page_text(name, command_line or command(), body, started, section, old)
+  text = no_machine_paths(page_text(name, command_line or command(), body, started, section, old))
   with open(path + '.tmp', 'w') as f:
     f.write(text)
   os.replace(path + '.tmp', path)

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 from conftest import ROOT
 
@@ -109,6 +110,21 @@ def test_every_test_file_development_md_names_exists():
   assert not re.search(r'\b\d{3} tests\b', text)
 
 
+# A path of one machine: a checkout under /work, a scratch folder under /tmp, root's home.
+MACHINE_PATH = re.compile(r'(?<![\w.~$])/(work|tmp|root)/')
+
+
+def test_no_page_names_a_machine_path():
+  """A page says how to repeat a measurement from the repository root (`--data_root=../shared/
+  data`), not where one machine kept its files."""
+  found = []
+  for folder, _, files in os.walk(os.path.join(ROOT, 'docs')):
+    for name in sorted(f for f in files if f.endswith('.md')):
+      with open(os.path.join(folder, name)) as f:
+        found += [f'{name}: {line[:100]}' for line in f if MACHINE_PATH.search(line)]
+  assert found == [], '\n'.join(found)
+
+
 # ---- the writer ---------------------------------------------------------------------------------
 def test_the_writer_fills_the_header_from_git_and_the_machine(tmp_path):
   started = results.start()
@@ -132,6 +148,29 @@ def test_the_writer_fills_the_header_from_git_and_the_machine(tmp_path):
   assert "| kernels | TensorFlow's oneDNN kernels on |" in text  # this process runs TensorFlow
   assert '| 1 | 2 |' in text
   assert os.listdir(tmp_path) == ['demo.md']  # written by a rename, nothing left behind
+
+
+def test_the_writer_writes_no_machine_path(tmp_path, monkeypatch):
+  """The command as run from the repository root, without the folders its outputs went to; the
+  page's own paths relative to the root, a scratch folder as $TMPDIR."""
+  from trainer import onednn
+
+  scratch = tempfile.gettempdir()
+  argv = [
+    os.path.join(ROOT, 'benchmarks', 'demo.py'),
+    f'--data_root={os.path.dirname(ROOT)}/shared/data',
+    f'--nanogpt={scratch}/nanogpt',
+    f'--out={tmp_path}/out',
+    f'--results_dir={tmp_path}',
+  ]
+  monkeypatch.setattr(sys, 'argv', argv)
+  monkeypatch.delenv(onednn.ENV, raising=False)
+  body = f'trace in {scratch}/trace; config {ROOT}/configs/mnist.py'
+  results.write('demo', body, started=results.start(), results_dir=str(tmp_path))
+  text = (tmp_path / 'demo.md').read_text()
+  assert '`python -m benchmarks.demo --data_root=../shared/data --nanogpt=$TMPDIR/nanogpt`' in text
+  assert 'trace in $TMPDIR/trace; config configs/mnist.py' in text
+  assert not MACHINE_PATH.search(text) and ROOT not in text
 
 
 def test_the_command_names_the_onednn_switch_the_user_set(monkeypatch):
