@@ -73,8 +73,8 @@ HOST_OPS = set(
   'PyFunc PyFuncStateless EagerPyFunc PrintV2 Print DebugIdentity DebugIdentityV2 '
   'DebugIdentityV3 CheckNumerics CheckNumericsV2'.split()
 )
-# Models whose step takes most of a second on a CPU: one step per compiled call already
-# amortises the call, and 10 would make a round last a minute in emulated float16.
+# Models whose step is long on a CPU: one step per compiled call already amortises the call, and
+# 10 would make each round long in emulated float16.
 SLOW_MODELS = {'transformer_lm': {'steps_per_loop': 1, 'loop_sweep': (1, 2, 4)}}
 # Models with blocks that config.train.remat recomputes (trainer/nn/remat.py): memory is measured
 # with it off and on.

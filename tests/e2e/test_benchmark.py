@@ -32,11 +32,11 @@ def test_quick_benchmark_writes_tables_json_and_chart(tmp_path):
   """float32 only (with the machine's default policy, float32 on an AVX2-only CPU) on the MLP:
   every contender and every ratio row of the full run, the fewest steps. The loss-scaled
   policies go through the same code in the slow test below (float16 and bfloat16 are emulated
-  on such a CPU: their contenders took most of the 9 minutes this test once ran)."""
+  on such a CPU, so their contenders took most of this test's time when it ran them)."""
   check_quick_benchmark(tmp_path, 'mnist_mlp', ['float32'])
 
 
-@pytest.mark.slow  # ~9 min on the 2-core AVX2 CPU: mixed_float16's contenders are emulated
+@pytest.mark.slow  # mixed_float16's contenders are emulated on a CPU without AVX512_FP16
 def test_quick_benchmark_with_a_loss_scaled_policy(tmp_path):
   check_quick_benchmark(tmp_path, 'mnist_cnn', ['float32', 'mixed_float16'])
 
