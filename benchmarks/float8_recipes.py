@@ -13,20 +13,17 @@ no loss scaling, the layers that are float32 under mixed_bfloat16 left out of fl
     quantizes them, the output gradients g as the input-gradient GEMM does, measured eagerly on
     one evaluation batch after training (trainer/nn/float8_gemm.observe; the current-scaling
     recipes only, Keras's delayed layers are not instrumented);
-  * the emulated step's cost: wall seconds and CPU-seconds of the process per compiled train
-    step, and their ratios to the baseline's (CPU-seconds move less when other processes share
-    the cores). The float8 casts are emulated on a CPU (quantize, dequantize, float32 GEMM): the
-    ratio is the emulation's overhead, not float8 hardware's speed-up, and the machine may be
-    shared (its load is in the header). benchmarks/float8_step_cost.py compares ways of running
-    the emulation.
+  * the emulated step's cost: wall and CPU-seconds per compiled train step, and their ratios to
+    the baseline's: the emulation's overhead (quantize, dequantize, float32 GEMM), not float8
+    hardware's speed-up.
 Writes docs/results/float8.md (benchmarks/results.py: a header of command, commit, machine, load).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +60,6 @@ _POLICY = flags.DEFINE_enum(
   "Compute of every run ('none' is the baseline): float32 where bfloat16 is emulated and slow.",
 )
 _DATA = flags.DEFINE_string('data_root', os.path.join(ROOT, '..', 'shared', 'data'), 'Data.')
-_WORK = flags.DEFINE_string('workdir', '/tmp/float8_recipes', 'Where the runs write.')
 
 
 def config_for(model: str, recipe: str, steps: int):
@@ -123,28 +119,28 @@ def seconds_per_step(trainer, steps: int) -> tuple[float, float]:
 
 
 def one_run(model: str, recipe: str, steps: int) -> dict:
+  """One training run in a temporary workdir: what it measured (the module's docstring)."""
   import keras
   import models
   from trainer.errors import UserError
 
-  workdir = os.path.join(_WORK.value, f'{model}-{recipe}-{steps}')
-  subprocess.run(['rm', '-rf', workdir], check=True)
   keras.backend.clear_session()  # Keras's layer names from 'dense' again (FLOAT32_LAYERS)
   config = config_for(model, recipe, steps)
-  try:
-    trainer = models.get_trainer_class(model)(config, workdir)
-  except UserError as e:  # e.g. mxfp8 on a layer whose axes are not whole blocks
-    return {'error': f'{type(e).__name__}: {e}'}
-  left_out = config.precision.float32_layers
-  if left_out and model.startswith('mnist') and trainer.model.layers[-1].name != left_out:
-    raise RuntimeError(f'{model}: precision.float32_layers={left_out!r} is not its logits layer')
-  start = time.perf_counter()
-  metrics = trainer.train()
-  out: dict = {'metric': metrics[MODELS[model][2]], 'train_seconds': time.perf_counter() - start}
-  out['skipped'] = int(trainer.train_step.skipped_steps.numpy())
-  out['shares'] = shares(trainer) if recipe not in ('none', 'delayed') else {}
-  out['step_seconds'], out['step_cpu'] = seconds_per_step(trainer, _COST.value)
-  return out
+  with tempfile.TemporaryDirectory(prefix=f'float8_{model}_{recipe}_') as workdir:
+    try:
+      trainer = models.get_trainer_class(model)(config, workdir)
+    except UserError as e:  # e.g. mxfp8 on a layer whose axes are not whole blocks
+      return {'error': f'{type(e).__name__}: {e}'}
+    left_out = config.precision.float32_layers
+    if left_out and model.startswith('mnist') and trainer.model.layers[-1].name != left_out:
+      raise RuntimeError(f'{model}: precision.float32_layers={left_out!r} is not its logits layer')
+    start = time.perf_counter()
+    metrics = trainer.train()
+    out: dict = {'metric': metrics[MODELS[model][2]], 'train_seconds': time.perf_counter() - start}
+    out['skipped'] = int(trainer.train_step.skipped_steps.numpy())
+    out['shares'] = shares(trainer) if recipe not in ('none', 'delayed') else {}
+    out['step_seconds'], out['step_cpu'] = seconds_per_step(trainer, _COST.value)
+    return out
 
 
 def pct(x: float) -> str:

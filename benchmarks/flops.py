@@ -1,11 +1,9 @@
 """FLOPs per training step, counted from the model, and the machine's measured matmul peak.
 
-FLOPs per step: the forward pass, loss and gradients of one global batch (what `tape.gradient`
-builds from the model's own `compute_loss`) are traced into a graph, and
-`tf.compat.v1.profiler` sums the float operations TensorFlow registers per op (MatMul, Conv2D,
-Conv2DBackpropInput/Filter, BatchMatMul, BiasAdd, ... : 2 per multiply-add). The optimizer update
-is not counted (a few FLOPs per weight). Ops without a registered count (elementwise
-activations, softmax) count 0, so this is a slight under-count: MFU is a lower bound.
+FLOPs per step: the forward pass, loss and gradients of one global batch (the model's own
+`compute_loss` under `tape.gradient`) traced into a graph, whose float operations
+`tf.compat.v1.profiler` sums as TensorFlow registers them per op (2 per multiply-add). The update
+and ops without a registered count (element-wise ones, softmax) count 0: MFU is a lower bound.
 
 Peak: a square `tf.matmul` of float32 (and bfloat16, float16) operands, timed best-of-N in the same
 process as the training runs; 2 n^3 FLOPs per product.

@@ -15,30 +15,20 @@ that fits a budget; with --account, what the backward pass keeps, tensor by tens
       --setting='f32:float32' \
       --setting='bf16 sr:mixed_bfloat16,precision.master_weights=bfloat16_sr'
 
-Method. Memory: each (policy, remat) runs in a fresh subprocess that imports TensorFlow, Keras
-and the project, reads its peak resident set (VmHWM), then builds the trainer (model, optimizer,
-input pipeline) and trains --steps steps in one compiled call, and reads VmHWM again. "step MiB"
-is the peak after training minus the peak after the imports: what building and training need,
-the issue's measure; "step - build MiB" also subtracts what building alone needed. Peak RSS never
-falls within a process, hence a process per setting. The budget search doubles the batch until a
-run exceeds the budget (the parent polls the child's VmRSS and kills it past the budget, so a
-search never swaps), then bisects to --budget_resolution.
-Account: one gradient computation of the model's loss is traced into a graph (the trainer's
-compute_loss under a tf.GradientTape, at the config's batch); every tensor the forward pass makes
-and a gradient op reads is what the tape keeps alive until the backward pass reaches it. Their
-bytes are summed by dtype and by the layer that made them. This is exact for the graph, and says
-nothing about the allocator.
-Breakdown (--breakdown, a subprocess per --setting, TF's BFC allocator on the CPU unless
---noallocator): weights and optimizer state (bytes of the variables), kept for backward (as
---account), the allocator's peak (the most bytes of live tensors during the steps: its count is
-reset after the build), transient = allocator peak -
-weights - state - kept (the gradients and the largest working set of one op or block), beyond
-the allocator = peak RSS - allocator peak (Python, TF's code and caches, oneDNN's, the input
-pipeline, freed pages malloc keeps), RSS peak and step MiB, and seconds per step (the median of
---steps steps after one traced step, in that process; noisy on a shared machine).
-Time: every (policy, remat) trainer is built and warmed up in this one process, then
---time_rounds interleaved rounds; ratios are medians of per-round pairs (the machine may be
-shared: ratios measured seconds apart share its load).
+Method (docs/guides/memory.md says what each figure means). Memory: each (policy, remat) runs in
+a fresh subprocess (peak RSS never falls within a process) that imports TensorFlow, Keras and
+the project, reads its peak resident set (VmHWM), builds the trainer and trains --steps steps in
+one compiled call, and reads VmHWM again: "step MiB" is the peak after training minus the peak
+after the imports; "step - build MiB" also subtracts what building alone needed. The budget
+search doubles the batch until a run exceeds the budget (the parent polls the child's VmRSS and
+kills it past the budget, so a search never swaps), then bisects to --budget_resolution.
+Account: every tensor the forward pass of one traced gradient computation makes and a gradient
+op reads (what the tape keeps alive), summed by dtype and by layer: exact for the graph, silent
+about the allocator. Breakdown: a subprocess per --setting on TF's BFC allocator (unless
+--noallocator): the variables' bytes, what is kept for backward, the allocator's peak during the
+steps and what lies beyond it, and the median seconds per step. Time: every setting built and
+warmed up in this one process, then --time_rounds interleaved rounds; ratios are medians of
+per-round pairs, which share the machine's load.
 """
 
 from __future__ import annotations
@@ -62,95 +52,62 @@ from benchmarks import results as results_page  # noqa: E402  (--results_dir, --
 from benchmarks import run  # noqa: E402  (its flags --data_root, --data_dir apply here too)
 
 _MODEL = flags.DEFINE_string('model', 'transformer_lm', 'Model (module in models/).')
-_CONFIG = flags.DEFINE_string(
-  'config', '', 'Config file (default: the one benchmarks/run.py measures --model with).'
-)
+_CONFIG = flags.DEFINE_string('config', '', "Config file (default: benchmarks/run.py's).")
 _POLICY_LIST = flags.DEFINE_list('policy', ['float32', 'mixed_bfloat16'], 'Policies.')
 _REMAT = flags.DEFINE_list('remat', ['false', 'true'], 'train.remat settings.')
-_SET = flags.DEFINE_multi_string(
-  'set', [], 'dotted=value config overrides, e.g. model_config.context=512.'
-)
+_SET = flags.DEFINE_multi_string('set', [], 'dotted=value overrides: model_config.context=512.')
 _BATCH = flags.DEFINE_integer('batch_size', None, "Global batch (default: the config's).")
 _STEPS = flags.DEFINE_integer('steps', 2, 'Steps trained per memory subprocess.')
-_BUDGET = flags.DEFINE_integer(
-  'budget_mib', 0, 'Find the largest batch within this many MiB (step MiB); 0 = off.'
-)
-_RESOLUTION = flags.DEFINE_integer(
-  'budget_resolution', 4, 'Bisection stops when the batch interval is this narrow.'
-)
-_ACCOUNT = flags.DEFINE_bool(
-  'account', False, 'Tensor-by-tensor account of what the backward pass keeps.'
-)
+_BUDGET = flags.DEFINE_integer('budget_mib', 0, 'The largest batch within this step MiB; 0 = off.')
+_RESOLUTION = flags.DEFINE_integer('budget_resolution', 4, 'Bisection ends at this batch interval.')
+_ACCOUNT = flags.DEFINE_bool('account', False, 'What the backward pass keeps, tensor by tensor.')
 _TIME_ROUNDS = flags.DEFINE_integer('time_rounds', 0, 'Interleaved timing rounds; 0 = off.')
 _ROUND_STEPS = flags.DEFINE_integer('round_steps', 3, 'Steps per contender per timing round.')
-_BREAKDOWN = flags.DEFINE_bool(
-  'breakdown', False, "The step's memory by component, per --setting (a subprocess each)."
-)
+_BREAKDOWN = flags.DEFINE_bool('breakdown', False, "The step's memory by component, per --setting.")
 _SETTINGS = flags.DEFINE_multi_string(
-  'setting',
-  [],
-  'A --breakdown row: label:policy[,dotted='
-  'value...], e.g. "bf16 sr:mixed_bfloat16,precision.'
-  'master_weights=bfloat16_sr".',
+  'setting', [], 'A row: label:policy[,dotted=value...], e.g. "f32 remat:float32,train.remat=true".'
 )
 _ALLOCATOR = flags.DEFINE_bool(
-  'allocator',
-  True,
-  "--breakdown: run the child on TF's BFC "
-  'allocator (its peak is then known; RSS differs from the default '
-  "allocator's).",
+  'allocator', True, "--breakdown on TF's BFC allocator (its peak is then known; RSS differs)."
 )
 _JSON = flags.DEFINE_string('json_out', '', 'Also write the results here as JSON.')
 _CHILD = flags.DEFINE_string('child', '', 'Internal: JSON spec of one memory measurement.')
 
 
-def peak_rss_mib() -> float:
-  """This process's peak resident set (VmHWM, reset by exec), MiB."""
-  with open('/proc/self/status') as f:
-    for line in f:
-      if line.startswith('VmHWM:'):
-        return int(line.split()[1]) / 1024.0
-  raise RuntimeError('no VmHWM in /proc/self/status')
-
-
-def rss_mib(pid: int) -> float:
+def status_mib(field: str, pid='self') -> float:
+  """A memory line of /proc/<pid>/status, MiB (0 where unreadable): VmHWM, the peak resident set
+  (reset by exec); VmRSS, the resident set now."""
   try:
     with open(f'/proc/{pid}/status') as f:
-      for line in f:
-        if line.startswith('VmRSS:'):
-          return int(line.split()[1]) / 1024.0
-  except OSError:
-    pass
-  return 0.0
+      return next(int(line.split()[1]) / 1024.0 for line in f if line.startswith(field + ':'))
+  except (OSError, StopIteration):
+    return 0.0
 
 
-def build_config(
-  model: str,
-  config_file: str,
-  overrides: list[str],
-  *,
-  policy: str,
-  remat: bool,
-  batch_size: int | None,
-  steps_per_loop: int = 1,
-):
-  """The benchmark's contender config (endless, constant rate, no checkpoints) with overrides."""
+def flag_spec(policy: str, remat: bool, extra=()) -> dict:
+  """One measurement as the flags ask for it: under `policy` and `remat`, `extra` overrides."""
+  spec = dict(model=_MODEL.value, config=_CONFIG.value, set=_SET.value + list(extra))
+  return dict(spec, policy=policy, remat=remat, batch_size=_BATCH.value, steps=_STEPS.value)
+
+
+def build_config(spec: dict):
+  """The benchmark's contender config (endless, constant rate, no checkpoints) of a measurement:
+  the model's config (or spec['config']), its policy, remat, overrides and batch."""
   from trainer import config as config_lib
 
-  if config_file:
-    base = config_lib.load_file(os.path.join(ROOT, config_file))
+  if spec['config']:
+    base = config_lib.load_file(os.path.join(ROOT, spec['config']))
     if not base.data.dir:
-      base.data.dir = os.path.join(
-        ROOT, '..', 'shared', 'data', 'mnist' if 'mnist' in base.model else 'tinyshakespeare'
-      )
+      data = 'mnist' if 'mnist' in base.model else 'tinyshakespeare'
+      base.data.dir = os.path.join(run._DATA_ROOT.value, data)
   else:
-    base = run.model_config(model)
-  config = run.variant(base, policy=policy, steps_per_loop=steps_per_loop)
-  config.train.remat = remat
+    base = run.model_config(spec['model'])
+  config = run.variant(base, policy=spec['policy'], steps_per_loop=1)
+  config.train.remat = spec['remat']
   # After `variant`, so that e.g. train.jit_compile=true applies.
-  config_overrides.apply(config, overrides)
-  if batch_size:
-    config.train.batch_size = batch_size
+  config_overrides.apply(config, spec['set'])
+  if spec['batch_size']:
+    config.train.batch_size = spec['batch_size']
   return config
 
 
@@ -162,12 +119,10 @@ def weight_bytes(variables) -> int:
   return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
 
 
-def kept_bytes(trainer) -> int:
-  """Bytes of the forward tensors one gradient computation keeps for the backward pass."""
-  import numpy as np
+def gradient_graph(trainer):
+  """The graph of one gradient computation of the trainer's loss at one batch of its data."""
   import tensorflow as tf
 
-  batch = next(iter(trainer.datasets.train))
   variables = trainer.model.trainable_variables
 
   @tf.function
@@ -177,7 +132,14 @@ def kept_bytes(trainer) -> int:
       loss = tf.reduce_mean(loss)
     return loss, tape.gradient(loss, variables)
 
-  kept = kept_for_backward(grads.get_concrete_function(batch).graph)
+  return grads.get_concrete_function(next(iter(trainer.datasets.train))).graph
+
+
+def kept_bytes(trainer) -> int:
+  """Bytes of the forward tensors one gradient computation keeps for the backward pass."""
+  import numpy as np
+
+  kept = kept_for_backward(gradient_graph(trainer))
   return sum(
     int(np.prod(t.shape.as_list())) * t.dtype.size for t in kept if t.shape.is_fully_defined()
   )
@@ -189,20 +151,13 @@ def child(spec: dict) -> None:
   import keras  # noqa: F401
   import tensorflow as tf
 
-  imported = peak_rss_mib()
-  config = build_config(
-    spec['model'],
-    spec['config'],
-    spec['set'] + spec.get('extra', []),
-    policy=spec['policy'],
-    remat=spec['remat'],
-    batch_size=spec['batch_size'],
-  )
+  imported = status_mib('VmHWM')
+  config = build_config(spec)
   trainer_class = models.get_trainer_class(config.model)
   extra = {}
   with tempfile.TemporaryDirectory() as workdir:
     trainer = trainer_class(config, workdir)
-    built = peak_rss_mib()
+    built = status_mib('VmHWM')
     if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # the allocator's peak: the steps' only
       tf.config.experimental.reset_memory_stats('CPU:0')
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
@@ -227,55 +182,19 @@ def child(spec: dict) -> None:
     else:
       trainer.runner.train_loop.run(iterator, spec['steps'])
       int(trainer.global_step.numpy())
-  peak = peak_rss_mib()
+  peak = status_mib('VmHWM')
   if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # TF's own account of live tensor bytes
     extra['allocator_peak_mib'] = tf.config.experimental.get_memory_info('CPU:0')['peak'] / 2**20
-  print(
-    json.dumps(
-      {
-        **extra,
-        'imported_mib': imported,
-        'built_mib': built,
-        'peak_mib': peak,
-        'step_mib': peak - imported,
-        'step_minus_build_mib': peak - built,
-      }
-    )
-  )
+  mib = dict(imported_mib=imported, built_mib=built, peak_mib=peak, step_mib=peak - imported)
+  print(json.dumps({**extra, **mib, 'step_minus_build_mib': peak - built}))
 
 
-def measure(
-  policy: str,
-  remat: bool,
-  batch_size: int | None,
-  kill_mib: float = 0.0,
-  extra=(),
-  breakdown: bool = False,
-) -> dict:
+def measure(policy: str, remat: bool, batch_size, kill_mib=0.0, extra=(), breakdown=False) -> dict:
   """Runs `child` in a subprocess; {'fits': False} when its resident set passed `kill_mib`
   (killed then). `extra`: more dotted=value overrides; `breakdown`: the components too."""
-  spec = dict(
-    model=_MODEL.value,
-    config=_CONFIG.value,
-    set=_SET.value,
-    policy=policy,
-    remat=remat,
-    batch_size=batch_size,
-    steps=_STEPS.value,
-    extra=list(extra),
-    breakdown=breakdown,
-  )
-  argv = [
-    sys.executable,
-    os.path.abspath(__file__),
-    f'--child={json.dumps(spec)}',
-    f'--data_root={run._DATA_ROOT.value}',  # pylint: disable=protected-access
-    *(
-      [f'--data_dir={",".join(run._DATA_DIR.value)}']  # pylint: disable=protected-access
-      if run._DATA_DIR.value
-      else []
-    ),
-  ]  # pylint: disable=protected-access
+  spec = dict(flag_spec(policy, remat, extra), batch_size=batch_size, breakdown=breakdown)
+  data = [f'--data_root={run._DATA_ROOT.value}', f'--data_dir={",".join(run._DATA_DIR.value)}']
+  argv = [sys.executable, os.path.abspath(__file__), *data, f'--child={json.dumps(spec)}']
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
   if breakdown and _ALLOCATOR.value:
     env['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
@@ -283,7 +202,7 @@ def measure(
     proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env, cwd=ROOT)
     while proc.poll() is None:
       time.sleep(0.2)
-      if kill_mib and rss_mib(proc.pid) > kill_mib:
+      if kill_mib and status_mib('VmRSS', proc.pid) > kill_mib:
         proc.kill()
         proc.wait()
         return {'fits': False, 'batch_size': batch_size}
@@ -307,13 +226,8 @@ def largest_batch(policy: str, remat: bool, budget: float, start: int) -> dict:
     r = measure(policy, remat, batch, kill_limit)
     ok = r['fits'] and r.get('step_mib', 1e18) <= budget
     tried[batch] = r.get('step_mib')
-    logging.warning(
-      '  %s remat=%s batch %d: %s',
-      policy,
-      remat,
-      batch,
-      f'{r["step_mib"]:.0f} MiB' if 'step_mib' in r else 'over the limit, killed',
-    )
+    said = f'{r["step_mib"]:.0f} MiB' if 'step_mib' in r else 'over the limit, killed'
+    logging.warning('  %s remat=%s batch %d: %s', policy, remat, batch, said)
     return ok
 
   low, high = 0, start
@@ -325,11 +239,8 @@ def largest_batch(policy: str, remat: bool, budget: float, start: int) -> dict:
       low = mid
     else:
       high = mid
-  return {
-    'largest_batch': low,
-    'first_too_large': high,
-    'tried_step_mib': {str(k): v for k, v in sorted(tried.items())},
-  }
+  tried_mib = {str(k): v for k, v in sorted(tried.items())}
+  return {'largest_batch': low, 'first_too_large': high, 'tried_step_mib': tried_mib}
 
 
 def kept_for_backward(graph) -> list:
@@ -382,37 +293,18 @@ def account(policy: str, remat: bool) -> dict:
 
   import models
   import numpy as np
-  import tensorflow as tf
 
-  config = build_config(
-    _MODEL.value, _CONFIG.value, _SET.value, policy=policy, remat=remat, batch_size=_BATCH.value
-  )
+  config = build_config(flag_spec(policy, remat))
   with tempfile.TemporaryDirectory() as workdir:
     trainer = models.get_trainer_class(config.model)(config, workdir)
-    batch = next(iter(trainer.datasets.train))
-    variables = trainer.model.trainable_variables
-
-    @tf.function
-    def grads(batch):
-      with tf.GradientTape() as tape:
-        loss, _ = trainer.compute_loss(batch, training=True)
-        loss = tf.reduce_mean(loss)
-      return loss, tape.gradient(loss, variables)
-
-    graph = grads.get_concrete_function(batch).graph
-  kept = kept_for_backward(graph)
+    kept = [t for t in kept_for_backward(gradient_graph(trainer)) if t.shape.is_fully_defined()]
   by_dtype, by_layer, rows = collections.Counter(), collections.Counter(), []
   for t in kept:
-    name = t.name
-    if not t.shape.is_fully_defined():
-      continue
-    size = int(np.prod(t.shape.as_list())) * t.dtype.size
+    size, parts = int(np.prod(t.shape.as_list())) * t.dtype.size, t.name.split('/')
     by_dtype[t.dtype.name] += size
-    parts = name.split('/')
     # model/layer/...: the model's top-level layer; else (the loss) the op type
-    layer = parts[1] if len(parts) > 2 else f'(outside the model) {t.op.type}'
-    by_layer[layer] += size
-    rows.append((size, name, t.dtype.name, t.shape.as_list(), t.op.type))
+    by_layer[parts[1] if len(parts) > 2 else f'(outside the model) {t.op.type}'] += size
+    rows.append((size, t.name, t.dtype.name, t.shape.as_list(), t.op.type))
   rows.sort(reverse=True)
   mib = lambda b: round(b / 2**20, 1)
   return {
@@ -443,17 +335,10 @@ def timing(settings: list[tuple]) -> dict:
   built, policies = [], {}
   for setting in settings:
     key, policy, remat, extra = (setting, *setting, ()) if len(setting) == 2 else setting
-    config = build_config(
-      _MODEL.value,
-      _CONFIG.value,
-      _SET.value + list(extra),
-      policy=policy,
-      remat=remat,
-      batch_size=_BATCH.value,
-    )
+    config = build_config(flag_spec(policy, remat, extra))
     contender = Ours(models.get_trainer_class(config.model), config)
-    contender.timed(1)
-    contender.timed(1)
+    for _ in range(2):  # traced, then warm
+      contender.timed(1)
     built.append((key, contender))
     policies[key] = policy
     logging.warning('built %s', key)
@@ -471,19 +356,16 @@ def timing(settings: list[tuple]) -> dict:
   base = rates[built[0][0]]
   out = {'flops_per_step': step_flops, 'matmul_peak_flops': peaks, 'settings': {}}
   for key, values in rates.items():
-    policy = policies[key]
-    dtype = 'bfloat16' if policy == 'mixed_bfloat16' else 'float32'
+    dtype = 'bfloat16' if policies[key] == 'mixed_bfloat16' else 'float32'
     median = statistics.median(values)
-    same_policy_off = rates.get((policy, False)) if isinstance(key, tuple) else None
+    off = rates.get((policies[key], False)) if isinstance(key, tuple) else None  # remat off
     out['settings'][f'{key[0]} remat={key[1]}' if isinstance(key, tuple) else key] = {
       'steps_per_sec': median,
       'rounds': values,
       'x_first': statistics.median(a / b for a, b in zip(values, base)),
-      'step_time_x_remat_off': (
-        statistics.median(b / a for a, b in zip(values, same_policy_off))
-        if same_policy_off
-        else None
-      ),
+      'step_time_x_remat_off': statistics.median(b / a for a, b in zip(values, off))
+      if off
+      else None,
       'mfu': step_flops * median / peaks[dtype],
       'mfu_of': dtype,
     }
@@ -505,9 +387,8 @@ def breakdown(setting: str) -> dict:
   row = {'label': label, 'policy': policy, 'overrides': items, **m}
   row['bytes_per_param'] = (m['weights_mib'] + m['state_mib']) * 2**20 / m['params']
   if 'allocator_peak_mib' in m:
-    row['transient_mib'] = (
-      m['allocator_peak_mib'] - m['weights_mib'] - m['state_mib'] - m['kept_mib']
-    )
+    held = m['weights_mib'] + m['state_mib'] + m['kept_mib']
+    row['transient_mib'] = m['allocator_peak_mib'] - held
     row['beyond_allocator_mib'] = m['peak_mib'] - m['allocator_peak_mib']
   logging.warning('%s: step %.0f MiB, %.2f s/step', label, m['step_mib'], m['step_seconds'])
   return row
@@ -552,14 +433,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   started = results_page.start()
   settings = [(p, r.lower() == 'true') for p in _POLICY_LIST.value for r in _REMAT.value]
-  results = {
-    'model': _MODEL.value,
-    'config': _CONFIG.value,
-    'set': _SET.value,
-    'batch_size': _BATCH.value,
-    'steps': _STEPS.value,
-    'load_average': os.getloadavg(),
-  }
+  results = dict(model=_MODEL.value, config=_CONFIG.value, set=_SET.value, steps=_STEPS.value)
+  results.update(batch_size=_BATCH.value, load_average=os.getloadavg())
   if _BREAKDOWN.value:
     results['breakdown'] = rows = [breakdown(s) for s in _SETTINGS.value]
     results['allocator'] = _ALLOCATOR.value
@@ -577,13 +452,8 @@ def main(argv):
     results['memory'] = {}
     for p, r in settings:
       results['memory'][f'{p} remat={r}'] = m = measure(p, r, _BATCH.value)
-      logging.warning(
-        '%s remat=%s: step %.0f MiB (step - build %.0f MiB)',
-        p,
-        r,
-        m['step_mib'],
-        m['step_minus_build_mib'],
-      )
+      mib = (m['step_mib'], m['step_minus_build_mib'])
+      logging.warning('%s remat=%s: step %.0f MiB (step - build %.0f MiB)', p, r, *mib)
   text = json.dumps(results, indent=2)
   print(text)
   if 'table' in results:

@@ -5,29 +5,23 @@
   python -m benchmarks.references --quick         # a few steps each: checks the plumbing
 
 Each reference is a config file in configs/ whose docstring names the published figure and its
-source: nanoGPT's CPU recipe (configs/nanogpt_cpu.py, validation loss 1.88) and keras.io's Simple
-MNIST convnet (configs/keras_mnist_convnet.py, test accuracy 0.9922). Every (reference, policy)
-cell trains in its own subprocess from the config as written, with only the policy changed
-(mixed_float16 with dynamic loss scaling); its wall time and CPU-seconds are the subprocess's
-whole life (imports, tracing, training, evaluation). --quick runs the cells in this process, a
-few steps each; its figures mean nothing.
-
-The nanoGPT cell is evaluated two ways:
-  * full split: the trainer's eval, every non-overlapping 64-character window of the validation
-    split, once (what our trainer reports);
-  * nanoGPT's estimate: the mean loss of `eval_iters` = 20 batches of 12 windows at uniformly
-    random offsets of the validation split (nanoGPT's estimate_loss and get_batch), seeded.
-The convnet can also run as the example itself does (`--side=keras_fit`): its model (the final
-softmax kept in float32 under a mixed policy, as Keras's mixed-precision guide says), `fit` with
-`validation_split=0.1`, `evaluate` on the test images, under the same seed and policy (Keras's
-LossScaleOptimizer under mixed_float16). Seeds re-run it: the published figure is one run.
-Prints a markdown table; --out also writes it, with the raw results as JSON next to it.
+source (nanoGPT's CPU recipe, keras.io's Simple MNIST convnet). Every (reference, policy) cell
+trains in its own subprocess from the config as written, only the policy changed (mixed_float16
+with dynamic loss scaling); its wall and CPU-seconds are the subprocess's whole life. --quick
+runs the cells in this process, a few steps each; its figures mean nothing. The nanoGPT cell is
+evaluated on the full validation split (the trainer's eval) and as nanoGPT estimates it (20
+seeded batches of 12 random windows: `nanogpt_estimate`). `--side=keras_fit` runs the convnet as
+the example itself does (its model with a float32 softmax, `fit` with `validation_split=0.1`,
+`evaluate`; Keras's LossScaleOptimizer under mixed_float16). Prints a markdown table; --out also
+writes it, with the raw results as JSON next to it. Method and findings: docs/references.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,73 +32,41 @@ if ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
-from benchmarks import child  # noqa: E402
 from benchmarks import results as results_page  # noqa: E402
 from benchmarks import overrides as config_overrides  # noqa: E402
 
 POLICIES = ('float32', 'mixed_bfloat16', 'mixed_float16')
-# name: config file, data folder under --data_root, the published figure and its metric.
+# name: (config file, data folder under --data_root, metric, the published figure, lower is
+# better); the config's docstring names the source.
 REFERENCES = {
-  'nanogpt_cpu': dict(
-    config='configs/nanogpt_cpu.py',
-    data='tinyshakespeare',
-    metric='loss',
-    published=1.88,
-    better='lower',
-    source='karpathy/nanoGPT README, CPU recipe (20-batch estimate)',
-  ),
-  'keras_mnist_convnet': dict(
-    config='configs/keras_mnist_convnet.py',
-    data='mnist',
-    metric='accuracy',
-    published=0.9922,
-    better='higher',
-    source='keras.io Simple MNIST convnet (test accuracy)',
-  ),
+  'nanogpt_cpu': ('configs/nanogpt_cpu.py', 'tinyshakespeare', 'loss', 1.88, True),
+  'keras_mnist_convnet': ('configs/keras_mnist_convnet.py', 'mnist', 'accuracy', 0.9922, False),
 }
 NANOGPT_EVAL_ITERS = 20  # nanoGPT's --eval_iters in its CPU recipe
 
-_QUICK = flags.DEFINE_bool(
-  'quick',
-  False,
-  'A few steps per cell, in this process: checks the plumbing; the figures mean nothing.',
-)
+_QUICK = flags.DEFINE_bool('quick', False, 'A few steps per cell, in this process: the plumbing.')
 _ONLY = flags.DEFINE_list('only', list(REFERENCES), 'References to run.')
 _POLICIES = flags.DEFINE_list('policies', list(POLICIES), 'Policies to run.')
 _DATA_ROOT = flags.DEFINE_string(
-  'data_root',
-  os.path.join(ROOT, '..', 'shared', 'data'),
-  'Folder holding mnist/ and tinyshakespeare/.',
+  'data_root', os.path.join(ROOT, '..', 'shared', 'data'), 'Folder of mnist/, tinyshakespeare/.'
 )
-_OUT = flags.DEFINE_string(
-  'out', '', "Folder for references.md and references.json; '' = print only."
-)
-_CELL = flags.DEFINE_string(
-  'cell',
-  None,
-  'Internal: reference:policy to run in this process, printing its result as one JSON line.',
-)
+_OUT = flags.DEFINE_string('out', '', "Folder for references.md and .json; '' = print only.")
+_CELL = flags.DEFINE_string('cell', None, 'Internal: reference:policy to run in this process.')
 _SIDE = flags.DEFINE_enum(
   'side',
   'ours',
   ['ours', 'keras_fit'],
-  "Who trains: 'ours' (the "
-  "Trainer from the config) or 'keras_fit' (keras_mnist_convnet only: "
-  'the example as published, with model.fit).',
+  "Who trains: 'keras_fit' is the convnet example as published.",
 )
-_SET = flags.DEFINE_multi_string(
-  'set',
-  [],
-  "key=value overrides of every cell's config, e.g. train.steps=500 (dotted schema keys).",
-)
+_SET = flags.DEFINE_multi_string('set', [], "key=value overrides of every cell's config.")
 
 
 def build_config(name: str, policy: str, data_root: str, quick: bool, overrides=()):
   from trainer import config as config_lib
 
-  ref = REFERENCES[name]
-  config = config_lib.load_file(os.path.join(ROOT, ref['config']))
-  config.data.dir = os.path.join(data_root, ref['data'])
+  file, data, *_ = REFERENCES[name]
+  config = config_lib.load_file(os.path.join(ROOT, file))
+  config.data.dir = os.path.join(data_root, data)
   config.precision.policy = policy
   config.precision.loss_scale = 'dynamic' if policy == 'mixed_float16' else 'none'
   if quick:
@@ -209,20 +171,21 @@ def run_keras_example(name: str, policy: str, data_root: str, quick: bool, overr
 
 
 def run_subprocess(name: str, policy: str, data_root: str, overrides=(), side='ours') -> dict:
-  """run_cell (or run_keras_example) in a fresh Python (benchmarks/child.py: tried twice); wall
-  and CPU-seconds are the successful child's whole life."""
-  command = [
-    sys.executable,
-    '-m',
-    'benchmarks.references',
-    f'--cell={name}:{policy}',
-    f'--side={side}',
-    f'--data_root={data_root}',
-    *(f'--set={s}' for s in overrides),
-  ]
-  result, wall, cpu = child.run(command)
+  """run_cell (or run_keras_example) in a fresh Python; wall and CPU-seconds are the child's
+  whole life."""
+  command = [sys.executable, '-m', 'benchmarks.references', f'--cell={name}:{policy}']
+  command += [f'--side={side}', f'--data_root={data_root}', *(f'--set={s}' for s in overrides)]
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
+  start = time.perf_counter()
+  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+  wall = time.perf_counter() - start
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
+  if done.returncode:
+    raise RuntimeError(f'{name}:{policy} failed (exit {done.returncode}): {done.stderr[-2000:]}')
+  result = json.loads([line for line in done.stdout.splitlines() if line.startswith('{')][-1])
   result['in_process_wall_s'], result['in_process_cpu_s'] = result['wall_s'], result['cpu_s']
-  result['wall_s'], result['cpu_s'] = wall, cpu
+  result['wall_s'] = wall
+  result['cpu_s'] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
   return result
 
 
@@ -234,14 +197,14 @@ def table(results: list[dict]) -> str:
     '|---|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for r in results:
-    ref = REFERENCES[r['reference']]
-    full = r['metrics'][ref['metric']]
+    _, _, metric, published, lower = REFERENCES[r['reference']]
+    full = r['metrics'][metric]
     estimate = r.get('nanogpt_estimate')
     # The gap is taken on the figure measured as the source measured it.
     ours = estimate if estimate is not None else full
-    gap = ours - ref['published'] if ref['better'] == 'lower' else ref['published'] - ours
+    gap = ours - published if lower else published - ours
     lines.append(
-      f'| {r["reference"]} | {ref["metric"]} {ref["published"]} | {r["policy"]} | '
+      f'| {r["reference"]} | {metric} {published} | {r["policy"]} | '
       f'{r.get("side", "ours")} | '
       f'{full:.4f} | {"-" if estimate is None else f"{estimate:.4f}"} | '
       f'{gap:+.4f} ({"worse" if gap > 0 else "met"}) | {r["steps"]} | {r["wall_s"]:.0f} | '
@@ -274,7 +237,7 @@ def main(argv):
         result = run_subprocess(name, policy, _DATA_ROOT.value, _SET.value, _SIDE.value)
       logging.info('%s', json.dumps(result))
       results.append(result)
-  child.report(
+  results_page.report(
     _OUT.value,
     'references',
     table(results),

@@ -35,7 +35,12 @@ def _yes(ok: bool) -> str:
 
 
 def _r(stat: dict, fmt: str = '{:.1f}') -> str:
+  """median (min-max) of a `run.summary`."""
   return f'{fmt.format(stat["median"])} ({fmt.format(stat["min"])}-{fmt.format(stat["max"])})'
+
+
+def _x(stat: dict) -> str:
+  return _r(stat, '{:.2f}')
 
 
 def _pct(stat: dict) -> str:
@@ -63,6 +68,7 @@ def markdown(results: dict) -> str:
   for name, r in results['models'].items():
     c = r['contenders']
     sps = lambda label: _r(c[label]['steps_per_sec'])
+    both = lambda key, sub: f'{_x(r[key][sub])} | {_x(r["cpu_time"][key][sub])}'  # wall, CPU
     spl = r['steps_per_loop']
     lines += [
       '',
@@ -77,12 +83,10 @@ def markdown(results: dict) -> str:
     for p in policies:
       ratio, cpu_ratio = r['ours_over_fit'][p], r['cpu_time']['ours_over_fit'][p]
       lines.append(
-        f'| {p} | {sps(f"ours {p}")} | {sps(f"fit {p}")} | {_r(ratio, "{:.2f}")} '
-        f'| {_r(cpu_ratio, "{:.2f}")} | {_yes(ratio["median"] >= 1.10)}, '
-        f'{_yes(cpu_ratio["median"] >= 1.10)} |'
+        f'| {p} | {sps(f"ours {p}")} | {sps(f"fit {p}")} | {both("ours_over_fit", p)} '
+        f'| {_yes(ratio["median"] >= 1.10)}, {_yes(cpu_ratio["median"] >= 1.10)} |'
       )
     d = r['default_policy']
-    fo, cpu_fo = r['fused_optimizer'], r['cpu_time']['fused_optimizer']
     lines += [
       '',
       f'### Where ours / fit comes from ({d})',
@@ -93,13 +97,10 @@ def markdown(results: dict) -> str:
       '| pair | steps/s | ratio (wall) | ratio (CPU) |',
       '|---|---|---|---|',
       f"| ours with Keras's update / fit | {sps(f'ours {d} optimizer.fused=False')} | "
-      f'{_r(fo["ours_unfused_over_fit"], "{:.2f}")} | '
-      f'{_r(cpu_fo["ours_unfused_over_fit"], "{:.2f}")} |',
+      f'{both("fused_optimizer", "ours_unfused_over_fit")} |',
       f'| fit with our update / fit | {sps(f"fit {d} optimizer.fused=True")} | '
-      f'{_r(fo["fit_fused_over_fit"], "{:.2f}")} | '
-      f'{_r(cpu_fo["fit_fused_over_fit"], "{:.2f}")} |',
-      f'| ours / fit with our update | | {_r(fo["ours_over_fit_fused"], "{:.2f}")} | '
-      f'{_r(cpu_fo["ours_over_fit_fused"], "{:.2f}")} |',
+      f'{both("fused_optimizer", "fit_fused_over_fit")} |',
+      f'| ours / fit with our update | | {both("fused_optimizer", "ours_over_fit_fused")} |',
     ]
     lso, cpu_lso = r['fit_lso_ours_over_keras'], r['cpu_time']['fit_lso_ours_over_keras']
     lines += [
@@ -109,7 +110,7 @@ def markdown(results: dict) -> str:
       '| pair | ours steps/s | Keras steps/s | ratio (wall) | ratio (CPU) | target >= 0.95 |',
       '|---|---|---|---|---|---|',
       f'| fit lso=ours / lso=keras | {sps(f"fit {d} lso=ours")} | {sps(f"fit {d} lso=keras")} '
-      f'| {_r(lso, "{:.2f}")} | {_r(cpu_lso, "{:.2f}")} | {_yes(lso["median"] >= 0.95)} |',
+      f'| {_x(lso)} | {_x(cpu_lso)} | {_yes(lso["median"] >= 0.95)} |',
     ]
     lines += [
       '',
@@ -141,8 +142,7 @@ def markdown(results: dict) -> str:
       mfu, mem = r['mfu'][p], r.get('memory', {}).get(p)
       mem_text = f'{mem["peak_mib"]:.0f} ({mem["built_mib"]:.0f})' if mem else 'n/a'
       lines.append(
-        f'| {p} | {sps(f"ours {p}")} | {_r(r["speedup_over_float32"][p], "{:.2f}")} '
-        f'| {_r(r["cpu_time"]["speedup_over_float32"][p], "{:.2f}")} '
+        f'| {p} | {sps(f"ours {p}")} | {both("speedup_over_float32", p)} '
         f'| {mfu["flops_per_sec"] / 1e9:.1f} | {100 * mfu["fraction"]:.1f} % of '
         f'{mfu["of_peak_dtype"]} | {mem_text} |'
       )
@@ -172,20 +172,19 @@ def markdown(results: dict) -> str:
       '| setting | ours steps/s | fit steps/s | ours / fit (wall) | ours / fit (CPU) |',
       '|---|---|---|---|---|',
     ]
-    for key, ratio in r['ours_over_fit'].items():
+    for key in r['ours_over_fit']:
       if key in policies and key != d:
         continue
       n = spl if key in policies else int(key.rsplit('=', 1)[1])
       suffix = '' if key in policies else f' steps_per_loop={n}'
       lines.append(
-        f'| steps_per_loop={n} | {sps(f"ours {d}{suffix}")} | '
-        f'{sps(f"fit {d}{suffix}")} | {_r(ratio, "{:.2f}")} | '
-        f'{_r(r["cpu_time"]["ours_over_fit"][key], "{:.2f}")} |'
+        f'| steps_per_loop={n} | {sps(f"ours {d}{suffix}")} | {sps(f"fit {d}{suffix}")} '
+        f'| {both("ours_over_fit", key)} |'
       )
     lines.append(
       f'| steps_per_loop={spl}, jit_compile=True | {sps(f"ours {d} jit_compile")} '
-      f'| | x{_r(r["jit_speedup"], "{:.2f}")} vs no jit '
-      f'| x{_r(r["cpu_time"]["jit_speedup"], "{:.2f}")} vs no jit |'
+      f'| | x{_x(r["jit_speedup"])} vs no jit '
+      f'| x{_x(r["cpu_time"]["jit_speedup"])} vs no jit |'
     )
     met, cpu_met = r['targets_met'], r['targets_met_cpu_time']
     lines += ['', '### Targets (wall clock; per CPU second)', '']
@@ -209,33 +208,28 @@ def markdown(results: dict) -> str:
 
 
 def chart(results: dict, path: str) -> None:
+  """steps/s of every contender (median, min-max over rounds), one panel per model."""
   import matplotlib
 
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  names = list(results['models'])
-  fig, axes = plt.subplots(
-    len(names),
-    1,
-    figsize=(
-      11,
-      0.32 * max(len(r['contenders']) for r in results['models'].values()) * len(names) + 1.5,
-    ),
-    squeeze=False,
-  )
-  for ax, name in zip(axes[:, 0], names):
-    contenders = results['models'][name]['contenders']
-    labels = list(contenders)
-    med = [contenders[k]['steps_per_sec']['median'] for k in labels]
-    low = [m - contenders[k]['steps_per_sec']['min'] for m, k in zip(med, labels)]
-    high = [contenders[k]['steps_per_sec']['max'] - m for m, k in zip(med, labels)]
-    colors = ['tab:blue' if contenders[k]['kind'] == 'ours' else 'tab:orange' for k in labels]
-    ax.barh(range(len(labels)), med, xerr=[low, high], color=colors, capsize=2)
+  models = results['models']
+  rows = max(len(r['contenders']) for r in models.values()) * len(models)
+  fig, axes = plt.subplots(len(models), 1, figsize=(11, 0.32 * rows + 1.5), squeeze=False)
+  for ax, (name, r) in zip(axes[:, 0], models.items()):
+    labels, stats = list(r['contenders']), [c['steps_per_sec'] for c in r['contenders'].values()]
+    med = [st['median'] for st in stats]
+    errors = [
+      [st['median'] - st['min'] for st in stats],
+      [st['max'] - st['median'] for st in stats],
+    ]
+    colors = [{'ours': 'tab:blue'}.get(c['kind'], 'tab:orange') for c in r['contenders'].values()]
+    ax.barh(range(len(labels)), med, xerr=errors, color=colors, capsize=2)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel('steps/s (median, min-max over rounds); blue = ours, orange = Keras fit')
-    ax.set_title(f'{name}, global batch {results["models"][name]["batch_size"]}')
+    ax.set_title(f'{name}, global batch {r["batch_size"]}')
   m = results['machine']
   fig.suptitle(f'{m["cpu"]}, {m["cores"]} cores, TF {m["tensorflow"]}', fontsize=10)
   fig.tight_layout()

@@ -1,17 +1,13 @@
 """The results pages under docs/results/: what a benchmark measured, under a header that says how
-(the command), on what code (the commit), on what machine (CPU, cores, TensorFlow and Keras) and
-under what load (the 1-minute load average at the start and the end, and the CPU time other
-processes used meanwhile). The guides state the method and link to these pages; a new run of a
-benchmark rewrites its page, so the numbers the docs show are the ones a command produced.
+(the command, as run from the repository root: no absolute path), on what code (the commit), on
+what machine (CPU, cores, TensorFlow and Keras) and under what load (the 1-minute load average at
+the start and the end, and the CPU time other processes used meanwhile). The guides state the
+method and link to these pages; a new run of a benchmark rewrites its page (or its section of a
+page of sections), so the numbers the docs show are the ones a command produced.
 
   started = results.start()               # first thing in main(): the load and CPU counters
   ...
   results.write('references', body_markdown, started=started, quick=_QUICK.value)
-
-or, for a benchmark that prints its tables, around the printing:
-
-  with results.recording('ablate_step', markdown=False):
-    ...print(...)...
 
 `--results_dir` (default docs/results; '' writes nothing) chooses the folder; a quick (smoke)
 run writes a page only when `--results_dir` is given, so tests never overwrite the docs.
@@ -19,17 +15,18 @@ run writes a page only when `--results_dir` is given, so tests never overwrite t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
-import io
+import json
 import os
 import platform
+import re
 import resource
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import flags
@@ -43,14 +40,10 @@ MARK = '<!-- written by benchmarks/results.py -->'
 RESULTS_DIR = flags.DEFINE_string(
   'results_dir',
   DEFAULT_DIR,
-  "Folder of the results page this run writes (<name>.md); '' = none. A quick run writes one only "
-  'when this flag is given.',
+  "Folder of this run's results page; '' = none (a quick run: unless given).",
 )
 RESULTS_NAME = flags.DEFINE_string(
-  'results_name',
-  '',
-  "Name of the results page (default: the benchmark's own), for a run that should not replace "
-  'the page of another run of the same benchmark.',
+  'results_name', '', "The results page's name (or its section's), to keep another run's page."
 )
 
 
@@ -65,11 +58,8 @@ class Start:
 
 
 def _own_cpu() -> float:
-  total = 0.0
-  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-    usage = resource.getrusage(who)
-    total += usage.ru_utime + usage.ru_stime
-  return total
+  usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+  return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
 def _busy_cpu() -> float | None:
@@ -108,16 +98,11 @@ def machine() -> dict:
     except importlib.metadata.PackageNotFoundError:
       return 'not installed'
 
-  return {
-    'cpu': cpu,
-    'cores': os.cpu_count(),
-    'cpu_flags': sorted(
-      cpu_flags & {'avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'f16c'}
-    ),
-    'tensorflow': version('tensorflow'),
-    'keras': version('keras'),
-    'python': platform.python_version(),
-  }
+  wanted = {'avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'f16c'}
+  out = dict(cpu=cpu, cores=os.cpu_count(), cpu_flags=sorted(cpu_flags & wanted))
+  return dict(
+    out, tensorflow=version('tensorflow'), keras=version('keras'), python=platform.python_version()
+  )
 
 
 def commit(root: str = ROOT) -> str:
@@ -137,8 +122,13 @@ def commit(root: str = ROOT) -> str:
   return f'`{head}`' + (f', with {len(changed)} changed file(s) not committed' if changed else '')
 
 
+# Flags that only say where a run's outputs go: a page's command leaves them out.
+OUTPUT_FLAGS = ('--out', '--results_dir', '--workdir', '--json_out')
+
+
 def command() -> str:
-  """This process's command line, as `python -m benchmarks.<name> ...` when it is a benchmark."""
+  """This process's command line as run from the repository root (`python -m benchmarks.<name>
+  ...` for a benchmark), without its output folders."""
   script = os.path.abspath(sys.argv[0])
   if os.path.dirname(script) == os.path.join(ROOT, 'benchmarks'):
     head = ['python', '-m', 'benchmarks.' + os.path.splitext(os.path.basename(script))[0]]
@@ -146,7 +136,17 @@ def command() -> str:
     head = ['python', os.path.relpath(script, ROOT)]
   env = onednn.user_setting()  # the one variable this project's kernels depend on
   head = ([f'{onednn.ENV}={shlex.quote(env)}'] if env is not None else []) + head
-  return ' '.join(head + [shlex.quote(a) for a in sys.argv[1:]])
+  args = [a for a in sys.argv[1:] if a.split('=', 1)[0] not in OUTPUT_FLAGS]
+  return ' '.join(head + [shlex.quote(a) for a in args])
+
+
+def no_machine_paths(text: str) -> str:
+  """`text` with this machine's paths relative to the repository root, where commands run, and a
+  temporary or home folder named so: a page says how to repeat a run, not where files were."""
+  places = ((ROOT, '.'), (os.path.dirname(ROOT), '..'), (tempfile.gettempdir(), '$TMPDIR'))
+  for path, name in (*places, (os.path.expanduser('~'), '~')):
+    text = re.sub(re.escape(path) + r'(?=/|\b|$)', lambda _: name, text)
+  return re.sub(r'(?<![\w~.])\./', '', text)  # ./benchmarks/x -> benchmarks/x
 
 
 def load_line(started: Start | None, ended: Start) -> str:
@@ -186,16 +186,34 @@ def header(command_line: str, started: Start | None, ended: Start) -> str:
   return '\n'.join(['| | |', '|---|---|'] + [f'| {k} | {v} |' for k, v in rows])
 
 
-def page(name: str, command_line: str, body: str, started: Start | None) -> str:
-  """The whole page: title, header, the benchmark's own markdown (its title line dropped)."""
+SECTION = '<!-- section: '  # a page of sections: each starts with this mark and its name
+
+
+def page_text(name, command_line, body, started, section=None, old=''):
+  """The whole page: title, header, the benchmark's own markdown (its title line dropped); with
+  `section`, the page `old` (or a new one) with the section of that name (its heading, header
+  and body) replaced, or added at its end."""
   body = body.strip('\n')
   if body.startswith('# '):
     body = body.split('\n', 1)[1].lstrip('\n') if '\n' in body else ''
-  return (
-    f'# Results: {name}\n\n{MARK}\n\n'
-    f'Written by the run below; running its command again rewrites this page.\n\n'
-    f'{header(command_line, started, start())}\n\n{body}\n'
+  run = f'{header(command_line, started, start())}\n\n{body}\n'
+  if section is None:
+    return (
+      f'# Results: {name}\n\n{MARK}\n\n'
+      f'Written by the run below; running its command again rewrites this page.\n\n{run}'
+    )
+  old = old or (
+    f'# Results: {name}\n\n{MARK}\n\nOne section per run, each under its own header; running '
+    "a section's command again rewrites that section.\n"
   )
+  parts = re.split(f'(?={re.escape(SECTION)})', old.rstrip('\n') + '\n')
+  new = f'{SECTION}{section} -->\n\n## {section}\n\n{run}'
+  same = [i for i, p in enumerate(parts) if p.startswith(f'{SECTION}{section} -->')]
+  if same:
+    parts[same[0]] = new
+  else:
+    parts.append(new)
+  return '\n'.join(p.rstrip('\n') + '\n' for p in parts)
 
 
 def target_dir(quick: bool) -> str:
@@ -215,17 +233,23 @@ def write(
   command_line: str | None = None,
   quick: bool = False,
   results_dir: str | None = None,
+  section: str | None = None,
 ) -> str | None:
-  """Writes docs/results/<name>.md (or <results_dir>/<name>.md); returns its path, or None when
-  this run writes no page."""
+  """Writes docs/results/<name>.md (or <results_dir>/<name>.md), or only its section `section`
+  (--results_name names the page, or the section); returns its path, or None when this run
+  writes no page."""
   folder = target_dir(quick) if results_dir is None else results_dir
   if not folder:
     return None
   if flags.FLAGS.is_parsed() and RESULTS_NAME.value:
-    name = RESULTS_NAME.value
+    name, section = (name, RESULTS_NAME.value) if section else (RESULTS_NAME.value, None)
   os.makedirs(folder, exist_ok=True)
   path = os.path.join(folder, f'{name}.md')
-  text = page(name, command_line or command(), body, started)
+  old = ''
+  if section and os.path.exists(path):
+    with open(path) as f:
+      old = f.read()
+  text = no_machine_paths(page_text(name, command_line or command(), body, started, section, old))
   with open(path + '.tmp', 'w') as f:
     f.write(text)
   os.replace(path + '.tmp', path)
@@ -233,43 +257,25 @@ def write(
   return path
 
 
-class _Tee(io.TextIOBase):
-  def __init__(self, stream):
-    self.stream, self.captured = stream, io.StringIO()
-
-  def write(self, text):
-    self.captured.write(text)
-    return self.stream.write(text)
-
-  def flush(self):
-    self.stream.flush()
-
-
-@contextlib.contextmanager
-def recording(
-  name: str, *, markdown: bool = True, quick: bool = False, results_dir: str | None = None
-):
-  """Everything printed inside the block becomes the body of <name>.md (as a code block when
-  `markdown` is False), written when the block ends without an error."""
-  started, tee = start(), _Tee(sys.stdout)
-  sys.stdout = tee
-  try:
-    yield
-  finally:
-    sys.stdout = tee.stream
-  text = tee.captured.getvalue().strip('\n')
-  body = text if markdown else f'```\n{text}\n```'
-  write(name, body, started=started, quick=quick, results_dir=results_dir)
+def report(out: str, stem: str, text: str, results: list, *, page: str, **write_args) -> None:
+  """Prints the markdown `text` and writes it as the results page `page` (`write_args`: those of
+  `write`); with `out`, also as <out>/<stem>.md, and `results` as <out>/<stem>.json."""
+  print(text, flush=True)
+  write(page, text, **write_args)
+  if out:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f'{stem}.md'), 'w') as f:
+      f.write(text + '\n')
+    with open(os.path.join(out, f'{stem}.json'), 'w') as f:
+      json.dump(results, f, indent=1)
 
 
 def exit_now() -> None:
   """Ends a benchmark's process with code 0 once everything it reports is printed and written,
-  skipping the interpreter's finalization, as launch.py's `exit_now` does. Tearing TensorFlow's
-  objects down costs seconds, and a tf.data iterator still read with autotuning on (a pipeline
-  that is not a Trainer's: trainer/data/autotune.py) can wait up to a minute to be destroyed.
-  Measured on the quick benchmark (run.py --quick --models=mnist_mlp) on the 2-core machine,
-  before the Trainer's pipelines dropped that thread: 26-42 s between its last line and the end
-  of the process in 3 of 5 runs, at 0 % CPU."""
+  skipping the interpreter's finalization, as launch.py's `exit_now` does: tearing TensorFlow's
+  objects down is slow, and a tf.data iterator still read with autotuning on (a pipeline that is
+  not a Trainer's: trainer/data/autotune.py) can wait long to be destroyed (docs/references.md,
+  "Dropping a tf.data iterator could wait")."""
   from absl import logging
 
   from trainer.run import lock

@@ -45,28 +45,18 @@ _SET = flags.DEFINE_multi_string('set', [], 'key=value: --config.key=value for e
 
 def command(name: str) -> list[str]:
   config, data, extra = RUNS[name]
-  return [
-    'launch.py',
-    f'--config={config}',
-    f'--config.data.dir={os.path.join(_DATA_ROOT.value, data)}',
-    *extra,
-    *[f'--config.{item}' for item in _SET.value],
-  ]
+  argv = ['launch.py', f'--config={config}', f'--config.data.dir={_DATA_ROOT.value}/{data}']
+  return argv + extra + [f'--config.{item}' for item in _SET.value]
 
 
 def run(name: str) -> dict:
   """One run in a fresh process and workdir: its final eval line, wall and CPU-seconds."""
-  argv = command(name)
+  argv, env = command(name), dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
   before = resource.getrusage(resource.RUSAGE_CHILDREN)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix=f'training_runs_{name}_') as workdir:
-    done = subprocess.run(
-      [sys.executable, *argv, f'--workdir={workdir}'],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
-    )
+    full = [sys.executable, *argv, f'--workdir={workdir}']
+    done = subprocess.run(full, cwd=ROOT, capture_output=True, text=True, env=env)
   wall = time.perf_counter() - start
   after = resource.getrusage(resource.RUSAGE_CHILDREN)
   cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

@@ -1,13 +1,13 @@
 """How the scripts the tests run in a process of their own (tests/*_runs.py, *_run.py) end once
 their results are written and closed: at once, with os._exit, as launch.py's `exit_now` does.
 
-A normal exit tears TensorFlow's objects down, which costs seconds, and destroying a tf.data
-iterator read with autotuning on can wait up to a minute for the autotuning thread, which can
-miss its cancellation in TensorFlow 2.21 (trainer/data/autotune.py: the Trainer's pipelines now
+A normal exit tears TensorFlow's objects down, which is slow, and destroying a tf.data iterator
+read with autotuning on can wait out the autotuning thread's sleep, which can miss its
+cancellation in TensorFlow 2.21 (trainer/data/autotune.py: the Trainer's pipelines now
 run without it; a script's own Keras `fit` pipelines may not). Seen at the end of
 tests/distribute_runs.py with the 2 cores busy (as in CI, three xdist workers), before the
-Trainer dropped the thread: 33 s, 123 s and 44 s between results.json and the end of the process,
-every stack in `~RootDataset::Iterator`. The multi-worker scripts are left out: their runtimes
+Trainer dropped the thread: long waits between results.json and the end of the process, every
+stack in `~RootDataset::Iterator`. The multi-worker scripts are left out: their runtimes
 shut down with the cluster at exit.
 """
 

@@ -1,4 +1,4 @@
-"""A tiny Trainer on synthetic data for the reliability tests: builds in a second, no files.
+"""A tiny Trainer on synthetic data for the reliability tests: quick to build, no files.
 launch_tiny runs it through launch.py in a process of its own."""
 
 from __future__ import annotations

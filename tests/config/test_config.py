@@ -1,15 +1,12 @@
 """trainer/config.py: defaults, filling, coercion and errors that name the key."""
 
-import os
-
 import ml_collections
 import pytest
-from absl import app
 
 from trainer import ConfigError
 from trainer import config as config_lib
 import models
-from benchmarks import child, overrides
+from benchmarks import overrides
 
 
 def test_config_file_matches_schema():
@@ -111,15 +108,6 @@ def test_benchmark_overrides_convert_to_the_current_type():
   assert config.train.jit_compile == 'true' and config.model_config.attention == 'chunked'
   overrides.apply(config, ['train.remat=1'])
   assert config.train.remat is True
-
-
-def test_benchmark_config_file_loads_a_config_and_names_the_files_for_a_wrong_one():
-  config = child.config_file('nanogpt_cpu', 'mixed_bfloat16', '/data')
-  assert config.model == 'transformer_lm' and config.precision.policy == 'mixed_bfloat16'
-  assert config.data.dir == os.path.join('/data', 'tinyshakespeare')
-  words = r"no config 'nanogpt' in configs/; one of: .*nanogpt_cpu"
-  with pytest.raises(app.UsageError, match=words):
-    child.config_file('nanogpt', 'float32', '/data')
 
 
 @pytest.mark.parametrize(

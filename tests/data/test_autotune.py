@@ -1,5 +1,5 @@
 """tf.data's autotuning thread is off in a run's pipelines unless the user's options decide
-(trainer/data/autotune.py: its lost wake-up held dropped iterators for up to 60 s)."""
+(trainer/data/autotune.py: its lost wake-up held dropped iterators for a whole sleep period)."""
 
 import os
 

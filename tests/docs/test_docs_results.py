@@ -1,17 +1,17 @@
 """Measurements live in pages the benchmarks write (docs/results/, benchmarks/results.py); the
 guides state the method and link there. A guide line with a dated measurement (a date, a load
-average, "the quiet machine") is refused, every results page carries its header and is on the
-site, and the test files development.md names exist."""
+average, "the quiet machine") is refused, every results page carries its header and is linked
+from the results index (docs/results.md), and the test files development.md names exist."""
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
-import pytest
-import yaml
 from conftest import ROOT
 
 from benchmarks import results
@@ -82,19 +82,20 @@ def results_pages() -> list[str]:
   return sorted(f for f in os.listdir(folder) if f.endswith('.md') and f != 'index.md')
 
 
-def test_every_results_page_has_its_header_and_is_on_the_site():
+def test_every_results_page_has_its_header_and_is_in_the_results_index():
   pages = results_pages()
-  assert len(pages) >= 8  # run, memory, references, peer_torch, ... (one per benchmark)
-  with open(os.path.join(ROOT, 'mkdocs.yml')) as f:
-    nav = yaml.load(f, Loader=yaml.BaseLoader)['nav']
-  on_site = set(re.findall(r'results/[\w-]+\.md', str(nav)))
+  assert len(pages) >= 8  # run, memory, references, peer_nanogpt, ... (one per benchmark)
+  with open(os.path.join(ROOT, 'docs', 'results.md')) as f:
+    indexed = set(re.findall(r'\]\((results/[\w-]+\.md)\)', f.read()))
   for page in pages:
     with open(os.path.join(ROOT, 'docs', 'results', page)) as f:
       text = f.read()
     assert text.startswith('# Results: ') and results.MARK in text, page
-    for row in ('| command |', '| commit |', '| recorded |', '| machine |', '| load |'):
-      assert row in text, (page, row)
-    assert f'results/{page}' in on_site, f'docs/results/{page} is not in mkdocs.yml nav'
+    # A page of sections (one per peer: peer_nanogpt.md, ...): each section has its own header.
+    for part in text.split(results.SECTION)[1:] or [text]:
+      for row in ('| command |', '| commit |', '| recorded |', '| machine |', '| load |'):
+        assert row in part, (page, part[:40], row)
+    assert f'results/{page}' in indexed, f'docs/results/{page} is not linked from docs/results.md'
 
 
 def test_every_test_file_development_md_names_exists():
@@ -107,6 +108,21 @@ def test_every_test_file_development_md_names_exists():
   # No test count to go stale: the page says how to count instead.
   assert 'pytest --collect-only -q' in text
   assert not re.search(r'\b\d{3} tests\b', text)
+
+
+# A path of one machine: a checkout under /work, a scratch folder under /tmp, root's home.
+MACHINE_PATH = re.compile(r'(?<![\w.~$])/(work|tmp|root)/')
+
+
+def test_no_page_names_a_machine_path():
+  """A page says how to repeat a measurement from the repository root (`--data_root=../shared/
+  data`), not where one machine kept its files."""
+  found = []
+  for folder, _, files in os.walk(os.path.join(ROOT, 'docs')):
+    for name in sorted(f for f in files if f.endswith('.md')):
+      with open(os.path.join(folder, name)) as f:
+        found += [f'{name}: {line[:100]}' for line in f if MACHINE_PATH.search(line)]
+  assert found == [], '\n'.join(found)
 
 
 # ---- the writer ---------------------------------------------------------------------------------
@@ -132,6 +148,29 @@ def test_the_writer_fills_the_header_from_git_and_the_machine(tmp_path):
   assert "| kernels | TensorFlow's oneDNN kernels on |" in text  # this process runs TensorFlow
   assert '| 1 | 2 |' in text
   assert os.listdir(tmp_path) == ['demo.md']  # written by a rename, nothing left behind
+
+
+def test_the_writer_writes_no_machine_path(tmp_path, monkeypatch):
+  """The command as run from the repository root, without the folders its outputs went to; the
+  page's own paths relative to the root, a scratch folder as $TMPDIR."""
+  from trainer import onednn
+
+  scratch = tempfile.gettempdir()
+  argv = [
+    os.path.join(ROOT, 'benchmarks', 'demo.py'),
+    f'--data_root={os.path.dirname(ROOT)}/shared/data',
+    f'--nanogpt={scratch}/nanogpt',
+    f'--out={tmp_path}/out',
+    f'--results_dir={tmp_path}',
+  ]
+  monkeypatch.setattr(sys, 'argv', argv)
+  monkeypatch.delenv(onednn.ENV, raising=False)
+  body = f'trace in {scratch}/trace; config {ROOT}/configs/mnist.py'
+  results.write('demo', body, started=results.start(), results_dir=str(tmp_path))
+  text = (tmp_path / 'demo.md').read_text()
+  assert '`python -m benchmarks.demo --data_root=../shared/data --nanogpt=$TMPDIR/nanogpt`' in text
+  assert 'trace in $TMPDIR/trace; config configs/mnist.py' in text
+  assert not MACHINE_PATH.search(text) and ROOT not in text
 
 
 def test_the_command_names_the_onednn_switch_the_user_set(monkeypatch):
@@ -164,37 +203,44 @@ def test_a_quick_run_writes_no_page_unless_asked(tmp_path):
   assert results.target_dir(quick=False) == results.DEFAULT_DIR
 
 
-def test_recording_keeps_what_was_printed_and_writes_nothing_on_an_error(tmp_path):
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    with results.recording('printed', markdown=False, results_dir=str(tmp_path)):
-      print('model   steps/s')
-      print('mlp     1000.0')
-  assert out.getvalue() == 'model   steps/s\nmlp     1000.0\n'  # still printed
-  text = (tmp_path / 'printed.md').read_text()
-  assert '```\nmodel   steps/s\nmlp     1000.0\n```' in text
-  with pytest.raises(RuntimeError), contextlib.redirect_stdout(io.StringIO()):
-    with results.recording('failed', results_dir=str(tmp_path)):
-      print('half a table')
-      raise RuntimeError('the benchmark failed')
-  assert not (tmp_path / 'failed.md').exists()
-
-
-def test_the_peer_benchmarks_report_writes_their_page(tmp_path, monkeypatch):
-  """benchmarks/child.py's report, which references.py, peer_torch.py and peer_lockstep.py end
-  with (the PyTorch ones need a PyTorch environment, so their own runs are not tests)."""
-  from benchmarks import child
-
+def test_the_report_prints_and_writes_the_page_and_the_out_files(tmp_path, monkeypatch):
+  """results.report, which references.py and peer_nanogpt.py end with (nanoGPT's needs a PyTorch
+  environment and nanoGPT's tree, so its own runs are not tests)."""
   monkeypatch.setattr(results, 'DEFAULT_DIR', str(tmp_path / 'pages'))
   table = '| shape | ours |\n|---|---|\n| nanogpt_cpu | 1.78 |'
   with contextlib.redirect_stdout(io.StringIO()) as printed:
-    child.report(
-      str(tmp_path / 'out'), 'peer', table, [{'a': 1}], page='peer_torch', started=results.start()
+    results.report(
+      str(tmp_path / 'out'), 'peer', table, [{'a': 1}], page='peer_nanogpt', started=results.start()
     )
   assert printed.getvalue() == table + '\n'
   assert (tmp_path / 'out' / 'peer.md').read_text() == table + '\n'
-  page = (tmp_path / 'pages' / 'peer_torch.md').read_text()
-  assert page.startswith('# Results: peer_torch\n') and table in page and '| load |' in page
+  assert json.loads((tmp_path / 'out' / 'peer.json').read_text()) == [{'a': 1}]
+  page = (tmp_path / 'pages' / 'peer_nanogpt.md').read_text()
+  assert page.startswith('# Results: peer_nanogpt\n') and table in page and '| load |' in page
+
+
+def test_a_section_is_rewritten_in_place_and_the_others_kept(tmp_path):
+  """A page of sections (peer_nanogpt.md: one per race): writing a section replaces that section
+  alone, or adds it at the end; each keeps its own header."""
+  write = lambda section, body: results.write(  # noqa: E731
+    'peers',
+    body,
+    section=section,
+    command_line=f'python -m x --{section}',
+    results_dir=str(tmp_path),
+  )
+  write('alone', '| a | 1 |')
+  write('loaded', '| b | 2 |')
+  write('alone', '| a | 3 |')
+  text = (tmp_path / 'peers.md').read_text()
+  assert text.startswith('# Results: peers\n') and text.count(results.MARK) == 1
+  assert '| a | 1 |' not in text and text.index('| a | 3 |') < text.index('| b | 2 |')
+  sections = text.split(results.SECTION)[1:]
+  assert [s.split(' -->')[0] for s in sections] == ['alone', 'loaded']
+  for name, section in zip(('alone', 'loaded'), sections):
+    assert f'\n## {name}\n' in section and f'`python -m x --{name}`' in section
+    for row in ('| command |', '| commit |', '| recorded |', '| machine |', '| load |'):
+      assert section.count(row) == 1, (name, row)
 
 
 def test_the_commit_line_counts_changed_files_but_not_results_pages(tmp_path):

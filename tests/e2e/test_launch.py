@@ -145,8 +145,8 @@ class Tiny(tiny.TinyTrainer):
 
 
 def test_the_collector_is_on_while_training_with_the_imports_frozen_out_of_it(tmp_path):
-  """launch.py turns Python's cycle collector off while TensorFlow and Keras import (about 900
-  passes, half a second) and back on, those objects frozen, before the trainer is built: a run
+  """launch.py turns Python's cycle collector off while TensorFlow and Keras import (hundreds of
+  passes over what they make) and back on, those objects frozen, before the trainer is built: a run
   with it left off would never free a reference cycle."""
   (tmp_path / 'gcpkg').mkdir()
   (tmp_path / 'gcpkg' / '__init__.py').write_text('')
@@ -280,7 +280,7 @@ def test_a_value_of_the_wrong_type_in_a_config_file_is_one_line_naming_the_key(t
 def test_config_mistakes_are_reported_before_tensorflow_is_imported(
   file_text, args, culprit, tmp_path
 ):
-  """TensorFlow (7-14 s to import under load) was imported before the config was read."""
+  """TensorFlow (the slowest import of a run) was imported before the config was read."""
   path = tmp_path / 'config.py'
   path.write_text(file_text)
   result = _launch_python(
@@ -310,8 +310,8 @@ def test_a_plain_dict_from_get_config_is_named_even_with_overrides(tmp_path):
 
 
 def test_an_error_after_tensorflow_is_loaded_ends_the_process_without_finalization(tmp_path):
-  """After its error line the process spent 1-4 s in the interpreter's finalization (tearing down
-  TensorFlow's and Keras's modules and objects); it now ends at once, so an atexit handler
+  """After its error line the process spent seconds in the interpreter's finalization (tearing
+  down TensorFlow's and Keras's modules and objects); it now ends at once, so an atexit handler
   registered before the launch never runs (one that runs means a normal, slow exit)."""
   result = _launch_python(
     '--config=configs/mnist.py',

@@ -16,10 +16,9 @@ import pytest
 from conftest import ROOT
 
 
-# Every policy takes minutes where bfloat16 and float16 are emulated (a CPU without
-# AVX512_BF16 or AVX512_FP16, as CI's: float32 and mixed_float16 alone took 252 s on one loaded
-# xdist worker, most of it nanoGPT in float16); the quick suite runs float32 through the same
-# code, and the slow group every policy.
+# Every policy is slow where bfloat16 and float16 are emulated (a CPU without AVX512_BF16 or
+# AVX512_FP16, as CI's: nanoGPT in float16 most of all); the quick suite runs float32 through the
+# same code, and the slow group every policy.
 @pytest.mark.parametrize(
   'policies',
   [

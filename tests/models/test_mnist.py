@@ -40,8 +40,8 @@ def _short_run_trains(trainer_class, policy, mnist_dir, tmp_path):
   assert trainer.loss_scaler.mode == ('dynamic' if policy == 'mixed_float16' else 'none')
 
 
-# mixed_bfloat16 on the CNN is slow where bfloat16 is emulated (a CPU without AVX512_BF16: about
-# 0.5 s a step, 15 times float32); the quick suite trains the MLP in it below.
+# mixed_bfloat16 on the CNN is slow where bfloat16 is emulated (a CPU without AVX512_BF16: many
+# times float32's step); the quick suite trains the MLP in it below.
 @pytest.mark.parametrize(
   'policy', ['float32', pytest.param('mixed_bfloat16', marks=pytest.mark.slow), 'mixed_float16']
 )

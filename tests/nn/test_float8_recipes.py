@@ -464,7 +464,6 @@ def test_the_recipes_table_is_written(tmp_path):
       '--recipes=none,rowwise,mxfp8',
       '--cost_steps=1',
       f'--results_dir={tmp_path}',
-      f'--workdir={tmp_path / "runs"}',
     ],
     capture_output=True,
     text=True,

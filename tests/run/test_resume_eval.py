@@ -61,7 +61,7 @@ def eval_steps(workdir) -> list[int]:
   return [step for step, _ in read_scalars(str(workdir)).get('eval/loss', [])]
 
 
-# The SIGINT case trains the MLP twice more (about 40 s): slow; the raised case stays quick.
+# The SIGINT case trains the MLP twice more: slow; the raised case stays quick.
 @pytest.mark.parametrize(
   'how, raised',
   [('raise', KeyboardInterrupt), pytest.param('signal', Preempted, marks=pytest.mark.slow)],

@@ -1,6 +1,6 @@
 """launch.py --workers' supervisor (trainer/launch/supervisor.py) names the lost worker even when
-every worker ended between two of its polls: a killed chief's survivor exits within a second,
-and the final line was missing."""
+every worker ended between two of its polls (a killed chief's survivor exits at once, 'Socket
+closed'), where the final line was missing."""
 
 import signal
 import sys

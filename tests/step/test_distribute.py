@@ -204,8 +204,7 @@ def run_workers(workdir, out, steps, *extra):
   return results, logs
 
 
-# 4 TF processes: 27-35 s wall in 3 runs beside other work (about 44 s CPU); before tf.data's
-# autotuning thread was off (trainer/data/autotune.py), 33-60 s (an earlier session: 91 and 143 s).
+# 4 TF processes (each starts TensorFlow and its cluster): slow.
 @pytest.mark.slow
 def test_multi_worker_two_processes_train_checkpoint_and_resume(tmp_path):
   workdir = tmp_path / 'work'

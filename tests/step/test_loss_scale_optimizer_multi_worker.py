@@ -11,8 +11,8 @@ import pytest
 from conftest import ROOT
 from local_cluster import run_two_workers
 
-# 2 TF processes: 84 s wall on the 2 shared cores (26 s CPU); the loop case alone needs the
-# same two process starts and cluster set-up, so there is no quick subset.
+# 2 TF processes, each starting TensorFlow and the cluster; the loop case alone needs the same
+# two process starts and cluster set-up, so there is no quick subset.
 pytestmark = pytest.mark.slow
 
 

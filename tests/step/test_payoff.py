@@ -1,5 +1,5 @@
 """A memory option that cannot pay off for the model says so in one line at build (issue 35: on a
-small CNN, 16-bit masters and 8-bit state raised peak RSS by 71 and 207 MiB, CPU by 12 and 37 %,
+small CNN, 16-bit masters and 8-bit state raised peak RSS by 71 and 207 MiB, and its CPU time,
 with no word)."""
 
 from absl import logging

@@ -7,13 +7,11 @@ rounds for a period that doubles up to 60 s. Dropping the iterator cancels that 
 waits for it. In TensorFlow 2.21 the wake-up can be lost: `CancellationManager::StartCancel`
 runs its callbacks (the one that wakes the thread) before it marks itself cancelled, so a thread
 that wakes at once sees no cancellation and sleeps out the rest of its period while the
-iterator's destructor waits. Measured on the 2-core CPU: a `map(AUTOTUNE).prefetch(AUTOTUNE)`
-iterator read for 12 s took 8.5 s to drop in 2 of 6 runs (0.001 s in the others, and in all 6
-with autotuning off); a 200-step nanoGPT-shape run sat 36-47 s between its last line and the
-process's exit, the main thread in the iterator's destructor, the autotuning thread asleep in
-`OptimizeLoop`. Every evaluation drops an iterator too: after a full pass over that run's eval
-set (146 batches, 5-8 s), dropping it took 3.8-4.9 s in 7 of 16 passes and 46.7 s in one; with
-the thread off, at most 0.003 s in 8 of 8.
+iterator's destructor waits: a dropped `map(AUTOTUNE).prefetch(AUTOTUNE)` iterator, the end of
+a run (its main thread in the iterator's destructor, the autotuning thread asleep in
+`OptimizeLoop`) and every evaluation, which drops an iterator too, waited that way in some runs
+and never with the thread off (the waits measured: docs/references.md, "Dropping a tf.data
+iterator could wait").
 
 Without the thread, AUTOTUNE keeps its starting values. A parallel map or interleave starts at
 min(autotune.initial_parallelism, the runner's threads, one per core); tf.data's default of 16

@@ -207,7 +207,7 @@ def output_counts(layer, values, reference) -> tf.Tensor:
 
 # Eager until compiling would have been cheaper at the shapes measured (the slowest break-even
 # and a large model's slow eager pass: docs/references.md, "Start-up", and
-# benchmarks/eager_or_compiled.py).
+# docs/results/eager_or_compiled.md).
 EAGER_CALLS, EAGER_SECONDS = 8, 2.0
 
 

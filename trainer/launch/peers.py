@@ -1,9 +1,9 @@
 """A lost worker ends every other worker within a bound, with one line and exit code 3.
 
-Measured on TensorFlow 2.21 (two workers on loopback, kill -9 of one mid-run): the survivor's
-collective is aborted with an UnavailableError 10 s later when worker 1 died (the coordination
-service's heartbeat timeout) and 17 s later when the chief died (the connection reset), each a
-~70-line traceback with exit code 1. Two things here make that one line and bound it:
+On its own, TensorFlow 2.21 aborts the survivor's collective with an UnavailableError only when
+the coordination service's heartbeat times out (a worker died) or the connection resets (the
+chief died), each a ~70-line traceback with exit code 1 (docs/guides/distribution.md, "A lost
+worker", has the delays measured). Two things here make that one line and bound it:
 
   * `install(...)` registers an absl exception handler: an UnavailableError, AbortedError or
     DeadlineExceededError escaping training under multi_worker is printed as one line naming the
@@ -89,7 +89,7 @@ def install(addresses: list[str], index: int, workdir: str | None, timeout: floa
   watch = Watch(addresses, index, workdir, timeout)
   app.install_exception_handler(_Handler(watch))
   # Registered after TensorFlow's exit handlers, so run before them: the workers' runtimes may
-  # take a minute to shut down after a run that ended well, and no peer is lost then.
+  # be slow to shut down after a run that ended well, and no peer is lost then.
   atexit.register(setattr, watch, 'done', True)
   threading.Thread(target=_run, args=(watch,), name='peer-watchdog', daemon=True).start()
   return watch

@@ -102,7 +102,7 @@ class Supervisor:
 
 def first_failure(codes: list[int]) -> tuple[int, int] | None:
   """(worker, code) of the worker that failed first, judged from the codes alone (all ended
-  between two polls: a killed chief's survivor exits within a second, 'Socket closed'): one
+  between two polls: a killed chief's survivor exits at once, 'Socket closed'): one
   killed by a signal before one that exited by itself (a survivor's exit 3 reports the loss of
   another); None when every code is 0."""
   failed = [(i, c) for i, c in enumerate(codes) if c != 0]

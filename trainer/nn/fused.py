@@ -5,10 +5,9 @@ TensorFlow ops (erfc, exp, products): about ten kernels, each a pass over the ML
 activation. A function decorated with `kernel` is instead compiled by XLA into one fused loop
 (`tf.function(jit_compile=True)`), while the matmuls around it stay TensorFlow's (oneDNN's
 kernels, which at the Shakespeare shape beat XLA's: configs/shakespeare.py runs without XLA).
-GELU forward and backward over a [64, 128, 512] float32 activation took 29-35 ms as TensorFlow's
-ops and 11-13 ms as one kernel (2-core AVX2 CPU, 10 calls in a tf.function). Not every chain
-gains: the same timing of layer_norm's forward and backward gave 5.0-5.6 ms as ops and 6.6-8.1
-ms as kernels, and of masked_softmax about the same both ways, so those stay TensorFlow's ops.
+Timed both ways (docs/references.md, "nanoGPT's own script"), GELU's forward and backward ran
+faster as one kernel; not every chain gains: layer_norm's ran slower as kernels and
+masked_softmax's about the same, so those stay TensorFlow's ops.
 Inside a step XLA compiles whole, a kernel is simply part of that computation.
 
 Only while `kernels()` is active, which the trainer's train and eval steps enter while they

@@ -275,10 +275,11 @@ def gelu_float32(x):
   """Exact GELU computed in float32, returned in x's dtype: `Dense(..., activation=gelu_float32)`.
 
   Element-wise transcendental ops are another fragile-and-slow part. On a CPU, bfloat16 and
-  float16 erf are emulated: forward + backward of GELU over a [8192, 512] bfloat16 tensor took
-  25.9 ms, in float32 12.2 ms, and this cast-compute-cast 16.4 ms (2-core AVX512-BF16 CPU). In
-  the Transformer LM, bfloat16 GELU was 18 % of the step's op time (tf.profiler trace). On a
-  GPU the casts cost little. The function is the same; float32 makes it more precise too.
+  float16 erf are emulated, so GELU in them is slower than in float32 and this cast-compute-cast
+  lies between the two; in the Transformer LM bfloat16 GELU was a large share of the step's op
+  time (the timings: docs/guides/model-and-data.md, "Custom layers under a
+  mixed policy"). On a GPU the casts cost
+  little. The function is the same; float32 makes it more precise too.
   For the backward pass only x is kept (in its own dtype) and the derivative
   Phi(x) + x * phi(x) is computed from it in float32; with plain casts around tf.nn.gelu the tape
   would keep the float32 copy of x.

@@ -468,11 +468,11 @@ class Workdir:
 class _ScalarWrites:
   """TensorBoard scalars through one call per set of tags (a progress line's, an eval's, the
   numerics probe's), eager for its first writes and compiled after them (trainer/step/
-  eager_then_compiled.py). Compiled, a progress line's 7 tags took 1.2-1.5 ms against 8-9 ms
-  as eager `tf.summary.scalar` calls, 2-3 % of the MNIST MLP's 100 steps between two lines; but
-  compiling costs about 8 eager writes of the same tags (7 tags: 97 ms; the nanoGPT model's 214
-  numerics tags: 1.75 s, against 0.2 s eager), and a set written a few times in a run (an eval's
-  or the numerics probe's) never earns it back. The values are written as float32, as the eager
+  eager_then_compiled.py). Compiled, a progress line's tags write several times faster than as
+  eager `tf.summary.scalar` calls, a visible share of a small model's steps between two lines;
+  but compiling costs about 8 eager writes of the same tags, and a set written a few times in a
+  run (an eval's or the numerics probe's) never earns it back (the timings: docs/references.md,
+  "Start-up: eager first, compiled later"). The values are written as float32, as the eager
   calls wrote them."""
 
   def __init__(self, writer):
@@ -489,8 +489,8 @@ class _ScalarWrites:
           for i, tag in enumerate(tags):
             tf.summary.scalar(tag, values[i], step=step)
 
-      # eager_seconds: a bound on what a very large set's eager writes may cost in all (214
-      # tags wrote in 0.2 s each, so it is the count that decides for every set measured).
+      # eager_seconds: a bound on what a very large set's eager writes may cost in all; every
+      # set measured writes eagerly well within it, so it is the count that decides.
       call = self._calls[tags] = EagerThenCompiled(
         write, eager_calls=WRITES_BEFORE_COMPILING, eager_seconds=2.0, autograph=False
       )

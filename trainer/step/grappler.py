@@ -2,12 +2,13 @@
 
 Grappler rewrites a function's graph once, when the function is first called: pruning,
 constant folding, arithmetic and dependency rewrites, fusions (its remapper). On the train
-loop's graph that is a pass over thousands of nodes on one thread, before the first step: about
-a second at the nanoGPT shape (4,300 nodes), more at the Shakespeare shape. On a CPU the
-rewritten loop was not faster per step (`python -m benchmarks.grappler`,
-docs/results/grappler.md), so `config.train.grappler='auto'` leaves it off there. With a GPU or
-TPU 'auto' keeps TensorFlow's default, on: its layout and fusion passes target those devices'
-kernels, and this project has no GPU to measure them on.
+loop's graph that is a pass over thousands of nodes on one thread, before the first step
+(docs/references.md, "Start-up: eager first, compiled later", has its time at the
+nanoGPT shape). On a CPU the
+rewritten loop was not faster per step (docs/results/grappler.md), so
+`config.train.grappler='auto'` leaves it off there. With a GPU or TPU 'auto' keeps TensorFlow's
+default, on: its layout and fusion passes target those devices' kernels, and this project has
+no GPU to measure them on.
 
 The switch is per call, for this thread: `passes(False)` runs the calls inside it with this
 thread's function call options saying "no grappler" (the options

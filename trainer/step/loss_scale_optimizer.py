@@ -52,10 +52,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
   """Wraps `inner_optimizer`; scales the loss, unscales the gradients, applies them when every
   gradient on every replica is finite, else skips the step; moves the scale.
 
-  Keras 3's arguments: `inner_optimizer`, `initial_scale` (2**15), `dynamic_growth_steps`
+  Keras 3's arguments: `inner_optimizer`, `initial_scale` (`2**15`), `dynamic_growth_steps`
   (2000: finite steps in a row before the scale grows). Ours: `dynamic` (False: the scale stays
   `initial_scale`, non-finite steps are still skipped), `growth_factor`, `backoff_factor`,
-  `min_scale` (the floor, 1), `max_scale` (the cap, 2**24), `hysteresis` (non-finite steps in a
+  `min_scale` (the floor, 1), `max_scale` (the cap, `2**24`), `hysteresis` (non-finite steps in a
   row before a back-off). Create it under the model's `strategy.scope()`.
   """
 

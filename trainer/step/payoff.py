@@ -5,11 +5,11 @@
 does it (the compiled update calls, the rounding and quantization kernels, their buffers) plus
 CPU time per step. The rule: the bytes a model's parameters save must exceed that fixed cost,
 measured as the rise in peak RSS on the MNIST MLP (101,770 parameters, where what is saved is
-under 1 MiB), 40 steps through launch.py, each option against the run without it (peak RSS;
-CPU seconds user + system):
+under 1 MiB), 40 steps through launch.py, each option against the run without it (the runs, and
+their CPU time: docs/results/memory.md, "The fixed cost"):
 
-  optimizer.state_bits=8 (float32)            770 -> 927 MiB and 773 -> 921 MiB; CPU 8.5 -> 14.4 s
-  master_weights='bfloat16_sr' (mixed_bf16)   775 -> 854 MiB; CPU 8.7 -> 9.3 s
+  optimizer.state_bits=8 (float32)            770 -> 927 MiB and 773 -> 921 MiB
+  master_weights='bfloat16_sr' (mixed_bf16)   775 -> 854 MiB
 
 The smaller rise of each is the fixed cost below (FIXED_MIB), so the line errs towards silence;
 the small CNN rose by 207 and 71 MiB (issue 35). That cost is taken not to grow with the model
