@@ -148,8 +148,7 @@ def _fail(message: str, status: int = 2) -> None:
 def parse_flags(argv):
   """absl's parser, with config mistakes turned into one line naming the flag or key
   (trainer/launch/config_errors.py). The config is loaded and checked against the schema before
-  TensorFlow is imported (trainer/config.py imports none), so a config mistake is reported
-  within a second of the launch."""
+  TensorFlow is imported (trainer/config.py imports none), so a mistake does not wait for it."""
   path = config_errors.config_path(argv)
   if path and not os.path.isfile(path.split(':', 1)[0]):  # before anything slow is imported
     _fail(f'--config={path}: no such file; pass a config file such as configs/mnist.py')

@@ -61,8 +61,8 @@ def _restore_op_determinism():
 
 def pytest_collection_finish(session):
   """Moves everything alive once the tests are imported (TensorFlow, Keras, the test modules:
-  about 300,000 objects) out of the collector's sight for good: a full collection then takes
-  microseconds instead of 0.7 s, which `_collect_garbage` below pays after every test."""
+  hundreds of thousands of objects) out of the collector's sight for good: a full collection
+  then walks only what the tests make, which `_collect_garbage` below pays after every test."""
   gc.collect()
   gc.freeze()
 
@@ -71,10 +71,9 @@ def pytest_collection_finish(session):
 def _collect_garbage():
   """Frees each test's trainers when it ends. Keras models and tf.functions sit in reference
   cycles, so only a full collection frees them; left to Python's thresholds, the garbage of
-  dozens of tests piled up in a worker and one unrelated test paid for collecting it (measured:
-  15-19 s pauses in one quiet process; in a CI run tests of 0.1-7 s alone took 140-210 s), and
-  the functions it held kept TensorFlow's function library large for every trace meanwhile.
-  tests/contract + tests/run, -n 3, back to back: 370 s -> 313 s wall (user CPU 441 -> 483 s)."""
+  dozens of tests piled up in a worker and one unrelated test paid for collecting it (a pause of
+  many seconds inside a short test), and the functions it held kept TensorFlow's function
+  library large for every trace meanwhile."""
   yield
   gc.collect()
 
@@ -90,8 +89,8 @@ def once_per_session(tmp_path_factory, name: str, make):
   """The folder `name` after `make(folder)` filled it, once per test session: under xdist the
   first worker to ask makes it and any other waits for it (a file lock in the session's shared
   temporary folder), instead of each worker that runs one of the module's tests making its own.
-  worksteal hands a module's tests to several workers when one runs out of work: in one run of
-  tests/step/test_distribute.py with its neighbours, its 43-154 s fixture ran 3 times. A failed
+  worksteal hands a module's tests to several workers when one runs out of work, and each would
+  have run tests/step/test_distribute.py's long fixture again. A failed
   `make` leaves no folder behind, so the next asker tries again (and fails in its own test)."""
   import fcntl
   import shutil

@@ -15,8 +15,8 @@ program is machine code for one instruction set, built by one XLA, and TensorFlo
 neither. It is used for programs compiled for the CPU only
 (--tf_xla_persistent_cache_device_types=CPU), the device this project measured it on.
 
-A re-run of a command loads its programs (the train step's and the eval's; their compilation
-took 3-4 s of a short nanoGPT-shape run: docs/results/peer_nanogpt_float32.md). A function's
+A re-run of a command loads its programs (the train step's and the eval's, whose compilation is
+a visible share of a short run's start: docs/results/peer_nanogpt.md). A function's
 name carries a counter of the functions made before it, so a change that makes more or fewer of
 them first (more train calls before the eval; a restore before the train step, in a resumed
 run) compiles that program again, beside the old one.

@@ -111,7 +111,7 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   # may read self.datasets (e.g. Normalization.adapt): it sees them as build_datasets returned
   # them (checked), a finite train set one pass, not yet repeated for ever. Both then go
   # without tf.data's autotuning thread, whose lost wake-up could hold each dropped iterator
-  # (every evaluation's; the train one at exit) for up to 60 s (trainer/data/autotune.py).
+  # (every evaluation's; the train one at exit) for up to a minute (trainer/data/autotune.py).
   trainer.datasets = trainer.build_datasets()
   prepared, steps_per_epoch = epochs.prepare(
     trainer.datasets, c.train.batch_size, c.train.eval_max_batches

@@ -87,7 +87,7 @@ class TrainLoop:
     self._kept_on_skip = False  # whether the step's skip branch traced the batch keeping
     if self.forensics:
       # The batch is kept on the step's skip branch (its `on_skip`), so a finite step pays
-      # nothing for it: a tf.cond per step costs (benchmarks/ablate_step.py). A custom step
+      # nothing for it: a tf.cond per step costs (docs/results/ablate_step.md). A custom step
       # that skips without `apply_or_skip` gets the cond per step instead (`_one_step`).
       self.state.on_skip.append(self._keep_at_stop)
     self.compiled = tf.function(self._loop, autograph=False)  # autograph: user code only
@@ -96,7 +96,7 @@ class TrainLoop:
     self._recording = kept_batch.Recording(iterator) if self.forensics else None
     batches = self._recording or iterator
     # Stopping early is part of the loop's condition, not a `break`: autograph turns each
-    # `if ...: break` into tf.conds that run in every step (benchmarks/ablate_step.py measures
+    # `if ...: break` into tf.conds that run in every step (docs/results/ablate_step.md measured
     # what the checks cost). The sums' length is known only once the body is traced, so they
     # are a loop variable of shape [None] (an explicit tf.while_loop states that invariant).
 
@@ -163,7 +163,7 @@ class TrainLoop:
 
   def stop_after_skip(self, count: int) -> None:
     """Host side: the next calls stop right after the skip that brings skipped_steps to `count`
-    (0 = never). Written only when it changes: an eager assign per call costs 0.1-0.3 ms."""
+    (0 = never). Written only when it changes: an eager assign is a host round trip per call."""
     if count != self._stop_at_skip:
       self.stop_at_skip.assign(count)
       self._stop_at_skip = count

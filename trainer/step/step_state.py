@@ -29,8 +29,8 @@ call's steps (`train.steps_per_loop` of them; one step when that is 1), and the 
 bad update run on the non-finite state until the call ends (their skips are logged as such;
 a recovery or the stop discards them). What it saves: the check is one float32 sum per variable
 (trainer/step/loss_scale.py's `all_finite`: a finite total proves every element finite), about
-20 small ops on the MNIST MLP with Adam, which once per step cost about 3 % of its 3 ms step
-(benchmarks/ablate_step.py, contender `no_state_check`).
+20 small ops on the MNIST MLP with Adam, which once per step were a measurable share of its short
+step (docs/results/ablate_step.md, contender `no_state_check`).
 """
 
 from __future__ import annotations
