@@ -22,7 +22,7 @@ import pytest
 
 import docblocks
 
-from conftest import ROOT
+from conftest import ROOT, once_per_session
 
 ENV = {k: v for k, v in os.environ.items() if k != 'TF_CONFIG'}
 ENV.update(TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT)
@@ -92,8 +92,9 @@ def run(workdir, *args) -> Run:
   return r
 
 
-def accuracy(r: Run, prefix: str = '') -> float:
-  return float(re.search(rf'^{re.escape(prefix)}accuracy: ([0-9.]+)$', r.text, re.M).group(1))
+def accuracy(text: str, prefix: str = '') -> float:
+  """The final accuracy a run printed (its workers' lines carry `prefix`)."""
+  return float(re.search(rf'^{re.escape(prefix)}accuracy: ([0-9.]+)$', text, re.M).group(1))
 
 
 def final_state(workdir) -> dict[str, np.ndarray]:
@@ -115,21 +116,27 @@ def assert_bit_identical(a, b):
   assert different == [], different
 
 
+def _run_uninterrupted(folder):
+  (folder / 'output.txt').write_text(run(folder / 'run', *doc_command()).text)
+
+
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
-  """The docs' command with --workers=2, never interrupted."""
-  workdir = tmp_path_factory.mktemp('uninterrupted') / 'run'
-  r = run(workdir, *doc_command())
-  assert '[launcher] 2 workers on 127.0.0.1:' in r.text
-  assert '[worker 1] ' in r.text and f'step {STEPS}/{STEPS} (100%)' in r.text
-  assert accuracy(r, '[worker 0] ') == accuracy(r, '[worker 1] ')
-  return workdir, r
+  """The docs' command with --workers=2, never interrupted: its workdir and its output. Once
+  per session (conftest.once_per_session): worksteal spreads this module's tests over several
+  xdist workers, and a module fixture would run the two-worker run in each of them."""
+  folder = once_per_session(tmp_path_factory, 'cluster_uninterrupted', _run_uninterrupted)
+  text = (folder / 'output.txt').read_text()
+  assert '[launcher] 2 workers on 127.0.0.1:' in text
+  assert '[worker 1] ' in text and f'step {STEPS}/{STEPS} (100%)' in text
+  assert accuracy(text, '[worker 0] ') == accuracy(text, '[worker 1] ')
+  return folder / 'run', text
 
 
 def test_two_workers_reach_the_accuracy_of_one_process(uninterrupted, tmp_path):
   workdir, two = uninterrupted
   words = [a for a in doc_command() if a != '--workers=2']
-  one = run(tmp_path / 'one', *words)
+  one = run(tmp_path / 'one', *words).text
   assert abs(accuracy(two, '[worker 0] ') - accuracy(one)) <= 0.003, (
     accuracy(two, '[worker 0] '),
     accuracy(one),

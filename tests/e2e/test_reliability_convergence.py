@@ -1,6 +1,8 @@
-"""Training converges through injected faults: MNIST in mixed_bfloat16 with every 20th step's
-gradients made non-finite ends within 0.3 points of test accuracy of the clean run. Two full
-runs of configs/mnist.py (5 epochs): minutes on a CPU, so marked slow."""
+"""Training converges through injected faults: the MNIST CNN of configs/mnist.py with every 20th
+step's gradients made non-finite ends within 0.3 points of test accuracy of the clean run, which
+ends above 98 %. Two runs of 2 epochs (936 steps each; the config's 5 are for its published
+figure), in the config's policy 'auto': the subject is the skip, not bfloat16 arithmetic, so a
+CPU without fast bfloat16 runs it in float32 instead of emulating bfloat16."""
 
 import os
 
@@ -12,12 +14,13 @@ from trainer import config as config_lib
 from conftest import ROOT
 
 MNIST_DIR = os.path.join(ROOT, '..', 'shared', 'data', 'mnist')
+EPOCHS = 2
 
 
 def mnist_config(**debug):
   config = config_lib.load_file(os.path.join(ROOT, 'configs', 'mnist.py'))
   config.data.dir = MNIST_DIR
-  config.precision.policy = 'mixed_bfloat16'
+  config.train.epochs = EPOCHS
   for key, value in debug.items():
     config.debug[key] = value
   return config

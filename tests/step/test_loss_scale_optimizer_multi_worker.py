@@ -8,20 +8,25 @@ import os
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, once_per_session
 from local_cluster import run_two_workers
 
-# 2 TF processes, each starting TensorFlow and the cluster; the loop case alone needs the same
-# two process starts and cluster set-up, so there is no quick subset.
+# Slow: two TF processes and a cluster set-up; the loop case alone needs the same two process
+# starts, so there is no quick subset.
 pytestmark = pytest.mark.slow
+
+
+def _run_workers(out):
+  run_two_workers(
+    [sys.executable, os.path.join(ROOT, 'tests', 'lso_multi_worker_run.py'), str(out)]
+  )
 
 
 @pytest.fixture(scope='module')
 def workers(tmp_path_factory):
-  out = tmp_path_factory.mktemp('lso_mwms')
-  run_two_workers(
-    [sys.executable, os.path.join(ROOT, 'tests', 'lso_multi_worker_run.py'), str(out)]
-  )
+  """The two workers' results, once per session (conftest.once_per_session): worksteal may hand
+  this module's tests to several xdist workers, each of which would start its own cluster."""
+  out = once_per_session(tmp_path_factory, 'lso_multi_worker', _run_workers)
   found = [json.loads((out / f'worker{i}.json').read_text()) for i in range(2)]
   assert [w['replicas'] for w in found] == [2, 2]
   return found
