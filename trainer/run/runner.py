@@ -335,7 +335,12 @@ class Runner:
     logdir = os.path.join(tr.workdir, 'tensorboard')
     train_ds = tr.datasets.train.skip(step) if step else tr.datasets.train
     self._train_iterator = iter(tr.strategy.experimental_distribute_dataset(train_ds))
-    self._ticker = progress.Progress(total=tr.total_steps, log_every=t.log_every, first_step=step)
+    self._ticker = progress.Progress(
+      total=tr.total_steps,
+      log_every=t.log_every,
+      first_step=step,
+      max_interval=progress.MAX_INTERVAL,  # its value now, not at import: tests lower it
+    )
     self._profiler = profiling.StepProfiler(t.profile_steps, logdir)
 
   @contextlib.contextmanager
