@@ -463,12 +463,10 @@ class Workdir:
 class _ScalarWrites:
   """TensorBoard scalars through one call per set of tags (a progress line's, an eval's, the
   numerics probe's), eager for its first writes and compiled after them (trainer/step/
-  eager_then_compiled.py). Compiled, a progress line's tags write several times faster than as
-  eager `tf.summary.scalar` calls, a visible share of a small model's steps between two lines;
-  but compiling costs about 8 eager writes of the same tags, and a set written a few times in a
-  run (an eval's or the numerics probe's) never earns it back (the timings: docs/references.md,
-  "Start-up: eager first, compiled later"). The values are written as float32, as the eager
-  calls wrote them."""
+  eager_then_compiled.py): compiled, a progress line's tags write several times faster (a visible
+  share of a small model's steps between two lines), but compiling costs about 8 eager writes,
+  which a set written a few times a run never earns back (docs/references.md, "Start-up: eager
+  first, compiled later"). The values are written as float32, as the eager calls wrote them."""
 
   def __init__(self, writer):
     self.writer = writer
