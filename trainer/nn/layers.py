@@ -30,13 +30,11 @@ class CausalSelfAttention(keras.layers.Layer):
 
   Input and output: [batch, time, d_model]. One fused query/key/value projection and one output
   projection, with biases. Dropout applies to the attention weights when training.
-
   `attention='chunked'` computes the queries in chunks of `chunk` positions (`chunked_attention`):
-  the [batch, heads, time, time] weights are never held whole, nor kept for the backward pass.
-  It needs a static sequence length (else the full path runs) and no dropout.
-
-  Its two projections are its GEMMs for a float8 recipe (FLOAT8_KERNELS; trainer/nn/float8_layers.py
-  sets `float8_matmul`); the attention's own matmuls stay in the compute dtype.
+  the [batch, heads, time, time] weights are never held whole, nor kept for the backward pass;
+  it needs a static sequence length (else the full path runs) and no dropout. For a float8
+  recipe its GEMMs are the two projections (FLOAT8_KERNELS; trainer/nn/float8_layers.py sets
+  `float8_matmul`); the attention's own matmuls stay in the compute dtype.
   """
 
   FLOAT8_KERNELS = ('qkv_kernel', 'out_kernel')
@@ -190,10 +188,9 @@ def layer_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float) 
   """(x - mean) / sqrt(var + epsilon) * gamma + beta over the last axis, in float32 whatever x's
   dtype (returned float32: the caller casts), with its backward pass written out.
 
-  TensorFlow has no layer-norm kernel on a CPU: Keras's LayerNormalization is about eight
-  element-wise ops and reductions forward, and autodiff through them about twice as many
-  backward (each gradient of a broadcast product, the moments' gradients, their sum). Here the
-  backward pass is the closed form, from the normalized input xhat and the per-row 1/std:
+  TensorFlow has no layer-norm kernel on a CPU: Keras's LayerNormalization is about eight ops
+  forward and autodiff through them about twice as many backward. Here the backward pass is the
+  closed form, from the normalized input xhat and the per-row 1/std:
     g = dy * gamma;  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dgamma = sum over rows of dy * xhat;  dbeta = sum over rows of dy.
   What it keeps: xhat when x is float32; under a mixed policy x itself, in its 16-bit dtype
