@@ -393,9 +393,8 @@ def _warn_nonfinite_loss(loss: Any) -> None:
     )
 
 
-# Methods a step had and no longer calls, or never had under a name users expect: an override
-# would never run (an EMA written in `apply_gradients` once counted 0 updates over 60 applied
-# steps, without a word).
+# Methods the step does not call, under names users expect: an override would never run (an
+# EMA written in `apply_gradients` once counted 0 updates over 60 applied steps, without a word).
 RETIRED_STEP_METHODS = {
   'apply_gradients': 'each update group is applied by apply_group(index, grads), under its own '
   'finite flag: override apply_group (super().apply_group(index, grads) applies the update)',
