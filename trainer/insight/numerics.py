@@ -136,10 +136,9 @@ def is_float8(layer) -> bool:
 def gradient_counts(target, reference, tiny: float, scale, float8: bool = False) -> tf.Tensor:
   """[6] float32 for one gradient: the largest finite |target| / scale, then the counts of
   flushed, subnormal, zero and non-finite elements and the element count (module docstring).
-  `target`: the gradient as computed in the compute dtype at loss scale `scale` (still scaled);
-  `reference`: the same gradient computed in float32, unscaled. `float8`: a precision.float8
-  recipe's layer, whose range moves with its scales: every zero that is non-zero in float32 is
-  flushed."""
+  `target`: the gradient computed in the compute dtype at loss scale `scale` (still scaled);
+  `reference`: the same gradient in float32, unscaled. `float8`: a precision.float8 recipe's
+  layer (every zero that is non-zero in float32 is flushed: module docstring)."""
   magnitude = tf.abs(tf.cast(target, tf.float32))
   finite = tf.math.is_finite(magnitude)
   reference = tf.abs(tf.cast(reference, tf.float32))
