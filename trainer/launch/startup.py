@@ -1,7 +1,6 @@
 """The start-up and the end of a launch: TensorFlow imported without its C++ start-up lines,
-Keras without matplotlib, Python's cycle collector kept off TensorFlow's object graph, and an
-exit that skips the interpreter's teardown once the results are out. launch.py calls these;
-nothing here runs at import.
+Keras without matplotlib, the cycle collector kept off TensorFlow's object graph, and an exit that
+skips the interpreter's teardown once results are out. launch.py calls these; none runs at import.
 """
 
 from __future__ import annotations
