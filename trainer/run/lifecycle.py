@@ -5,10 +5,9 @@
                                                                  #   model.keras}
   --config.train.init_from=runs/a   # a new run starts from runs/a's latest model weights
 
-All three only read the run folder (`restore` below): no file in it is written or changed, no
-lock is taken, so they work on a read-only (archived) run and on a run another process is
-training. Export writes into its own folder, `--export_dir` (default: `<workdir>-export`, a
-sibling of the run folder), never into the run folder.
+All three only read the run folder (`restore` below): nothing in it is written, no lock taken, so
+they work on a read-only (archived) run and on a run another process is training. Export writes
+into its own folder, `--export_dir` (default: the sibling `<workdir>-export`), never the run's.
 """
 
 from __future__ import annotations

@@ -351,9 +351,8 @@ def check_gradient(batch: Any, compute_loss: LossFn, model: keras.Model) -> None
     return
   from trainer.step.forward_state import forward_state_kept
 
-  # One example: whether a gradient reaches the variables does not depend on the batch, and an
-  # eager tape over the whole batch keeps every activation of the model (at context 512 it set
-  # the process's peak RSS, above the compiled step's: docs/guides/memory.md).
+  # One example: whether a gradient reaches a variable does not depend on the batch, and an eager
+  # tape over the whole batch keeps every activation (it set the peak RSS: docs/guides/memory.md).
   first = tf.nest.map_structure(lambda t: t[:1], batch)
   try:
     with forward_state_kept(model), tf.GradientTape() as tape:
