@@ -16,14 +16,12 @@ neither. It is used for programs compiled for the CPU only
 (--tf_xla_persistent_cache_device_types=CPU), the device this project measured it on.
 
 A re-run of a command loads its programs (the train step's and the eval's, whose compilation is
-a visible share of a short run's start: docs/results/peer_nanogpt.md). A function's
-name carries a counter of the functions made before it, so a change that makes more or fewer of
-them first (more train calls before the eval; a restore before the train step, in a resumed
-run) compiles that program again, beside the old one.
-So that such programs do not pile up, `prefer` keeps the folder under LIMIT bytes, deleting the
-programs written longest ago first (a load does not count as a write: a program in use may be
-compiled once more). The run's log line (`describe`) gives the folder and what it holds.
-TensorFlow-free.
+a visible share of a short run's start: docs/results/peer_nanogpt.md). A function's name counts
+the functions made before it, so a change that makes more or fewer of them first (a resumed
+run's restore) compiles that program again, beside the old one; so that these do not pile up,
+`prefer` keeps the folder under LIMIT bytes, deleting the programs written longest ago first (a
+load is no write: a program in use may be compiled once more). The run's log line (`describe`)
+gives the folder and what it holds. TensorFlow-free.
 """
 
 from __future__ import annotations

@@ -633,9 +633,8 @@ def loss_scale_note(config, policy: str) -> str | None:
   """The warning line for config.precision.loss_scale='dynamic' under the float32 policy (the
   config's, or what 'auto' resolved to: `policy`); None otherwise. Not a ConfigError: the run is
   correct, and a config written for a GPU (auto, dynamic) must still run where auto is float32.
-  A loss scale keeps float16 gradients above float16's smallest normal number; float32
-  gradients do not underflow there, so the scale only adds a multiply, an unscale and a scale
-  update to every step. 'auto' is none under float32: silent."""
+  Float32 gradients do not underflow where a loss scale keeps float16's, so the scale only adds
+  a multiply, an unscale and a scale update to every step. 'auto' is none under float32: silent."""
   p = config.precision
   if p.loss_scale != 'dynamic' or policy != 'float32':
     return None

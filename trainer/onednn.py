@@ -1,11 +1,10 @@
 """oneDNN's CPU kernels for TensorFlow: on for launch.py's runs unless the user says otherwise.
 
 TensorFlow reads its switch, the environment variable TF_ENABLE_ONEDNN_OPTS, when its library
-loads, and by default turns oneDNN's kernels on only on CPUs with AVX512 (or newer); elsewhere
-its matmuls and convolutions are Eigen's. On the AVX2 CPU this project measures on, oneDNN's
-were the faster in every race run (the pages docs/guides/performance.md links), so `prefer`
-(called by `trainer.launcher_defaults()`, which launch.py calls first; importing trainer sets
-nothing) sets TF_ENABLE_ONEDNN_OPTS=1 when two things hold:
+loads, and by default turns oneDNN's kernels on only with AVX512 (or newer); elsewhere its
+matmuls and convolutions are Eigen's. On this project's AVX2 CPU oneDNN's won every race run
+(docs/guides/performance.md links them), so `prefer` (called by `trainer.launcher_defaults()`,
+which launch.py calls first; importing trainer sets nothing) sets TF_ENABLE_ONEDNN_OPTS=1 when:
   * the variable is unset (TF_ENABLE_ONEDNN_OPTS=0 keeps Eigen's kernels);
   * TensorFlow is not imported yet (after that the switch no longer changes anything).
 The run's first log line says whether oneDNN's kernels are on (`enabled`), whatever set them.

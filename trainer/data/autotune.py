@@ -3,22 +3,18 @@ wait for it.
 
 With autotuning on (tf.data's default), every iterator starts a thread
 (`tensorflow::data::model::Model::OptimizeLoop`) that re-tunes the pipeline, sleeping between
-rounds for a period that doubles up to 60 s. Dropping the iterator cancels that thread and
-waits for it. In TensorFlow 2.21 the wake-up can be lost: `CancellationManager::StartCancel`
-runs its callbacks (the one that wakes the thread) before it marks itself cancelled, so a thread
-that wakes at once sees no cancellation and sleeps out the rest of its period while the
-iterator's destructor waits: a dropped `map(AUTOTUNE).prefetch(AUTOTUNE)` iterator, the end of
-a run (its main thread in the iterator's destructor, the autotuning thread asleep in
-`OptimizeLoop`) and every evaluation, which drops an iterator too, waited that way in some runs
-and never with the thread off (the waits measured: docs/references.md, "Dropping a tf.data
-iterator could wait").
+rounds for a period that doubles up to 60 s; dropping the iterator cancels it and waits for it.
+In TensorFlow 2.21 the wake-up can be lost: `CancellationManager::StartCancel` runs its callbacks
+(the one that wakes the thread) before it marks itself cancelled, so a thread that wakes at once
+sees no cancellation and sleeps out its period while the iterator's destructor waits. The end of
+a run and every evaluation (each drops an iterator) waited that way in some runs, and never with
+the thread off (docs/references.md, "Dropping a tf.data iterator could wait").
 
 Without the thread, AUTOTUNE keeps its starting values. A parallel map or interleave starts at
 min(autotune.initial_parallelism, the runner's threads, one per core); tf.data's default of 16
 would cap a large host below what the tuner reaches, so `initial_parallelism` is set to the
-number of cores (unless the options set it): every core, as far as the tuner goes. A prefetch
-sizes its buffer with its own (thread-free) tuner. A dataset whose options set
-`autotune.enabled` (True or False) is left as it is.
+number of cores (unless the options set it). A prefetch sizes its buffer with its own
+(thread-free) tuner. A dataset whose options set `autotune.enabled` is left as it is.
 """
 
 from __future__ import annotations

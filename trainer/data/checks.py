@@ -57,10 +57,10 @@ def check_datasets(datasets, batch_size: int | None = None, eval_max_batches: in
         f'single examples ({_spec_summary(ds.element_spec)}); add {batch}'
       )
   # A set whose elements are, in every component, the other's batches without their batch axis
-  # is unbatched: sequences [T] against batches [B, T]. Not a multi-crop or two-view set, where
-  # only the images have the extra axis ([B, 10, H, W, C] against [B, H, W, C], labels [B]
-  # both), nor train batches of unknown size against eval crops with per-crop labels. Checked
-  # before the batch size, which would take T for a batch size.
+  # is unbatched: sequences [T] against batches [B, T]. Not a multi-crop or two-view set (only
+  # the images have the extra axis: [B, 10, H, W, C] against [B, H, W, C], labels [B] both), nor
+  # train batches of unknown size against eval crops with per-crop labels. Checked before the
+  # batch size, which would take T for it.
   train = tf.nest.flatten(datasets.train.element_spec)
   eval_ = tf.nest.flatten(datasets.eval.element_spec)
   pairs = [
@@ -163,14 +163,13 @@ def first_eval_batch(datasets):
   """The first batch of `datasets.eval` (checked by check_datasets), which the checks below
   run on; an error when the eval set is empty. Read once per eval dataset: later calls return
   the same batch."""
-  # The batch is kept on the dataset with the iterator that read it. Why the iterator is kept:
-  # dropping an iterator that read part of a `.cache()` while a consumer after it (a prefetch, a
-  # parallel map) is still reading can leave the cache finalized with what was read so far (TF's
-  # memory cache takes the end of input that its cancelled upstream reports for the true end),
-  # so every later evaluation would see a truncated set. Seen with
-  # `batch().map().cache().prefetch()` on a loaded machine: 4 or 5 of 6 images. A live iterator
-  # never ends; the first full evaluation completes the cache on its own. Both go with the
-  # dataset (the iterator refers to it: a cycle the garbage collector frees).
+  # The batch is kept on the dataset with the iterator that read it: dropping an iterator that
+  # read part of a `.cache()` while a consumer after it (a prefetch, a parallel map) still reads
+  # can finalize the cache with what was read so far (TF's memory cache takes its cancelled
+  # upstream's end of input for the true end), truncating every later evaluation (seen with
+  # `batch().map().cache().prefetch()` on a loaded machine: 4 or 5 of 6 images). A live iterator
+  # never ends; the first full evaluation completes the cache. Both go with the dataset (a cycle
+  # the garbage collector frees).
   kept = getattr(datasets.eval, _FIRST_BATCH, None)
   if kept is not None:
     return kept[0]

@@ -1,14 +1,11 @@
 """One-line hints for the data mistakes that fail inside the user's compute_loss.
 
 The hook check (trainer/step/contract.py) runs compute_loss once, eagerly, on the first eval
-batch. A new user's data mistakes fail there with an exception from deep inside Keras or
-TensorFlow (25-46 lines of traceback, one of them every label of the batch). `hint(error)`
-recognises the five common ones from the error's message and says the fix in one line:
-
-  one-hot labels given to a sparse loss, a model returning a dict, a label outside the classes,
-  float labels compared with integer predictions, images without a channel axis.
-
-Any other exception gets None: it is raised as it is, with its traceback.
+batch, where a new user's data mistakes fail deep inside Keras or TensorFlow (25-46 lines of
+traceback, one of them every label of the batch). `hint(error)` recognises the five common ones
+from the error's message and says the fix in one line: one-hot labels given to a sparse loss, a
+model returning a dict, a label outside the classes, float labels compared with integer
+predictions, images without a channel axis. Any other exception gets None: raised as it is.
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@ Every helper builds the same pipelines from single (features, label) examples:
   train: cache, shuffle the whole set with config.seed (a new order each epoch), repeat, batch
          with config.train.batch_size (drop_remainder=True), `prepare`, prefetch;
   eval:  batch (the remainder kept: every example counted once), `prepare`, prefetch, cache.
-Both carry AutoShardPolicy.DATA, so with several workers (multi_worker) each takes its share of
-every batch's examples: in-memory and generated data have no files to shard by.
-`prepare(features, labels)` runs on whole batches (vectorised; e.g. scale pixels to [0, 1]);
-the default casts integer images to float32 in [0, 1] and labels to int32 (from_image_folder's
-scales Keras's float 0-255 pixels).
+Both carry AutoShardPolicy.DATA: each worker takes its share of every batch's examples (in-memory
+and generated data have no files to shard by). `prepare(features, labels)` runs on whole batches
+(vectorised); the default casts integer images to float32 in [0, 1] and labels to int32
+(from_image_folder's scales Keras's float 0-255 pixels).
 
   def build_datasets(self):
     return ready.from_arrays(self.config, train=(x_train, y_train), eval=(x_test, y_test))

@@ -8,9 +8,9 @@ TF_CONFIG is TensorFlow's description of a cluster and of this process's task in
 The roles, as MultiWorkerMirroredStrategy defines them:
   * `worker`: a member of the collective; worker 0 is the chief when the cluster has no `chief`;
   * `chief`: a member of the collective placed before every worker (it writes the run folder);
-  * `evaluator` and `ps` are refused in one line: an evaluator is no member of the collective (this
-    project has no side-car evaluator yet; `--mode=eval` evaluates a checkpoint), and Keras 3 has
-    no ParameterServerStrategy. Taking either for a worker would train a second, separate run.
+  * `evaluator` and `ps` are refused in one line: taken for a worker, either would train a second,
+    separate run (an evaluator is no member of the collective, and none runs beside training
+    here: `--mode=eval` evaluates a checkpoint; Keras 3 has no ParameterServerStrategy).
 Every mistake is a UserError naming TF_CONFIG and the culprit. TensorFlow-free.
 """
 

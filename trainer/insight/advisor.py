@@ -2,36 +2,30 @@
 
 `advise(trainer_class, config, workdir, steps=N)` builds the model twice, in the config's policy
 (the target) and in float32, with the same initial weights, and runs N calibration steps on the
-same training batches, eagerly, every layer's call hooked (trainer/insight/forensics.py). At each
-step both models see the same weights: the float32 model's gradients update it and its weights are
-copied into the target (so the comparison measures precision, not two diverging runs). Per
-layer (every layer, nested ones included) it records:
-
-  * the largest |output| and |input| of the float32 run, and the headroom to the target compute
-    dtype's largest finite value in powers of two (negative: the value does not fit);
-  * the fraction of the target's outputs that are non-finite;
-  * the relative error of the target's output against float32 (L2 norm of the difference over
-    the L2 norm of the float32 output, averaged over the steps);
-  * gradient underflow, as the numerics probe defines it: the fraction of the layer's
-    weight-gradient elements flushed to zero (zero in the target at the loss scale the run
-    starts with, non-zero in float32 but below the target dtype's smallest normal), subnormal
-    in the target, and zero in float32 (ReLU zeros:
-    context, not underflow); and the fraction non-finite. These are the gradients of the whole
-    batch's mean loss: with several replicas or gradient accumulation a step's own weight
-    gradients sum fewer examples and underflow more (the numerics statistics,
-    `numerics.every`, measure one replica's share).
+same training batches, eagerly, every layer's call hooked (trainer/insight/forensics.py). The
+float32 model's gradients update it and its weights are copied into the target, so both see the
+same weights at each step (the comparison measures precision, not two diverging runs). Per layer
+(nested ones included) it records: the largest |output| and |input| of the float32 run and their
+headroom to the target dtype's largest finite value in powers of two (negative: does not fit);
+the fraction of the target's outputs that are non-finite; the target output's relative error
+against float32 (L2 norm of the difference over that of the float32 output, averaged over the
+steps); and gradient underflow as the numerics probe defines it (trainer/insight/numerics.py:
+flushed at the loss scale the run starts with, subnormal, zero in float32 too) and non-finite
+gradients. These are the whole batch's mean loss's gradients: with several replicas or gradient
+accumulation a step's own sum fewer examples and underflow more (`numerics.every` measures one
+replica's share).
 
 A layer is suggested for `precision.float32_layers` when its float32 output or input comes
 within `HEADROOM_BITS` powers of two of the dtype's maximum (an input must fit too: a float32
 layer's large output is cast down again by the low-precision layer that consumes it), or when it
 made a non-finite output from finite inputs where float32 stayed finite: a value inside it
-overflowed (an exp in a hand-written softmax) although its output fits. Its
-output error and gradient underflow are reported, not acted on: the remedy for underflow is the
-loss scale. A layer with non-finite outputs or gradients never "fits": when headroom names no
-layer but something was non-finite, the advice says so instead of suggesting nothing.
-`launch.py --advise` prints the report and writes <workdir>/advice.md; with
-`--advise_validate_steps=N` it then trains N steps as configured and N with the suggestion
-(`validate`) and prints each run's skipped steps and flushed gradient fraction.
+overflowed (an exp in a hand-written softmax) although its output fits. Output error and
+underflow are reported, not acted on: the remedy for underflow is the loss scale. A layer with
+non-finite outputs or gradients never "fits": when headroom names no layer but something was
+non-finite, the advice says so instead of suggesting nothing. `launch.py --advise` prints the
+report and writes <workdir>/advice.md; with `--advise_validate_steps=N` it then trains N steps
+as configured and N with the suggestion (`validate`) and prints each run's skipped steps and
+flushed gradient fraction.
 """
 
 from __future__ import annotations

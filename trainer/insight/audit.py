@@ -199,9 +199,8 @@ def audit(
           'feed integer ids (tf.int32)',
         )
       )
-    # A softmax layer the recorded forward pass never called computes nothing: attention without
-    # dropout computes its softmax in float32 in Keras's dot_product_attention instead of in
-    # its Softmax layer.
+    # A softmax layer the recorded forward pass never called computes nothing (attention without
+    # dropout computes its softmax in float32 in Keras's dot_product_attention instead).
     if _applies_softmax(layer) and compute in LOW and (not seen or id(layer) in seen):
       maker = layers.get(name.rpartition('/')[0])
       hazards.append(Hazard(name, 'low-precision softmax', _softmax_fix(maker, compute)))

@@ -1,44 +1,35 @@
 """Divergence: a training loss that left where it has been, beyond its own noise, in one line.
 
 A learning rate far too large (say 50 for SGD on MNIST) drives the loss to 1e11 while every
-gradient stays finite: no step is skipped, no guard fires, and the run ends at chance accuracy.
+gradient stays finite: nothing is skipped, no guard fires, and the run ends at chance accuracy.
 `DivergenceMonitor` watches the logged training loss (the mean over a log interval) and names the
-step, the loss and the learning rate when it diverged. A single logged loss is noisy (at batch 1
-logged every step it is one example's loss: 0.001 for an easy digit, 7 for a misread one), so the
-rule reads a smoothed loss and a threshold from the run's own spread, in log units (a loss is
-compared by ratios):
+step, the loss and the learning rate when it diverged. A logged loss is noisy (at batch 1 logged
+every step, one example's: 0.001 for an easy digit, 7 for a misread one), so the rule reads a
+smoothed loss and a threshold from the run's own spread, in log units (losses compare by ratios):
 
   level   the median of the last n logged losses; n grows with the spread until the level's
-          noise is about 5 %, from 3 (a loss logged every 100 steps at batch 128) to 512
-          (one example a line)
+          noise is about 5 %, from 3 (logged every 100 steps at batch 128) to 512 (one example)
   spread  sigma of one logged log-loss, from the median absolute difference of consecutive
-          ones (blind to the loss's downward trend); the level's noise is 1.25 sigma / sqrt(n)
+          ones (blind to the downward trend); the level's noise is 1.25 sigma / sqrt(n)
   margin  4 x the level's noise
 
-  diverged when
-    the loss is not finite (no step of the interval had a finite loss), or
-    one logged loss is over factor x the loss at the run's first weights (the `start` loss; a
-      blow-up to 1e4 at the first log line), plus 8 of its sigmas, or
-    the median of the last 3 logged losses is over factor x the loss at the first weights, or
-    the level is over factor x its best level, plus the margin (the best: the lowest level plus
-      its own margin then), or
-    the level is over 2 x the loss at the first weights, plus the margin (worse than untrained), or
-    the network stopped learning: the level is back near the loss at the first weights (within a
-      quarter of its best gain, in log units; plus the margin) after having been well below it, or
-    it has not learned again: since a divergence the level has not come back below the loss at
-      the first weights (by 5 %, or twice the margin). A recovery (`update` at an earlier step)
-      ends that.
+  diverged when the loss is not finite (no step of the interval had a finite loss), or over
+  factor x the loss at the run's first weights (the `start` loss): one logged loss plus 8 of its
+  sigmas, or the median of the last 3; or the level is over factor x its best level (the lowest
+  level plus its margin then), or over 2 x the first loss (worse than untrained), each plus the
+  margin; or the network stopped learning (the level back within a quarter of its best gain of
+  the first loss, plus the margin); or, since a divergence, the level has not come back below the
+  first loss (by 5 %, or twice the margin). A recovery (`update` at an earlier step) ends that.
 
-The default factor of 10 is far outside what a healthy run does at any batch size: 0 alarms on
-MNIST runs at batch 1, 2 and 4 logged every step (tests/insight/test_divergence.py replays them from
+The default factor of 10 is far outside a healthy run at any batch size: 0 alarms on MNIST runs
+at batch 1, 2 and 4 logged every step (tests/insight/test_divergence.py replays
 tests/fixtures/losses/; still 0 with a quarter of the margin or a factor of 3). The level rules
-wait for 9 logged losses (the spread of the 8 before the newest), and the best level is taken
-only from windows as long as the spread asks for. A resumed run (`start(..., resumed=True)`)
-has no untrained loss: only the non-finite rule, the rule against its best level and one
-logged loss over factor**6 x the loss at the resumed weights, at least 1 (a blow-up to 1e36). A
-loss that is zero or negative (a log-density) is judged only on being finite; `factor` 0 turns
-the monitor off. `verdict` says whether a finished run ended diverged. Pure Python: no
-TensorFlow, reusable by any loop.
+wait for 9 logged losses, and the best level is taken only from windows as long as the spread
+asks for. A resumed run (`start(..., resumed=True)`) has no untrained loss: only the non-finite
+rule, the best-level rule and one logged loss over factor**6 x the resumed weights' loss, at
+least 1 (a blow-up to 1e36). A loss at or below zero (a log-density) is judged only on being
+finite; `factor` 0 turns the monitor off. `verdict` says whether a finished run ended diverged.
+Pure Python: no TensorFlow, reusable by any loop.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Hooks on a Keras model's layers, shared by the forensic replay, the advisor and the numerics
-probe: every layer's computation (`call`, or `quantized_call` for a float8/int8 layer) recorded,
-Keras float8 layers run compiled (their gradient fails eagerly), layers switched to float32.
-Each hook is an instance attribute while its context is active; the previous one is put back."""
+"""Hooks on a Keras model's layers for the forensic replay, the advisor and the numerics probe:
+each layer's computation (`call`, or a float8/int8 layer's `quantized_call`) recorded, Keras
+float8 layers run compiled (their gradient fails eagerly), layers switched to float32. A hook is
+an instance attribute while its context is active; the previous one is put back after."""
 
 from __future__ import annotations
 

@@ -1,46 +1,33 @@
 """On-device numerics statistics: where the precision is tight, per layer, at log steps.
 
 Every `numerics.every` steps (at the first log step, then at the first log boundary past each
-multiple; 0 = off) the trainer runs one compiled probe: a forward and backward pass of
-`compute_loss` at the current weights and loss scale, on a batch from an iterator of its own (the
-training iterator's order, hence a resume, is untouched), with the forward-pass state (BatchNorm
-statistics, dropout seeds) put back afterwards. The probe computes what one replica's (first)
-micro-batch computes in a step, with the default step's loss (`TrainStep.replica_share`,
-`share_loss`): a whole global batch would sum replicas x micro-batches as many examples into
-each weight gradient and under-report what is lost.
-
-Underflow is what the precision loses, so the probe computes the same gradients twice: in the
-layers' compute dtypes at the current loss scale (what the step computes), and with every layer
-computing in float32 (the reference; same weights, same batch, same forward state). Per weight-
-gradient element it then counts:
+multiple; 0 = off) one probe (`Probe`) runs a forward and backward pass of `compute_loss` at the
+current weights and loss scale on the first eval batch (`Probe.next_batch`), the forward-pass
+state (BatchNorm statistics, dropout seeds) put back afterwards. It computes what one replica's
+(first) micro-batch computes in a step, with the step's loss (`TrainStep.replica_share`,
+`share_loss`): a whole global batch would sum replicas x micro-batches as many examples into each
+weight gradient and under-report what is lost. Underflow is what the precision loses, so the
+same gradients are computed again with every layer in float32 (the reference; same weights,
+batch and forward state), and per weight-gradient element the probe counts:
 
   flushed    zero in the compute dtype, non-zero in float32 and, at this loss scale, below the
-             compute dtype's smallest normal number: lost to the dtype's range (directly, or
-             because a gradient upstream of it flushed). A zero of another cause (a ReLU whose
-             input rounded across 0, a sum that cancelled) is not range and not counted. A
-             precision.float8 recipe's layer (under any policy, float32 too) is measured
-             against itself without float8, and its range moves with its scales: every zero
-             of its gradients or outputs that is non-zero in float32 counts as flushed;
-  subnormal  non-zero but below the compute dtype's smallest normal number (float16: 6.1e-5),
-             at this scale: kept with fewer significant bits;
+             compute dtype's smallest normal number: lost to its range (directly, or upstream).
+             A zero of another cause (a ReLU input rounded across 0, a sum that cancelled) is
+             not range and not counted. A precision.float8 recipe's layer (under any policy) is
+             measured against itself without float8; its range moves with its scales, so every
+             zero of its gradients or outputs that is non-zero in float32 counts as flushed;
+  subnormal  non-zero but below the smallest normal number (float16: 6.1e-5): fewer bits kept;
   zero       zero in float32 too (dead ReLU units, border pixels): context, not underflow;
   non-finite inf or NaN in the compute dtype.
 
-Per layer the fractions are over the gradients of its variables (Keras float8 layers' scale and
-amax-history variables are left out: their "gradients" are new values, not gradients), next to
-  grad_max       the largest |gradient| after unscaling;
-and over its forward output (a float8-quantized layer's too: its `quantized_call` is hooked):
-  output_max     the largest |output|;
-  output_flushed, output_subnormal   as for the gradients, against the float32 pass's outputs;
-  headroom_bits  log2(largest finite value of the compute dtype / output_max): how many
-                 doublings the activations can take before they overflow.
-
-They go to TensorBoard under `numerics/<layer>/...` (<layer>: its path in the model, e.g.
-mnist_mlp/dense, for layers with and without weights alike: `layer_paths`) and
-`numerics/gradient_{flushed,subnormal,zero}`, and one console line gives the flushed fraction
-and the worst layer by it. Under bfloat16 (float32's exponent range) and float32 nothing is
-flushed by range, and the line says so. The train step itself is unchanged: off costs nothing,
-on costs one probe (two passes) per interval.
+Per layer: these fractions over its variables' gradients (Keras float8 layers' scale and
+amax-history variables are left out: their "gradients" are new values), grad_max (the largest
+unscaled |gradient|), and over its forward output (`quantized_call` hooked too) output_max,
+output_flushed, output_subnormal and headroom_bits (log2(dtype max / output_max): doublings
+before overflow). They go to TensorBoard under `numerics/<layer>/...` (`layer_paths`) and
+`numerics/gradient_*`; one console line (`summary_line`) gives the flushed fraction and the worst
+layer, or says nothing is flushed by range (bfloat16, float32). The train step is unchanged: off
+costs nothing, on one probe (two passes) per interval. More: docs/guides/numerics-statistics.md.
 """
 
 from __future__ import annotations
@@ -90,11 +77,9 @@ def layer_name(layer) -> str:
 
 
 def layer_paths(model) -> dict[int, str]:
-  """{id(layer): its path} for every layer inside `model`, one naming scheme for all: Keras's
-  `layer.path` ('<model>/.../<name>', set when the layer's build runs), and for a layer whose
-  build never runs (marked built at construction, without weights: Dropout, Activation) its
-  parent's path and its own name, as Keras names the built ones. (Keras's path alone left those
-  layers with their bare name: their TensorBoard tags lacked the model prefix.)"""
+  """{id(layer): its path} for every layer inside `model`: Keras's `layer.path`
+  ('<model>/.../<name>', set by the layer's build), else (a layer built at construction: Dropout,
+  Activation) its parent's path and its own name, so its TensorBoard tags get the prefix too."""
   paths: dict[int, str] = {}
 
   def walk(parent, prefix: str) -> None:
@@ -151,10 +136,9 @@ def is_float8(layer) -> bool:
 def gradient_counts(target, reference, tiny: float, scale, float8: bool = False) -> tf.Tensor:
   """[6] float32 for one gradient: the largest finite |target| / scale, then the counts of
   flushed, subnormal, zero and non-finite elements and the element count (module docstring).
-  `target`: the gradient as computed in the compute dtype at loss scale `scale` (still scaled);
-  `reference`: the same gradient computed in float32, unscaled. `float8`: a precision.float8
-  recipe's layer, whose range moves with its scales: every zero that is non-zero in float32 is
-  flushed."""
+  `target`: the gradient computed in the compute dtype at loss scale `scale` (still scaled);
+  `reference`: the same gradient in float32, unscaled. `float8`: a precision.float8 recipe's
+  layer (every zero that is non-zero in float32 is flushed: module docstring)."""
   magnitude = tf.abs(tf.cast(target, tf.float32))
   finite = tf.math.is_finite(magnitude)
   reference = tf.abs(tf.cast(reference, tf.float32))
@@ -228,16 +212,14 @@ class Probe:
       for v in layer.trainable_weights:
         owner.setdefault(id(getattr(v, 'value', v)), layer)
     self.owners = [owner.get(id(getattr(v, 'value', v))) for v in self.variables]
-    # The compute dtypes other than float32; a reference pass is needed only with one of them
-    # or a quantized (float8) layer.
+    # A reference pass is needed only with a compute dtype other than float32 or a float8 layer.
     self.low_precision = sorted(
       {layer.compute_dtype for layer in self.layers if layer.compute_dtype != 'float32'}
     )
     self.needs_reference = bool(self.low_precision) or any(
       getattr(layer, 'quantization_mode', None) or is_float8(layer) for layer in self.layers
     )
-    # Eager for the first measurements, compiled once eager has cost about one compilation
-    # (trainer/step/eager_then_compiled.py); autograph=False: trainer/step/user_code.py.
+    # Eager, then compiled (trainer/step/eager_then_compiled.py); autograph=False: user_code.py.
     self._fn = EagerThenCompiled(
       self._stats, eager_calls=EAGER_CALLS, eager_seconds=EAGER_SECONDS, autograph=False
     )
@@ -297,11 +279,9 @@ class Probe:
     return self.paths.get(id(layer)) or layer_name(layer)
 
   def next_batch(self):
-    """The first eval batch, every time: measurements at different steps compare the same
-    examples, and the train pipeline is never read here. A second iterator over
-    `datasets.train` made resumed runs differ from uninterrupted ones: a shuffled dataset's
-    iterators share one seed generator, so the probe's iterator changed the order the training
-    iterator saw (tests/insight/test_numerics.py)."""
+    """The first eval batch, every time: measurements compare the same examples, and the train
+    pipeline is never read (a shuffled dataset's iterators share one seed generator: another one
+    would change the order training sees, and resumes would differ; test_numerics.py)."""
     if self._batch is None:
       self._batch = checks.first_eval_batch(self.trainer.datasets)
     return self._batch
@@ -371,9 +351,8 @@ def summary_line(step: int, stats: dict, overall: dict, *, scale: float | None, 
     if flushed and max(flushed)[0] > 0:
       worst, name = max(flushed)
       parts.append(f'most flushed {name} {_pct(worst)}')
-  # Layers named in the order of `stats` (the model's variables, then layers without any), so
-  # among equals an earlier layer, where a non-finite value usually starts, comes first (it was
-  # the alphabet's last).
+  # In the order of `stats` (the model's variables, then layers without any): among equals an
+  # earlier layer, where a non-finite value usually starts, comes first.
   bad = sorted(
     (k for k, v in stats.items() if v.get('grad_nonfinite', 0) > 0),
     key=lambda k: -stats[k]['grad_nonfinite'],

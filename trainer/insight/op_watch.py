@@ -1,16 +1,15 @@
 """What a function did op by op, for the forensic replay (trainer/insight/forensics.py).
 
-`watched(run)` runs `run()` eagerly with an op callback (the hook
-`tf.debugging.enable_check_numerics` uses) and returns its result and every op it executed, in
-order: the op's type, whether its float outputs were finite and their largest |value| (a Cast's
-input too). `culprit(ops, ops32)` takes the ops of a low-precision run and of a float32 run of the
-same code and returns the op to blame and its value in float32: the first op whose output was
-not finite while its float32 counterpart (matched by its place among the ops of its type) was
-finite, a range problem; failing that, the first non-finite op (an intended -inf of a mask is
-non-finite in float32 too, so it is passed over while a real overflow follows). For a Cast the
-value is its own input (a cast down that overflowed). A `tf.function` called inside reaches the
-callback as one op of its own name, not op by op: it is never the culprit, and when nothing else
-is, `failing_op(run)` names the first non-finite op from check_numerics' error message.
+`watched(run)` runs `run()` eagerly with an op callback (the hook of
+`tf.debugging.enable_check_numerics`) and returns its result and every op it executed, in order:
+type, whether its float outputs were finite and their largest |value| (a Cast's input too).
+`culprit(ops, ops32)` takes the ops of a low-precision and of a float32 run of the same code and
+returns the op to blame and its float32 value: the first op not finite whose float32 counterpart
+(by its place among the ops of its type) was finite, a range problem; failing that, the first
+non-finite op (a mask's intended -inf is non-finite in float32 too, so it is passed over while a
+real overflow follows). For a Cast the value is its input (a cast down that overflowed). A
+`tf.function` called inside reaches the callback as one op of its own name: never the culprit;
+when nothing else is, `failing_op(run)` names the first non-finite op from check_numerics' error.
 """
 
 from __future__ import annotations

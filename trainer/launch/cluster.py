@@ -5,17 +5,16 @@ made before anything is written, free loopback ports, and the record in the run 
     -> TF_CONFIG {"cluster": {"worker": ["host1:2222", "host2:2222"]},
                   "task": {"type": "worker", "index": 1}}
 
-Worker 0 is the chief (MultiWorkerMirroredStrategy's rule for a cluster without a 'chief' task).
-Every check here raises a UserError whose message names the flag and the culprit; the launcher
-prints it as one line and exits with code 2 before TensorFlow starts and before the run folder is
-touched:
+Worker 0 is the chief (MultiWorkerMirroredStrategy's rule without a 'chief' task). Each check
+raises a UserError naming the flag and the culprit, one line and exit code 2 before TensorFlow
+starts and before the run folder is touched:
   * an address that is not host:port (port in [1, 65535]), or the same address twice;
   * a task index outside [0, number of workers);
-  * this task's port already taken on this host: another process (often the same command with
-    the same --task_index, started twice on this host) holds it;
-  * a worker count that differs from the run folder's record (cluster.json, written by the
-    chief once the run folder is set up), unless config.train.accept_config_change is set: each
-    worker's shard of every batch, and so the run, would change under the resume.
+  * this task's port already taken on this host (often the same command and --task_index,
+    started twice);
+  * a worker count other than the run folder's record (cluster.json, written by the chief once
+    the run folder is set up), unless config.train.accept_config_change is set: each worker's
+    shard of every batch, and so the run, would change under the resume.
 The same index on two *different* hosts cannot be seen from either host before the rendezvous;
 there TensorFlow's coordination service fails the run ("... unexpectedly tried to connect with a
 different incarnation"), an AbortedError that trainer/launch/peers.py reports in one line.

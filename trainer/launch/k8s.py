@@ -2,13 +2,12 @@
 
   python launch.py --config=configs/mnist.py --workdir=mnist-4 --k8s_manifest=4 > job.yaml
 
-The pattern Kubernetes documents for indexed workloads: the Job (completionMode: Indexed) runs N
-pods, pod i with hostname `<name>-i`; the headless Service `<name>` gives each the DNS name
-`<name>-i.<name>`, so the cluster list is known before any pod starts. Each pod runs launch.py
-with the same arguments plus `--cluster=<name>-0.<name>:2222,...` and
-`--task_index=$(JOB_COMPLETION_INDEX)` (Kubernetes expands the variable, set from the pod's
-completion-index annotation), so each builds its own TF_CONFIG (trainer/launch/cluster.py). The run
-folder is /runs/<name> on a volume every pod mounts (a ReadWriteMany PersistentVolumeClaim).
+Kubernetes' pattern for indexed workloads: the Job (completionMode: Indexed) runs N pods, pod i
+with hostname `<name>-i`, which the headless Service `<name>` names `<name>-i.<name>`: the
+cluster list is known before any pod starts. Each pod runs launch.py with the same arguments plus
+`--cluster=<name>-0.<name>:2222,...` and `--task_index=$(JOB_COMPLETION_INDEX)` (set from the
+pod's completion-index annotation) and builds its own TF_CONFIG (trainer/launch/cluster.py). The
+run folder is /runs/<name> on a volume every pod mounts (a ReadWriteMany PersistentVolumeClaim).
 
 A lost worker ends the others with exit code 3 (trainer/launch/peers.py); restartPolicy OnFailure
 restarts every container, and each resumes from the chief's newest checkpoint. SIGTERM (a pod

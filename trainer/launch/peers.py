@@ -2,21 +2,19 @@
 
 On its own, TensorFlow 2.21 aborts the survivor's collective with an UnavailableError only when
 the coordination service's heartbeat times out (a worker died) or the connection resets (the
-chief died), each a ~70-line traceback with exit code 1 (docs/guides/distribution.md, "A lost
-worker", has the delays measured). Two things here make that one line and bound it:
+chief died), each a ~70-line traceback with exit code 1 (the delays: docs/guides/distribution.md,
+"A lost worker"). Here:
 
   * `install(...)` registers an absl exception handler: an UnavailableError, AbortedError or
     DeadlineExceededError escaping training under multi_worker is printed as one line naming the
-    lost worker and the run folder's newest checkpoint, and the process exits with code 3
-    (EXIT_PEER_LOST) without a traceback.
-  * a watchdog thread connects to every other worker's port once a second. A worker seen up and
+    lost worker and the newest checkpoint, and the process exits with code 3 (EXIT_PEER_LOST).
+  * a watchdog thread connects to every other worker's port once a second; a worker seen up and
     then unreachable for `timeout` seconds (--worker_timeout, default 60) ends this process the
     same way, whatever TensorFlow is waiting for (a collective with no timeout, a rendezvous).
 
-Ending the process then writes nothing half: checkpoints and the run folder's records are
-written under temporary names and renamed into place, so the newest complete checkpoint is the
-one named, and the same command resumes from it. The chief's watchdog also records the cluster in
-the run folder once the run has written its config record (trainer/launch/cluster.py).
+Ending the process writes nothing half (checkpoints and records are renamed into place), so the
+same command resumes from the newest checkpoint named. The chief's watchdog also records the
+cluster in the run folder once the run has written its config record (trainer/launch/cluster.py).
 """
 
 from __future__ import annotations

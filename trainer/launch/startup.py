@@ -1,7 +1,6 @@
 """The start-up and the end of a launch: TensorFlow imported without its C++ start-up lines,
-Keras without matplotlib, Python's cycle collector kept off TensorFlow's object graph, and an
-exit that skips the interpreter's teardown once the results are out. launch.py calls these;
-nothing here runs at import.
+Keras without matplotlib, the cycle collector kept off TensorFlow's object graph, and an exit that
+skips the interpreter's teardown once results are out. launch.py calls these; none runs at import.
 """
 
 from __future__ import annotations
@@ -31,14 +30,13 @@ def tf_logs_requested(argv) -> bool:
 
 
 def quiet_tensorflow() -> None:
-  """Imports TensorFlow without its C++ start-up lines. TF_CPP_MIN_LOG_LEVEL=3 (read once, at
-  load) hides C++ info, warnings and errors such as `failed call to cuInit` on a CPU-only
-  machine; the lines TensorFlow's shared libraries print while loading (oneDNN, CUDA drivers,
-  each once per library) come before its logging is set up and ignore that level, so stderr is
-  captured while importing, and every captured line that is not such a start-up line is passed
-  on. Python-side warnings and errors (absl, exceptions) are unaffected, but one: TensorFlow's
-  UserWarning about tf.data options in graph mode, which its own distributed-dataset reduce
-  raises (a mirrored eval) and no user code can act on."""
+  """Imports TensorFlow without its C++ start-up lines. TF_CPP_MIN_LOG_LEVEL=3 (read at load)
+  hides C++ info, warnings and errors such as `failed call to cuInit` on a CPU-only machine; the
+  lines its shared libraries print while loading (oneDNN, CUDA drivers) ignore that level, so
+  stderr is captured while importing and every captured line that is not such a start-up line is
+  passed on. Python-side warnings and errors are unaffected, but one: TensorFlow's UserWarning
+  about tf.data options in graph mode, which its own distributed-dataset reduce raises (a
+  mirrored eval) and no user code can act on."""
   warnings.filterwarnings(
     'ignore', message='To make it possible to preserve tf.data options', category=UserWarning
   )
@@ -74,13 +72,12 @@ class _OnFirstUse:
 
 @contextlib.contextmanager
 def collector_paused():
-  """Python's cycle collector off for the block (it is off from the launcher's start, too:
-  launch.py's `__main__`), then back on with every object made so far frozen out of its later
-  passes (`gc.freeze`): the modules, functions and classes of TensorFlow and Keras, which live as
-  long as the process. While they import, the collector runs hundreds of times over a growing
-  heap, and its full passes during the step's tracing would walk them all again (the start-up
-  timeline in docs/references.md). On between the two blocks: a supervisor of `--workers` runs
-  there for the whole run."""
+  """Python's cycle collector off for the block (and from launch.py's `__main__` on), then back on
+  with every object made so far frozen out of its later passes (`gc.freeze`): TensorFlow's and
+  Keras's modules, functions and classes, which live as long as the process. While they import,
+  the collector runs hundreds of times over a growing heap, and its full passes during the step's
+  tracing would walk them all again (docs/references.md's start-up timeline). On between the two
+  blocks: a supervisor of `--workers` runs there for the whole run."""
   gc.disable()
   try:
     yield
@@ -91,12 +88,11 @@ def collector_paused():
 
 def import_keras() -> None:
   """Imports Keras without matplotlib. `import keras` loads keras.visualization, whose modules
-  import matplotlib.pyplot and matplotlib.patches at module level for their plotting functions
-  (each in a try/except ImportError): when matplotlib is installed every launch pays for
-  importing it, for functions training never calls. matplotlib is hidden while Keras
-  loads, then each such module attribute Keras left at None (`plt`, `patches`) becomes a
-  stand-in that imports the module on first use, so those functions still work. Nothing is
-  done when Keras or matplotlib is already imported, or matplotlib is not installed."""
+  import matplotlib.pyplot and .patches at module level (in a try/except ImportError): with
+  matplotlib installed every launch pays for it, for functions training never calls. It is hidden
+  while Keras loads, then each module attribute Keras left at None (`plt`, `patches`) becomes a
+  stand-in importing it on first use, so those functions still work. Nothing is done when Keras
+  or matplotlib is already imported, or matplotlib is not installed."""
   if 'keras' in sys.modules or 'matplotlib' in sys.modules:
     return
   if importlib.util.find_spec('matplotlib') is None:
@@ -134,14 +130,12 @@ def hide_tensorflow_info(record) -> bool:
 
 
 def exit_now(code: int, config) -> None:
-  """Ends the process once the results (or the error line) are out. Everything the run writes
-  (checkpoints, TensorBoard events, config.json, exports) is written and flushed synchronously
-  before this point. Once TensorFlow is loaded a normal interpreter exit spends seconds in the
-  interpreter's finalization (not in TensorFlow's atexit handlers, and no thread but the main
-  one is alive: tearing down modules and garbage-collecting TensorFlow's and Keras's object
-  graph), so this process exits at once;
-  before TensorFlow is loaded a normal exit is as fast. Multi-worker and TPU runs exit
-  normally: their runtimes shut down with the cluster at exit."""
+  """Ends the process once the results (or the error line) are out; everything the run writes
+  (checkpoints, TensorBoard events, config.json, exports) is written and flushed before this.
+  With TensorFlow loaded a normal exit spends seconds in the interpreter's finalization (tearing
+  down modules, collecting TensorFlow's and Keras's object graph; not in atexit handlers, and no
+  other thread is alive), so the process exits at once; without it a normal exit is as fast.
+  Multi-worker and TPU runs exit normally: their runtimes shut down with the cluster at exit."""
   if 'tensorflow' not in sys.modules or (
     getattr(getattr(config, 'distribute', None), 'strategy', None) in ('multi_worker', 'tpu')
   ):

@@ -2,10 +2,9 @@
 
 `run(commands)` starts one process per command, each in its own session (a terminal's Ctrl-C
 reaches this process only), and passes on every line each prints, to the same stream, prefixed
-with `[worker i] `. A first SIGINT or SIGTERM here is sent on to every worker as SIGTERM: each
-saves a checkpoint at the same step (trainer/run/preemption.py agrees on the step with an
-all-reduce) and exits with code 0. A second SIGINT is sent on as SIGINT: every worker stops at
-once, without saving (exit code 130).
+with `[worker i] `. A first SIGINT or SIGTERM here goes to every worker as SIGTERM: each saves a
+checkpoint at the same step (trainer/run/preemption.py) and exits with code 0; a second SIGINT
+goes on as SIGINT: every worker stops at once, without saving (exit code 130).
 
 A worker that ends with a non-zero code while others run is a lost worker: the others end on
 their own within --worker_timeout (trainer/launch/peers.py); any still running `timeout` + 30 s

@@ -1,19 +1,18 @@
 """The float8 GEMM each current-scaling recipe computes, emulated: y = x @ w and its two backward
 GEMMs, every operand quantized and dequantized as the recipe says (trainer/nn/float8_quant.py).
 
-A recipe names the format of the forward operands (x, w), the format of the output gradient g,
-and the scaling. Each of the three GEMMs quantizes its two operands along its own contraction
-axis, as the hardware GEMMs need (torchao's rowwise and MX training do the same):
+A recipe names the formats of the forward operands (x, w) and of the output gradient g, and the
+scaling. Each GEMM quantizes its two operands along its own contraction axis, as the hardware
+GEMMs need (torchao's rowwise and MX training do the same):
     forward   y  = x @ w       x per row (along K), w per column (along K)
     dgrad     dx = g @ w^T     g per row (along N), w per row (along N)
     wgrad     dw = x^T @ g     x per column (along M), g per column (along M)
 With one scale per tensor the axis does not matter: the forward's quantized x and w are reused.
-The products of the dequantized operands are summed in float32 (float8 tensor cores accumulate
-in float32) and the result is cast to the input's dtype (the GEMM's bfloat16 output). The
-current-scaling recipes keep no state: nothing to checkpoint, nothing to agree on across
+Products are summed in float32 (as float8 tensor cores accumulate) and cast to the input's dtype
+(the GEMM's bfloat16 output). The recipes keep no state: nothing to checkpoint or agree on across
 replicas. Under loss scaling the scaled gradient is quantized: its amax scales with the loss
-scale, so for a power-of-two loss scale the quantized values are the unscaled ones times it
-(an overflow is an infinite amax, which poisons the whole tensor, row or block: the step skips).
+scale, so for a power-of-two scale the quantized values are the unscaled ones times it (an
+overflow is an infinite amax, which poisons the whole tensor, row or block: the step skips).
 """
 
 from __future__ import annotations

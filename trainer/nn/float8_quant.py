@@ -1,16 +1,15 @@
 """Float8 quantize-dequantize, bit-exact to the formats, with the scales each recipe defines.
 
-`qdq(x, fmt, scaling, axis)` returns x (bfloat16 or float32) as a float8 GEMM would see it,
-dequantized to float32: scaled, saturated, rounded to nearest even into `fmt` (e4m3fn or e5m2,
-OCP 8-bit floating point spec) and scaled back. TF ops only, so it runs inside the compiled step
-(TF's float8 casts round to nearest even, as ml_dtypes does, eagerly, in a graph and under XLA).
+`qdq(x, fmt, scaling, axis)` returns x (bfloat16 or float32) as a float8 GEMM would see it, in
+float32: scaled, saturated, rounded to nearest even into `fmt` (e4m3fn or e5m2, OCP 8-bit
+floating point spec) and scaled back, in TF ops that run inside the compiled step (TF's float8
+casts round to nearest even, as ml_dtypes does, eagerly, in a graph and under XLA).
 
 The scalings (one per recipe, trainer/nn/float8_recipes.py):
-  * 'tensor': one scale for the whole tensor, fmax / amax (torchao's tensorwise, Transformer
-    Engine's current scaling); the amax is clamped to 1e-12 first (torchao's EPS).
-  * 'axis': one scale per slice along `axis` (the GEMM's contraction axis: per row of the
-    activations, per column of the weights), fmax / amax rounded down to a power of two
-    (torchao's rowwise recipe).
+  * 'tensor': one scale, fmax / amax (torchao's tensorwise, Transformer Engine's current
+    scaling); the amax is clamped to 1e-12 first (torchao's EPS).
+  * 'axis': one scale per slice along `axis` (the GEMM's contraction axis), fmax / amax rounded
+    down to a power of two (torchao's rowwise recipe).
   * 'block': 32-element blocks along `axis` with a power-of-two E8M0 scale each, OCP Microscaling
     (MX) spec v1.0 section 6.3: X = 2^(floor(log2(amax)) - emax_elem), clamped to E8M0's
     [2^-127, 2^127]; elements x / X saturated into the format. A ragged tail (a batch axis) is
@@ -21,8 +20,7 @@ Invariants, shared with the NumPy reference in tests/nn/test_float8_quant.py:
   * a NaN counts as an infinite amax, so a non-finite value poisons its whole tensor, row or
     block (scale 0, or X = NaN): a loss-scaling overflow is never hidden by float8 (XLA's max
     ignores NaN, TF's eager max does not; mapping NaN to inf makes both agree).
-  * float32 subnormals (below 2^-126) are flushed to zero by TF's CPU kernels; inputs and scaled
-    values in that range are far below float8's smallest subnormal anyway.
+  * TF's CPU kernels flush float32 subnormals (below 2^-126) to zero: far below float8's anyway.
 """
 
 from __future__ import annotations

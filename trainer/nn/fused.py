@@ -6,13 +6,12 @@ activation. A function decorated with `kernel` is instead compiled by XLA into o
 (`tf.function(jit_compile=True)`), while the matmuls around it stay TensorFlow's (oneDNN's
 kernels, which at the Shakespeare shape beat XLA's: configs/shakespeare.py runs without XLA).
 Timed both ways (docs/references.md, "nanoGPT's own script"), GELU's forward and backward ran
-faster as one kernel; not every chain gains: layer_norm's ran slower as kernels and
-masked_softmax's about the same, so those stay TensorFlow's ops.
-Inside a step XLA compiles whole, a kernel is simply part of that computation.
+faster as one kernel; layer_norm's ran slower and masked_softmax's about the same, so those stay
+TensorFlow's ops. Inside a step XLA compiles whole, a kernel is simply part of that computation.
 
-Only while `kernels()` is active, which the trainer's train and eval steps enter while they
-trace (trainer/step/train_step.py, trainer/step/eval_step.py). Elsewhere the same function runs
-as plain TensorFlow ops: eagerly (a kernel called eagerly compiles once per new shape), in an
+Only while `kernels()` is active (the trainer's train and eval steps enter it while they trace);
+elsewhere the same function runs as plain TensorFlow ops: eagerly (a kernel called eagerly
+compiles once per new shape), in an
 exported SavedModel (TensorFlow Serving runs XLA:CPU only when a flag allows it), and in a
 user's own loop, which can enter `kernels()` inside its own tf.function. The two differ in
 rounding only: over x in [-12, 12] the two GELUs differ by at most 4e-6 relative (in the far left

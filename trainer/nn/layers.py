@@ -7,11 +7,10 @@ The pattern, which any custom layer should follow under a mixed policy:
     bfloat16) before the matmuls, where the speed is;
   * the numerically fragile parts (here the softmax over the attention scores, with its -inf mask)
     run in float32 and are cast back;
-  * what the backward pass keeps is stored in the compute dtype: a float32 intermediate that the
-    gradient of an op needs (the softmax output, the GELU input) would otherwise be kept by the
-    tape in float32, and mixed precision would save no activation memory. `masked_softmax` and
-    `gelu_float32` compute in float32 and keep only their 16-bit input or output for the
-    backward pass (tf.custom_gradient; the gradient is computed in float32 from it).
+  * what the backward pass keeps is stored in the compute dtype: else the tape keeps a float32
+    intermediate an op's gradient needs (the softmax output, the GELU input), and mixed precision
+    saves no activation memory. `masked_softmax` and `gelu_float32` compute in float32 and keep
+    only their 16-bit input or output (tf.custom_gradient; the gradient computed in float32).
 Keras 3 autocasts a layer's own weights inside `call` already; the explicit casts make the layer
 correct wherever it is called from (a tf.function, another layer's call, a test) and make the
 dtypes readable in the code.
@@ -31,13 +30,11 @@ class CausalSelfAttention(keras.layers.Layer):
 
   Input and output: [batch, time, d_model]. One fused query/key/value projection and one output
   projection, with biases. Dropout applies to the attention weights when training.
-
   `attention='chunked'` computes the queries in chunks of `chunk` positions (`chunked_attention`):
-  the [batch, heads, time, time] weights are never held whole, nor kept for the backward pass.
-  It needs a static sequence length (else the full path runs) and no dropout.
-
-  Its two projections are its GEMMs for a float8 recipe (FLOAT8_KERNELS; trainer/nn/float8_layers.py
-  sets `float8_matmul`); the attention's own matmuls stay in the compute dtype.
+  the [batch, heads, time, time] weights are never held whole, nor kept for the backward pass;
+  it needs a static sequence length (else the full path runs) and no dropout. For a float8
+  recipe its GEMMs are the two projections (FLOAT8_KERNELS; trainer/nn/float8_layers.py sets
+  `float8_matmul`); the attention's own matmuls stay in the compute dtype.
   """
 
   FLOAT8_KERNELS = ('qkv_kernel', 'out_kernel')
@@ -138,10 +135,9 @@ def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
   float32 softmax (`masked_softmax`: float32 statistics, output in q's dtype) and the product
   with v. Each chunk goes through tf.recompute_grad with the whole q, k and v as inputs (sliced
   inside, so nothing is copied for the tape): the backward pass keeps q, k, v and recomputes one
-  chunk's weights at a time. Each row is today's row (the same scores and softmax over the keys
-  up to the chunk's end instead of all of them, the rest being exp(-inf) = 0), so the result is
-  the full path's to float32 rounding (the sums' order). Transient memory: one chunk's
-  [batch, heads, chunk, <= time] scores instead of [batch, heads, time, time]."""
+  chunk's weights at a time. A row's softmax runs over the keys up to the chunk's end, the rest
+  being exp(-inf) = 0, so the result is the full path's to float32 rounding (the sums' order).
+  Transient memory: one chunk's [batch, heads, chunk, <= time] scores, not [.., time, time]."""
   time = int(q.shape[2])
   outs = []
   for start in range(0, time, chunk):
@@ -192,10 +188,9 @@ def layer_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float) 
   """(x - mean) / sqrt(var + epsilon) * gamma + beta over the last axis, in float32 whatever x's
   dtype (returned float32: the caller casts), with its backward pass written out.
 
-  TensorFlow has no layer-norm kernel on a CPU: Keras's LayerNormalization is about eight
-  element-wise ops and reductions forward, and autodiff through them about twice as many
-  backward (each gradient of a broadcast product, the moments' gradients, their sum). Here the
-  backward pass is the closed form, from the normalized input xhat and the per-row 1/std:
+  TensorFlow has no layer-norm kernel on a CPU: Keras's LayerNormalization is about eight ops
+  forward and autodiff through them about twice as many backward. Here the backward pass is the
+  closed form, from the normalized input xhat and the per-row 1/std:
     g = dy * gamma;  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dgamma = sum over rows of dy * xhat;  dbeta = sum over rows of dy.
   What it keeps: xhat when x is float32; under a mixed policy x itself, in its 16-bit dtype
@@ -274,15 +269,13 @@ def _gelu_kept_as_input(x):
 def gelu_float32(x):
   """Exact GELU computed in float32, returned in x's dtype: `Dense(..., activation=gelu_float32)`.
 
-  Element-wise transcendental ops are another fragile-and-slow part. On a CPU, bfloat16 and
+  Element-wise transcendental ops are another fragile-and-slow part: on a CPU, bfloat16 and
   float16 erf are emulated, so GELU in them is slower than in float32 and this cast-compute-cast
-  lies between the two; in the Transformer LM bfloat16 GELU was a large share of the step's op
-  time (the timings: docs/guides/model-and-data.md, "Custom layers under a
-  mixed policy"). On a GPU the casts cost
-  little. The function is the same; float32 makes it more precise too.
-  For the backward pass only x is kept (in its own dtype) and the derivative
-  Phi(x) + x * phi(x) is computed from it in float32; with plain casts around tf.nn.gelu the tape
-  would keep the float32 copy of x.
+  lies between the two (in the Transformer LM bfloat16 GELU was a large share of the step's op
+  time: docs/guides/model-and-data.md, "Custom layers under a mixed policy"); on a GPU the casts
+  cost little, and float32 is more precise too. The backward pass keeps only x (in its own dtype)
+  and computes Phi(x) + x * phi(x) from it in float32; with plain casts around tf.nn.gelu the
+  tape would keep the float32 copy of x.
   """
   return _gelu_kept_as_input(tf.convert_to_tensor(x))
 

@@ -10,13 +10,11 @@ block when `remat.enabled(config)` (config.train.remat); the Transformer LM does
   def call(self, x, training=False):
     return remat.checkpoint(lambda x: self.forward(x, training), x, enabled=self.remat)
 
-This is `tf.recompute_grad`, not Keras's own rematerialization: `keras.RematScope` /
-`keras.remat` (on the TensorFlow backend also tf.recompute_grad) wrap a layer's `call` together
-with its keyword arguments, and Keras always passes `training=` as one, which tf.custom_gradient
-refuses inside a tf.function ("supports keywords arguments only when eager execution is
-enabled"): our step is a tf.function, so the Keras scope fails there for any layer whose call
-takes `training` (tests/nn/test_remat.py shows it). Here keyword arguments stay in the closure and
-only tensors cross the custom gradient.
+This is `tf.recompute_grad`, not `keras.RematScope` / `keras.remat`: those wrap a layer's `call`
+with its keyword arguments, and Keras always passes `training=`, which tf.custom_gradient refuses
+inside a tf.function such as our step ("supports keywords arguments only when eager execution is
+enabled"; tests/nn/test_remat.py). Here keyword arguments stay in the closure and only tensors
+cross the custom gradient.
 
 The recomputation must reproduce the forward pass: stateful randomness in a block (Dropout with
 rate > 0) would draw a fresh mask in it, so the gradient would not be the forward pass's. Models

@@ -1,39 +1,32 @@
 """Keras Adam, AdamW and SGD whose per-variable update takes fewer passes over memory.
 
-Keras 3's optimizers update each variable with element-wise ops: Adam is about a dozen (subtract,
-multiply, square, sqrt, divide, three assigns, casts), each a full pass over the variable's
-memory. On a CPU that is a measurable share of a small model's step: in a tf.profiler trace of
-the MNIST CNN (mixed_bfloat16, 2 cores) Keras's Adam ops took about 4 of 30 op-milliseconds per
-step. The classes here keep everything Keras does around the update (learning-rate schedules,
-weight decay, clipping, EMA, the slots and their checkpoint names, distribution) and replace only
-`update_step` with TF's fused training kernels, which compute the same formula in fewer passes:
+Keras 3's optimizers update each variable with element-wise ops (Adam: about a dozen, each a full
+pass over the variable's memory); in a tf.profiler trace of the MNIST CNN (mixed_bfloat16, 2 CPU
+cores) they took about 4 of 30 op-milliseconds per step. The classes here keep everything Keras
+does around the update (schedules, weight decay, clipping, EMA, the slots and their checkpoint
+names, distribution) and replace only `update_step` with TF's fused training kernels:
 
   Adam / AdamW   m += (g - m) * (1 - beta_1);  v += (g^2 - v) * (1 - beta_2)   (Keras's own ops)
                  alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)          (scalars)
                  ResourceApplyAdagradV2(update_slots=False, lr=alpha, grad=m, accum=v):
                  var -= m * alpha / (sqrt(v) + epsilon)
-                 (Keras's Adam.update_step, term for term and in its order, so the results are
-                 bit-identical to Keras's. TF's ResourceApplyAdam is not used: it computes
-                 `1 - beta` in float32 from float32(beta), while Keras rounds the float64
-                 `1 - beta` to float32 once, so its second-moment rate differs by about 1e-5
-                 relative and the weights drift apart over hundreds of steps. The moments take
-                 Keras's element-wise ops; the weight update, Keras's five passes (sqrt, add,
-                 multiply, divide, subtract), is one kernel. AdamW's decoupled decay is applied
+                 (Keras's Adam.update_step term for term, in its order: bit-identical results;
+                 Keras's five passes of the weight update are one kernel. Not ResourceApplyAdam:
+                 it computes `1 - beta` in float32 from float32(beta), where Keras rounds the
+                 float64 `1 - beta` once, so v's rate differs by about 1e-5 relative and the
+                 weights drift apart over hundreds of steps. AdamW's decoupled decay is applied
                  by Keras before `update_step`, unchanged.)
   SGD            ResourceApplyKerasMomentum:  m = momentum * m - lr * g;  var += m
                  (nesterov: var += momentum * m - lr * g); ResourceApplyGradientDescent without
                  momentum.
 
-Adam and AdamW equal Keras's bit for bit, SGD up to float rounding (the last bit of some
-weights); tests/step/test_fused_optimizers.py compares them, Adam and AdamW over 500 steps.
-Cases the kernels do not cover fall back to Keras's own `update_step`: amsgrad, and variables
-that are not float32/float64/float16/bfloat16 resource variables. Sparse gradients
-(IndexedSlices, e.g. from an embedding lookup) are made dense first, which sums the rows a token
-repeats into the true gradient. (Keras's own Adam squares each repeated row separately before
-summing them, so on an embedding its second moment differs from Adam's; on unique rows the two
-agree.)
-
-`config.optimizer.fused=False` selects Keras's classes instead (trainer/optim/optimizers.py).
+Adam and AdamW equal Keras's bit for bit, SGD up to the last bit of some weights
+(tests/step/test_fused_optimizers.py, Adam and AdamW over 500 steps). Keras's own `update_step`
+takes what the kernels do not cover: amsgrad, and variables that are not float32/float64/
+float16/bfloat16 resource variables. Sparse gradients (IndexedSlices, from an embedding lookup)
+are made dense first, summing a token's repeated rows into the true gradient (Keras's Adam
+squares each repeated row before summing, so on an embedding its v differs; on unique rows they
+agree). `config.optimizer.fused=False` selects Keras's classes (trainer/optim/optimizers.py).
 """
 
 from __future__ import annotations
@@ -48,9 +41,7 @@ import tensorflow as tf
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-  # A mixin's `super()` is the Keras optimizer it is mixed ahead of; Keras ships no types, so to
-  # mypy that base is Any (its attributes and methods unchecked), as it is at runtime a Keras
-  # Adam.
+  # A mixin's `super()` is the Keras optimizer it is mixed ahead of; Keras ships no types: Any.
   from keras.optimizers import Adam as _KerasAdam
 else:
   _KerasAdam = object
@@ -113,11 +104,10 @@ def _dense(gradient: tf.Tensor | tf.IndexedSlices, dtype: tf.DType) -> tf.Tensor
   return tf.cast(gradient, dtype)
 
 
-# Per optimizer, during one `apply`: {(dtype, device): alpha}. Keras computes Adam's step size
-# (a cast of the iteration count, two powers, a square root, a division) in every variable's
-# update, the same value each time; in a traced step that is those scalar ops once per variable,
-# run on every step. Within one `apply` the iteration count does not change (Keras advances it
-# after the updates), so one alpha per dtype and device serves them all. Kept outside the
+# Per optimizer, during one `apply`: {(dtype, device): alpha}. Keras computes Adam's step size (a
+# cast, two powers, a square root, a division) in every variable's update, the same value each
+# time, as scalar ops traced once per variable; the iteration count is fixed within one `apply`
+# (Keras advances it after), so one alpha per dtype and device serves all. Kept outside the
 # optimizer, whose attributes Keras's tracking would add to checkpoints.
 _STEP_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -2,35 +2,30 @@
 
 `config.precision.master_weights` (mixed_bfloat16, or auto resolving to it; Adam, AdamW, SGD):
   'float32'         the model's variables are float32 (every other policy's behaviour).
-  'bfloat16_sr'     the model's variables and the optimizer's slots are bfloat16. Each update is
-                    computed in float32 from the stored values and stored with stochastic
-                    rounding (trainer/optim/rounding.py): updates far below a weight's bfloat16
-                    spacing (lr x Adam step, about 1e-3 relative) survive on average instead of
-                    rounding away.
-  'bfloat16_kahan'  bfloat16 weights plus a bfloat16 compensation buffer per weight (Kahan
-                    summation: what rounding the weight dropped is kept for the next update).
-                    The slots (moments, momentum) are bfloat16 with stochastic rounding.
-Variables a model keeps float32 under these modes (a layer with dtype='float32', such as the
-logits, or config.precision.float32_layers) keep float32 weights and the plain update.
+  'bfloat16_sr'     variables and optimizer slots are bfloat16; each update is computed in float32
+                    and stored with stochastic rounding (trainer/optim/rounding.py): updates far
+                    below a weight's bfloat16 spacing (lr x Adam step, about 1e-3 relative)
+                    survive on average instead of rounding away.
+  'bfloat16_kahan'  bfloat16 weights plus a bfloat16 Kahan compensation buffer each (what
+                    rounding dropped is kept for the next update); slots as for bfloat16_sr.
+Variables a model keeps float32 (a layer with dtype='float32', such as the logits, or
+config.precision.float32_layers) keep float32 weights and the plain update.
 
 `config.optimizer.state_bits=8` (Adam, AdamW; any master_weights): each moment is stored in
-rounding.py's 8-bit block codes on the dynamic map (1 + 4/256 bytes per element, against 4): m
-signed, v unsigned with twice the bins, since v is what the update divides by. The code
-variables are named '..._dynamic_codes': a checkpoint of the earlier logarithmic code does not
-restore into them (a mismatch, not a misread). The update dequantizes, computes in
-float32 exactly as Keras's Adam, and requantizes.
+rounding.py's 8-bit block codes (1 + 4/256 bytes per element, against 4): m signed, v unsigned
+with twice the bins, since the update divides by v. The code variables are named
+'..._dynamic_codes', so a checkpoint of the earlier logarithmic code does not restore into them
+(a mismatch, not a misread). The update dequantizes, computes in float32 as Keras's Adam does,
+and requantizes.
 
 The managed variables are updated together, in compiled calls of up to CALL_ELEMENTS elements
-(trainer/optim/low_precision_updates.py). Each call's random bits are one stateless draw seeded by
-(config.seed, the trainer's global step, the call's number; with several update groups, also
-the group's index): a resumed run draws the same bits
-as an uninterrupted one, every replica draws the same bits (mirrored copies stay identical), and
-a skipped step draws none. Each variable reads its own slice of the draw, and each tensor
-(weight, m, v, momentum) its own 16-bit chunk.
-
-Skipped steps never call the optimizer (trainer/step/train_step.py): weights, slots, compensation
-buffers and codes stay bit-identical. Clipping and gradient accumulation happen before the
-optimizer on float32 gradients, as with float32 masters.
+(trainer/optim/low_precision_updates.py), each call's random bits one stateless draw seeded by
+(config.seed, the trainer's global step, the call's number; and an update group's index): a
+resumed run draws the bits an uninterrupted one does, every replica the same (mirrored copies stay
+identical), a skipped step none. Each variable reads its own slice of the draw, each tensor
+(weight, m, v, momentum) its own 16-bit chunk. Skipped steps never call the optimizer: weights,
+slots, compensations and codes stay bit-identical. Clipping and gradient accumulation happen
+before the optimizer on float32 gradients, as with float32 masters.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ from trainer.optim import fused_optimizers, low_precision_updates
 from trainer.optim.rounding import BLOCK, blocks, random_bits
 
 if TYPE_CHECKING:
-  # The mixins' `super()` is the fused Keras optimizer they are mixed ahead of; Keras ships no
-  # types, so to mypy that base is Any, as it is at runtime a Keras optimizer.
+  # The mixins' `super()` is the fused Keras optimizer they precede; Keras ships no types: Any.
   from keras.optimizers import Optimizer as _KerasOptimizer
 else:
   _KerasOptimizer = object
@@ -121,8 +115,7 @@ class _LowPrecision(_KerasOptimizer):
     self, distribution: tf.distribute.Strategy, grads_and_vars: list, learning_rate: tf.Tensor
   ) -> None:
     # Keras updates one variable at a time; the managed ones are updated together, in one
-    # compiled call per device (trainer/optim/low_precision_updates.py), the others by the fused
-    # update.
+    # compiled call per device (low_precision_updates.py), the others by the fused update.
     managed = [self._managed[self._get_variable_index(v)] for _, v in grads_and_vars]
     super()._distributed_tf_update_step(
       distribution, [gv for gv, k in zip(grads_and_vars, managed) if not k], learning_rate
@@ -379,10 +372,10 @@ def state_bytes(optimizer: keras.optimizers.Optimizer) -> int:
 def check_optimizer(
   optimizer: keras.optimizers.Optimizer, config: ml_collections.ConfigDict, group: int | None = None
 ) -> None:
-  """ConfigError when the config asks for 16-bit masters or 8-bit state and `optimizer` (the
-  trainer's, from Trainer.build_optimizer, or update group `group`'s; TrainStep.build_optimizers
-  checks each group's) cannot provide them: a Keras optimizer
-  would compute a bfloat16 weight's update in bfloat16, where most updates round to nothing."""
+  """ConfigError when the config asks for 16-bit masters or 8-bit state and `optimizer` (from
+  Trainer.build_optimizer, or update group `group`'s: TrainStep.build_optimizers checks each)
+  cannot provide them: a Keras optimizer would compute a bfloat16 weight's update in bfloat16,
+  where most updates round to nothing."""
   from trainer.errors import ConfigError  # pylint: disable=import-outside-toplevel
 
   if requested(config) and not isinstance(optimizer, _LowPrecision):

@@ -2,11 +2,10 @@
 tensors, compiled by XLA, one call for many variables.
 
 Unfused, each element-wise op of an update (casts, bit masks; a log and gathers per 8-bit
-moment) is its own pass over memory, and with one compiled call per variable the launches would
-cost more than the math (most variables are small). The random bits are drawn before the call
-(trainer/optim/rounding.py says why). The optimizer reads the variables before and assigns them
-after, so a trace depends only on the shapes and the static rules (decay rates,
-hyperparameters).
+moment) is a pass over memory, and with a compiled call per variable the launches would cost
+more than the math (most variables are small). The random bits are drawn before the call
+(rounding.py says why); the optimizer reads the variables before and assigns them after, so a
+trace depends only on the shapes and the static rules (decay rates, hyperparameters).
 """
 
 from __future__ import annotations

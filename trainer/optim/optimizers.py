@@ -10,10 +10,8 @@ optimizer; `opt_config` is `config.optimizer`, `learning_rate` a float or a Kera
 LearningRateSchedule, the trainer's `AtGlobalStep`). The builders of adam, adamw and sgd are
 the functions below.
 
-The schedule (a Keras LearningRateSchedule, `ConfigSchedule`, made by Trainer.build_learning_rate
-and multiplied by the recovery factor, `Recoverable`) is a function of the trainer's global step,
-which advances on every step, skipped or not; `optimizer.iterations` counts only applied updates,
-so it is not used for the schedule.
+The schedule (`ConfigSchedule`, from Trainer.build_learning_rate, times the recovery factor:
+`Recoverable`) follows the trainer's global step, not `optimizer.iterations`: `AtGlobalStep`.
 """
 
 from __future__ import annotations
@@ -130,13 +128,9 @@ def recoverable(rate: Schedule, recover_lr_factor: float) -> Schedule:
 
 class AtGlobalStep(Schedule):
   """What `build_optimizer(learning_rate)` gets: the trainer's schedule at the trainer's global
-  step. Keras calls an optimizer's schedule with `optimizer.iterations`, which counts applied
-  updates only; the rate follows the global step, which advances on every step, skipped or not,
-  so the step Keras passes is not read (called with no argument, as the no-argument callable it
-  replaces, it gives the same rate).
-
-  Computed once per graph being traced, the same tensor for every later read in that graph
-  (`once_per_trace`); eagerly, every time."""
+  step, which advances on every step, skipped or not. The step Keras passes (its iterations:
+  applied updates only) is not read; called with no argument, as the callable it replaces, it
+  gives the same rate. Computed once per traced graph: `once_per_trace`."""
 
   def __init__(self, schedule: Schedule, global_step: tf.Variable):
     self.schedule, self.global_step = schedule, global_step
@@ -151,13 +145,11 @@ class AtGlobalStep(Schedule):
 
 
 def once_per_trace(rate: Callable[[], tf.Tensor]) -> Callable[[], tf.Tensor]:
-  """`rate` (a no-argument callable: the learning rate of the current step) computed once per
-  graph being traced, the same tensor for every later call in that graph; called eagerly,
-  computed every time. Keras calls an optimizer's learning-rate callable at every read, and
-  AdamW's weight decay reads it once per variable: each call put the schedule's ops (a read of
-  the global step, a cosine, the warm-up) into the step again. Within one graph the global step
-  does not change before the update (it advances after it, in `end_step`), so every read in a
-  step gets the rate of that step, as before."""
+  """`rate` (a no-argument callable: the current step's learning rate) computed once per graph
+  being traced, the same tensor for every later call in it; eagerly, every time. Keras reads the
+  rate at every use (AdamW's decay once per variable), each read adding the schedule's ops to the
+  step again; within a graph the global step advances only after the update (`end_step`), so
+  every read in a step gets that step's rate."""
   computed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   def learning_rate() -> tf.Tensor:

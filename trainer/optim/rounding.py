@@ -1,39 +1,33 @@
 """The storage formats of training below mixed precision, and the random bits they round with.
 
-  stochastic_round  float32 -> bfloat16, rounded up in magnitude with probability equal to the
-                    value's distance from the lower neighbour over the gap: 16 uniform random
-                    bits are added to the float32 bit pattern below bfloat16's mantissa, which
-                    is then truncated. The expected stored value is the float32 value, so
-                    updates far below a weight's bfloat16 spacing survive on average.
-  kahan_add         bfloat16 weight plus a bfloat16 compensation: the float32 sum s = w + (c +
-                    update) is rounded to nearest for w, and what rounding dropped (s - w) is
-                    kept in c.
-  quantize /        8-bit block codes: one byte per element, in blocks of BLOCK elements with a
-  dequantize        float32 absmax per block, on the dynamic map of Dettmers et al. ("8-bit
-                    Optimizers via Block-wise Quantization", 2022; bitsandbytes'
-                    create_dynamic_map, written here from its definition): an exponent picks a
-                    decade of the absmax (10^-7 to 1) and the remaining bits split that decade
-                    linearly, so the largest values of a block, which dominate its error, get
-                    the finest steps (a linear code's step absmax/127 flushes small values to
-                    zero; a purely logarithmic one, used before, had 19 % steps for m):
-                      signed (m): 7 decades of 2^i bins (127 magnitudes) each sign, 0 and 1;
-                        rounded to the nearest code, as bitsandbytes does;
-                      unsigned (v): 7 decades of 2^(i+1) bins (254 magnitudes), 0 and 1;
-                        rounded stochastically between its two neighbouring codes
-                        (probability by linear distance, at 16-bit resolution), so the
-                        expected value is the float32 value: v's per-step change of
-                        (1 - beta_2) = 0.1 % is below a code step, and with round-to-nearest
-                        v would never decay; a non-zero v below the range rounds up to the
-                        smallest code, never to zero (a zero v makes Adam's update m / eps).
+  stochastic_round  float32 -> bfloat16, rounded up in magnitude with probability (value - lower
+                    neighbour) / gap: 16 random bits are added below bfloat16's mantissa, which
+                    is then truncated. The expected stored value is the float32 value, so updates
+                    far below a weight's bfloat16 spacing survive on average.
+  kahan_add         bfloat16 weight plus bfloat16 compensation: s = w + (c + update) in float32,
+                    rounded to nearest for w; what rounding dropped (s - w) is kept in c.
+  quantize /        8-bit block codes (one byte per element, a float32 absmax per BLOCK
+  dequantize        elements) on the dynamic map of Dettmers et al. ("8-bit Optimizers via
+                    Block-wise Quantization", 2022; bitsandbytes' create_dynamic_map, written
+                    from its definition): an exponent picks a decade of the absmax (10^-7 to 1),
+                    the other bits split it linearly, so a block's largest values, which dominate
+                    its error, get the finest steps (a linear code's step absmax/127 flushes
+                    small values to zero; a purely logarithmic one had 19 % steps for m).
+                    Signed (m): 7 decades of 2^i bins (127 magnitudes) each sign, 0 and 1,
+                    rounded to nearest as bitsandbytes does. Unsigned (v): 7 decades of 2^(i+1)
+                    bins (254 magnitudes), 0 and 1, rounded stochastically between neighbouring
+                    codes (at 16-bit resolution) so the expected value is the float32 value: v's
+                    per-step change (1 - beta_2 = 0.1 %) is below a code step, and rounded to
+                    nearest v would never decay; a non-zero v below the range rounds up to the
+                    smallest code, never to zero (a zero v makes Adam's update m / eps).
                     On Adam's moments after 30 MNIST MLP steps the block RMS error / absmax is
                     0.0031 for m (the reference's, bit for bit) and 0.0020 for v (the
                     reference's nearest rounding: 0.0014); tests/step/test_state_bits.py.
 
-Random bits: `random_bits` draws one unsigned integer per element with TF's stateless Philox
-kernel, 32 bits when one or two 16-bit chunks are needed, 64 bits for three or four;
-`noise(bits, j)` is chunk j. The rounding functions take these 16-bit chunks, not seeds, so that
-a caller compiled by XLA can take bits drawn outside it: XLA's own random-number generator on a
-CPU is tens of times slower than TF's kernel.
+`random_bits` draws one unsigned integer per element with TF's stateless Philox kernel (32 bits
+for one or two 16-bit chunks, 64 for three or four); `noise(bits, j)` is chunk j. The rounding
+functions take these chunks, not seeds, so that a caller compiled by XLA can take bits drawn
+outside it: XLA's own random-number generator on a CPU is tens of times slower than TF's kernel.
 """
 
 from __future__ import annotations

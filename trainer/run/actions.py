@@ -2,17 +2,15 @@
 train/eval actions).
 
 An action is any callable taking one `Event`. The runner (trainer/run/runner.py) calls its
-built-in actions, then every action of `Trainer.build_actions()`, after each progress line
-('log', with the train metrics), each eval ('eval', with the eval metrics; also the final one)
-and each save ('save', with the checkpoint path). An action may ask the run to end with
-`event.trainer.request_stop(reason)`: the runner saves a checkpoint at that step and returns the
-last eval; it writes TensorBoard scalars with `event.scalar(name, value)`. Two ship here, each
-driven by config keys and added by the runner: `EarlyStopping` (config.early_stopping.*) and
-`BestCheckpoint` (config.best_checkpoint.*).
-
-An action that is a `tf.Module` (both shipped ones are) is saved in every checkpoint under
-`actions` (`state`): a resumed run goes on comparing with the best eval before the restart and
-counting the evals without improvement, instead of starting from scratch.
+built-in actions, then those of `Trainer.build_actions()`, after each progress line ('log', with
+the train metrics), each eval ('eval', with the eval metrics; the final one too) and each save
+('save', with the checkpoint path). An action may end the run with
+`event.trainer.request_stop(reason)` (the runner saves a checkpoint at that step and returns the
+last eval) and write TensorBoard scalars with `event.scalar(name, value)`. The runner adds the two
+shipped here from config keys: `EarlyStopping` (config.early_stopping.*) and `BestCheckpoint`
+(config.best_checkpoint.*). An action that is a `tf.Module` (both are) is saved in every
+checkpoint under `actions` (`state`): a resumed run goes on comparing with the best eval before
+the restart and counting the evals without improvement.
 """
 
 from __future__ import annotations

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 
 def keras_variables_copy_once() -> None:
-  """TensorFlow's asynchronous checkpoint copies every variable to the CPU in a tf.function, once
-  per save, through `_copy_trackable_to_cpu(object_map)`. Keras 3's TensorFlow variable makes a
-  new tf.Variable there on every call, which a tf.function refuses after its first trace
-  ("tf.function only supports singleton tf.Variables created on the first call"; TF 2.21, Keras
-  3.15). Its CPU copy is the copy of the tf.Variable behind it, which TensorFlow creates once
-  and assigns on later saves: the Keras variable is mapped to that copy instead (saved under the
-  same VARIABLE_VALUE key)."""
+  """TensorFlow's asynchronous checkpoint copies every variable to the CPU in a tf.function once
+  per save (`_copy_trackable_to_cpu(object_map)`), where Keras 3's TensorFlow variable makes a
+  new tf.Variable on every call, refused after the first trace ("tf.function only supports
+  singleton tf.Variables created on the first call"; TF 2.21, Keras 3.15). So the Keras variable
+  is mapped to the copy of the tf.Variable behind it, which TensorFlow creates once and assigns
+  on later saves (saved under the same VARIABLE_VALUE key)."""
   from keras.src.backend.tensorflow import core  # pylint: disable=import-outside-toplevel
 
   if getattr(core.Variable, '_copy_once', False):

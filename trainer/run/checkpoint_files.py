@@ -3,8 +3,7 @@
 The state file `checkpoints/checkpoint` only names the checkpoints; the `ckpt-N.index` files are
 what exists. When the state file is missing, empty or garbled while ckpt-N files are on disk, the
 candidates are those files, newest N first, with a warning: never a silent restart from step 0
-over existing checkpoints. (`repair_state` then rewrites the state file, so that a
-CheckpointManager opened for training knows them and rotates them.)
+over existing checkpoints (`repair_state` then rewrites the state file: training rotates them).
 
 Checkpoint paths stay inside the run. Only ckpt-N files in the folder itself are read, listed or
 deleted: a state file naming a checkpoint by an absolute path (a run copied with `cp -r` or moved

@@ -1,19 +1,14 @@
 """Restoring the newest readable checkpoint in a `tf.train.CheckpointManager`'s folder.
 
-Writes are already atomic in TensorFlow: `Checkpoint.write` puts the data and index files in a
-temporary folder and renames them into place, and the manager rewrites its `checkpoint` state file
-with an atomic rename after that; a process killed mid-save leaves the previous checkpoint named
-in the state file and loadable (tests/run/test_reliability_checkpoints.py kills one mid-save).
-What can still happen is a damaged file (a full disk, a bad copy): then the newest checkpoint
-that reads is restored, with a warning naming the ones skipped.
+TensorFlow's writes are atomic (`Checkpoint.write` renames its files into place, then the manager
+renames its new `checkpoint` state file): a process killed mid-save leaves the previous
+checkpoint named and loadable (tests/run/test_reliability_checkpoints.py). A damaged file (a full
+disk, a bad copy) can still happen: the newest checkpoint that reads is restored, with a warning
+naming the ones skipped. The candidates, newest first: `checkpoint_files.find`.
 
-Which ckpt-N files are the candidates, newest first, is `checkpoint_files.find` (the state file
-and the files on disk).
-
-A restored checkpoint is checked: every variable of the checkpoint items (`variables`: Keras
-and plain tf.Variables, the loss scaler's, the actions' state) must be finite. For training, a
-non-finite one is skipped with a warning and the previous one restored; read-only (eval, export,
-diagnose) it is a one-line error.
+A restored checkpoint's variables (`variables`: Keras and plain tf.Variables, the loss scaler's,
+the actions' state) must be finite. For training, a non-finite one is skipped with a warning and
+the previous one restored; read-only (eval, export, diagnose) it is a one-line error.
 
 Restoring writes nothing: it works on a read-only run folder. A save that cannot write (disk
 full, quota, file-size limit) is a UserError naming the checkpoint and the reason; its partial

@@ -1,7 +1,6 @@
-"""A run's config records: config.json (the config the run started with) and config-step-N.json
-(the whole config of a resume at step N that changed keys); reading the newest, which keys
-changed, which a resume may change (RESUMABLE) and which change what a restored model computes
-(COMPUTES). The records are written by trainer/run/workdir.py."""
+"""A run's config records (config.json, config-step-N.json: trainer/run/workdir.py writes them):
+reading the newest, which keys changed, which a resume may change (RESUMABLE) and which change
+what a restored model computes (COMPUTES)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
 """Goodput: the share of a run's wall time spent in train steps that counted.
 
 `Clock` splits the wall time from the Trainer's construction to the end of `train()` into
-start-up (building the model and datasets, restoring, until the first compiled call starts),
-compilation (the first compiled call's time beyond what its steps take at the rate of the
-later calls; a process that made one call only counts it all as train steps, and its line says
-so), train steps, evals, checkpoint saves, work redone (steps run again after a
-recovery restored an earlier checkpoint, at the measured step rate), steps skipped for
-non-finite gradients (no update; at that rate too) and the rest (progress
-lines, TensorBoard, forensics outside the compiled call). The end of a run logs one line
-(`line`) and writes `goodput/<kind>` TensorBoard scalars (shares of the wall time). Steps a
-restarted process redoes (those after its newest checkpoint) happened in the previous process
-and are not seen here.
+start-up (model, datasets, restoring, until the first compiled call starts), compilation (the
+first call's time beyond what its steps take at the later calls' rate; a process that made one
+call only counts it all as train steps, and its line says so), train steps, evals, checkpoint
+saves, work redone (steps run again after a recovery restored an earlier checkpoint, at the
+measured step rate), steps skipped for non-finite gradients (at that rate too) and the rest
+(progress lines, TensorBoard, forensics outside the compiled call). The end of a run logs one
+line (`line`) and writes `goodput/<kind>` TensorBoard scalars (shares of the wall time). Steps a
+restarted process redoes (after its newest checkpoint) happened in the previous process: unseen.
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@
                                                                  #   model.keras}
   --config.train.init_from=runs/a   # a new run starts from runs/a's latest model weights
 
-All three only read the run folder (`restore` below): no file in it is written or changed, no
-lock is taken, so they work on a read-only (archived) run and on a run another process is
-training. Export writes into its own folder, `--export_dir` (default: `<workdir>-export`, a
-sibling of the run folder), never into the run folder.
+All three only read the run folder (`restore` below): nothing in it is written, no lock taken, so
+they work on a read-only (archived) run and on a run another process is training. Export writes
+into its own folder, `--export_dir` (default: the sibling `<workdir>-export`), never the run's.
 """
 
 from __future__ import annotations
@@ -132,14 +131,13 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
 
 def serving_inputs(trainer) -> list | None:
   """The SavedModel's inputs, [(keyword, tensor)], for a subclassed model; None (Keras's own
-  signature) for a model with Input layers (Functional, Sequential), whose dtypes it takes. For
-  a subclassed model Keras knows only the shapes of the first call and gives every input the
-  policy's compute dtype: bfloat16 images, and bfloat16 token ids that no integer input binds
-  to. Here compute_loss runs once (on the first example of the first eval batch, as the audit's
-  forward pass) and the tensors the model's `call` receives are the inputs, in the order `call`
-  declares them; keyword None for one passed positionally (the first parameter, *args), else
-  its parameter's name (a `mask=`, a keyword-only input). `training` is not an input. None
-  when compute_loss does not call the model."""
+  signature, with its dtypes) for a model with Input layers (Functional, Sequential). For a
+  subclassed model Keras knows only the first call's shapes and gives every input the policy's
+  compute dtype: bfloat16 images, and bfloat16 token ids no integer input binds to. Here
+  compute_loss runs once (on the first example of the first eval batch, as the audit's forward
+  pass) and the tensors the model's `call` receives are the inputs, in its order; keyword None
+  for one passed positionally, else its parameter's name (a `mask=`, a keyword-only input).
+  `training` is not an input. None when compute_loss does not call the model."""
   model = trainer.model
   if getattr(model, 'inputs', None):
     return None

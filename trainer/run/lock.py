@@ -1,27 +1,22 @@
 """One training process per workdir: a lock file recording the holder's pid and host.
 
-The lock is `<workdir>/train.lock`, a small JSON record {"pid", "host", "start", "since"}. It is
-created atomically with its content (written to a fresh temporary file, then hard-linked to the
-lock's name, which fails if any file or symlink of that name exists), so a reader never sees a
-half-written lock and the creation never follows a symlink. On a file system without hard links
-(some FUSE mounts) it is created with O_CREAT|O_EXCL and then written; a reader that finds it
-still empty waits. It is removed when the holder exits (atexit, or `release_all()` before an
-os._exit) or closes its Workdir.
+The lock is `<workdir>/train.lock`, a JSON record {"pid", "host", "start", "since"}, created
+atomically with its content (a fresh temporary file hard-linked to the lock's name, which fails
+if any file or symlink of that name exists): a reader never sees a half-written lock and the
+creation never follows a symlink. Without hard links (some FUSE mounts) it is created with
+O_CREAT|O_EXCL and then written; a reader that finds it still empty waits. It is removed when the
+holder exits (atexit, or `release_all()` before an os._exit) or closes its Workdir.
 
-A lock whose holder is gone is stale and taken over with a warning: same host and no process
-with that pid, or a process with that pid that started at another time (the pid was reused; the
-start time is read from /proc where there is one). kill -9 leaves the file behind; the next run
-takes it over this way. Comparing the file with the stale record and removing it happen under an
-flock of the workdir, so of two processes taking over the same stale lock, the later one never
-removes the lock the earlier one has just created. An empty or unparsable lock file (a
-holder killed between creating the file and writing its record, or a full disk on a file system
-without hard links) is a holder being written while it is younger than `GRACE_SECONDS`, and stale
-after that: taken over with one warning line. A lock held by a process on another host
-cannot be checked from here: the error says so and names the file to delete once that process is
-known to be gone.
-
-The same process may take the lock again (a second Trainer on the same workdir in one script or
-test): the lock is per process, not per object.
+A lock whose holder is gone is stale and taken over with a warning: same host and no process with
+that pid, or one that started at another time (a reused pid; the start time from /proc where
+there is one). kill -9 leaves the file behind; the next run takes it over this way. Comparing the
+file with the stale record and removing it happen under an flock of the workdir, so of two
+processes taking over one stale lock, the later never removes the lock the earlier just created.
+An empty or unparsable lock file (a holder killed before writing its record, or a full disk
+without hard links) is a holder being written while younger than `GRACE_SECONDS`, stale after
+that. A lock held from another host cannot be checked: the error says so and names the file to
+delete once that process is known to be gone. The lock is per process, not per object: the same
+process may take it again (a second Trainer on the same workdir in one script or test).
 """
 
 from __future__ import annotations

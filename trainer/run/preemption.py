@@ -5,21 +5,19 @@ compiled `steps_per_loop` calls) the trainer asks `watcher.should_stop(strategy)
 yes, every process saves a checkpoint at that same step and raises `Preempted`, and the launcher
 prints where it stopped and exits with code 0. The same command resumes from that checkpoint.
 
-Several workers (MultiWorkerMirroredStrategy): the signal reaches one host, but all must stop at
-the same step, since saving is a collective. `should_stop` all-reduces the flag (one float per
-replica, SUM) at every loop boundary, so every worker reaches the same decision at the same step.
-TF's `tf.distribute.experimental.PreemptionCheckpointHandler` does the same job but owns the
-checkpointing: it restores at construction, adds its own run counter to our `tf.train.Checkpoint`,
-replaces our SIGTERM handler (SIGTERM only, not Ctrl-C), ends the process through its `exit_fn`
-(`sys.exit(42)` off Google Cloud) and agrees through the coordination service's key-value store
-from watcher threads. Our saves already happen at loop boundaries in the same order on every
-worker, so one all-reduce there gives the same guarantee without a second checkpoint path.
+Several workers: the signal reaches one host, but all must stop at the same step (saving is a
+collective), so `should_stop` all-reduces the flag (one float per replica, SUM) at every loop
+boundary. TF's `tf.distribute.experimental.PreemptionCheckpointHandler` does the same job but owns
+the checkpointing (it restores at construction, adds its own run counter to our checkpoint,
+replaces our SIGTERM handler, not Ctrl-C's, exits through its `exit_fn`, `sys.exit(42)` off Google
+Cloud, and agrees through the coordination service from watcher threads); our saves already
+happen at loop boundaries in the same order on every worker, so one all-reduce there suffices.
 
-A second Ctrl-C interrupts at once: the compiled call runs in C++ and Python runs signal handlers
-only in the main thread between bytecodes, so a handler would wait for the whole call to return.
-`watcher.call(fn, ...)` therefore runs the call in a worker thread while the main thread waits in
-short, interruptible waits; on the second SIGINT the handler exits the process (code 130) with one
-line, without a checkpoint (the newest one on disk is intact: writes are atomic).
+A second Ctrl-C interrupts at once: Python runs signal handlers only in the main thread between
+bytecodes, so a handler would wait for the whole compiled (C++) call. `watcher.call(fn, ...)` runs
+the call in a worker thread while the main thread waits in short, interruptible waits; on the
+second SIGINT the handler exits the process (code 130) with one line, without a checkpoint (the
+newest one on disk is intact: writes are atomic).
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """The console progress: when a line is due, the line itself, and a live bar on a terminal.
 
-`Progress.due(step, now)` is True after the first compiled call of a run (a resumed run too),
-every `log_every` steps, at the last step, and whenever `max_interval` seconds of wall time
-passed since the last line, so a slow run (float16 emulated on a CPU, a large model) still
-shows progress however far `log_every` is; while one compiled call runs longer than that,
-`heartbeat` gives a line ('in steps 100-200, 35 s') every `max_interval` seconds. Each due line
-also writes TensorBoard points (the trainer's log_progress). On a terminal (stderr is a tty)
-`draw(step, now)` redraws a one-line bar between calls (steps, the last line's loss and scale:
-reading fresh ones would cost a host read per call; steps/s, ETA); elsewhere it does nothing,
-and logs stay plain lines. The clock is injectable for tests.
+`Progress.due(step, now)` is True after a run's first compiled call (a resumed run's too), every
+`log_every` steps, at the last step, and whenever `max_interval` seconds of wall time passed
+since the last line: a slow run (float16 emulated on a CPU, a large model) still shows progress;
+while one compiled call runs longer, `heartbeat` gives a line ('in steps 100-200, 35 s') every
+`max_interval` seconds. Each due line also writes TensorBoard points (the trainer's
+log_progress). On a terminal (stderr is a tty) `draw(step, now)` redraws a one-line bar between
+calls (steps, the last line's loss and scale: fresh ones would cost a host read per call;
+steps/s, ETA); elsewhere logs stay plain lines. The clock is injectable for tests.
 """
 
 from __future__ import annotations

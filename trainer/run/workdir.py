@@ -10,34 +10,31 @@
   <workdir>/train.lock                while a training process runs (trainer/run/lock.py)
 
 Two ways in:
-  * `restore_read_only()` for eval, export, sampling and `init_from`: restores the newest readable
-    checkpoint and writes nothing at all (no lock, no config, no event file), so it works on a
-    read-only (archived) run folder and on a run that another process is training.
-  * `restore_for_training(init)` for training, in this order: read-only checks (the workdir and
-    its `checkpoints/` and `tensorboard/` are folders, `config.json` parses, the config has not
-    changed in a way that would be silently ignored), then the lock, then the restore, and only
-    after a successful restore the config record, the checkpoint manager and the summary writer.
-    A failed restore (another model) leaves every file as it was.
+  * `restore_read_only()` (eval, export, sampling, `init_from`) restores the newest readable
+    checkpoint and writes nothing (no lock, config or event file): it works on a read-only
+    (archived) run folder and on a run another process is training.
+  * `restore_for_training(init)`: read-only checks (the workdir, `checkpoints/` and `tensorboard/`
+    are folders, `config.json` parses, no config change would be silently ignored), the lock,
+    the restore, and only after it succeeded the config record, the checkpoint manager and the
+    summary writer: a failed restore (another model) leaves every file as it was.
 
-A resume with a changed config. The config is compared with the newest record (config.json or the
-highest config-step-N.json; trainer/run/config_record.py). Keys in RESUMABLE (run length,
-bookkeeping, diagnostics, where the data is, how the run is distributed) may change with a
-warning; any other change is a ConfigError naming the keys, unless
-`config.train.accept_config_change=True`. An accepted change is recorded as config-step-<N>.json
-(N = the step resumed from); config.json stays the first run's record. Eval, export and diagnose
-warn when the config differs from the record in what the restored model computes (COMPUTES), or
-computes in another policy than the run trained in ('auto' resolves per machine: policy.json).
-A workdir with no checkpoint holds no progress to protect: a new config replaces config.json (and
-drops the config-step records of the checkpoints that are gone).
+A resume compares the config with the newest record (config.json or the highest
+config-step-N.json; trainer/run/config_record.py). Keys in RESUMABLE (run length, bookkeeping,
+diagnostics, where the data is, the distribution) may change with a warning; any other change is
+a ConfigError naming the keys, unless `config.train.accept_config_change=True`, which records it
+as config-step-<N>.json (N = the step resumed from; config.json stays the first run's). Eval,
+export and diagnose warn when the config differs from the record in what the restored model
+computes (COMPUTES), or in the policy the run trained in ('auto' resolves per machine:
+policy.json). A workdir with no checkpoint has no progress to protect: a new config replaces
+config.json (and drops the config-step records of the checkpoints that are gone).
 
-The workdir's own files (config records, the lock) are never written through a symlink: they are
-created under fresh random names with O_EXCL (which does not follow links) and renamed into place
-(a rename replaces a link, it does not write through it). checkpoints/ and tensorboard/ are
-written by TensorFlow, which follows a symlinked folder: one can be put on another disk that way.
-
-Under multi_worker only the chief writes the workdir and takes the lock. Saving takes part in
-collective ops, so every other worker saves too, into a temporary folder removed right after
-each save (`distribute.scratch_dir`); its summaries go nowhere.
+The workdir's own files (config records, the lock) are never written through a symlink: created
+under fresh random names with O_EXCL (which does not follow links), then renamed into place (a
+rename replaces a link). checkpoints/ and tensorboard/ are written by TensorFlow, which follows a
+symlinked folder: one can be put on another disk that way. Under multi_worker only the chief
+writes the workdir and takes the lock; saving takes part in collective ops, so every other worker
+saves too, into a temporary folder removed after each save (`distribute.scratch_dir`), and its
+summaries go nowhere.
 """
 
 from __future__ import annotations
@@ -221,18 +218,17 @@ class Workdir:
 
   def save(self, step: int, *, healthy: bool = False, loss: float | None = None) -> str:
     """Saves the checkpoint as ckpt-<step>; returns its path (a non-chief: a removed scratch
-    path). Callers run their pre-save checks (Runner.save) before this: nothing is written
-    before this call. `healthy` (trainer/run/health.py, with the training `loss`): it becomes
-    the last healthy checkpoint, which rotation never removes until a newer one is healthy.
+    path). Callers run their pre-save checks (Runner.save) first: nothing is written before this
+    call. `healthy` (trainer/run/health.py, with the training `loss`): it becomes the last healthy
+    checkpoint, which rotation never removes until a newer one is healthy.
 
-    With config.train.async_checkpoint (TensorFlow's CheckpointOptions(
-    experimental_enable_async_checkpoint=True)), the variables are copied now and written by
-    TensorFlow's background thread: temporary files renamed into place, then the state file and
-    the rotation, as a synchronous save does, so a kill -9 mid-write leaves the previous
-    checkpoint named. This returns once the copy is made. The previous background write is
-    waited for first (`sync`), and a save's healthy record and log line come only once its files
-    are complete. (trainer/run/async_copy.py: what makes TensorFlow's copy work with Keras 3
-    variables.)"""
+    With config.train.async_checkpoint (CheckpointOptions(experimental_enable_async_checkpoint=
+    True)) the variables are copied now and written by TensorFlow's background thread as a
+    synchronous save writes them (temporary files renamed into place, then the state file and
+    the rotation: a kill -9 mid-write leaves the previous checkpoint named); this returns once
+    the copy is made. The previous background write is waited for first (`sync`), and a save's
+    healthy record and log line come once its files are complete (trainer/run/async_copy.py:
+    what makes TensorFlow's copy work with Keras 3 variables)."""
     self.open_for_writing(step)
     self.sync()  # the previous background write: done, recorded, or its error raised here
     keep = None if self.scratch else self.healthy_path()
@@ -330,8 +326,7 @@ class Workdir:
   @property
   def newest_for_resume(self) -> str | None:
     """The newest checkpoint as the same command resumes from it: a non-chief worker's own copy
-    is in a scratch folder removed after each save, so it names the chief's, under the same name
-    (its path once said /tmp/mpt-worker1-.../ckpt-20, a folder gone by then)."""
+    is in a scratch folder removed after each save, so it names the chief's, of the same name."""
     newest = self.latest_checkpoint
     if newest is not None and self.scratch:
       return os.path.join(self.checkpoint_dir, os.path.basename(newest))
@@ -468,12 +463,10 @@ class Workdir:
 class _ScalarWrites:
   """TensorBoard scalars through one call per set of tags (a progress line's, an eval's, the
   numerics probe's), eager for its first writes and compiled after them (trainer/step/
-  eager_then_compiled.py). Compiled, a progress line's tags write several times faster than as
-  eager `tf.summary.scalar` calls, a visible share of a small model's steps between two lines;
-  but compiling costs about 8 eager writes of the same tags, and a set written a few times in a
-  run (an eval's or the numerics probe's) never earns it back (the timings: docs/references.md,
-  "Start-up: eager first, compiled later"). The values are written as float32, as the eager
-  calls wrote them."""
+  eager_then_compiled.py): compiled, a progress line's tags write several times faster (a visible
+  share of a small model's steps between two lines), but compiling costs about 8 eager writes,
+  which a set written a few times a run never earns back (docs/references.md, "Start-up: eager
+  first, compiled later"). The values are written as float32, as the eager calls wrote them."""
 
   def __init__(self, writer):
     self.writer = writer

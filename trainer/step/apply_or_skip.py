@@ -1,6 +1,5 @@
-"""Apply or skip: the one implementation of a loss-scaled update's decision, shared by the
-Trainer's step (trainer/step/train_step.py) and the public optimizer
-(trainer/step/loss_scale_optimizer.py, `trainer.mixed_precision.LossScaleOptimizer`).
+"""Apply or skip: a loss-scaled update's decision, shared by the Trainer's step (train_step.py)
+and the public optimizer (loss_scale_optimizer.py, `trainer.mixed_precision.LossScaleOptimizer`).
 
 Per step, for update groups (an optimizer, its variables, its loss scaler):
   1. per replica, `nonfinite_counts`: 0 or 1 per group, whether any of this replica's gradients

@@ -351,9 +351,8 @@ def check_gradient(batch: Any, compute_loss: LossFn, model: keras.Model) -> None
     return
   from trainer.step.forward_state import forward_state_kept
 
-  # One example: whether a gradient reaches the variables does not depend on the batch, and an
-  # eager tape over the whole batch keeps every activation of the model (at context 512 it set
-  # the process's peak RSS, above the compiled step's: docs/guides/memory.md).
+  # One example: whether a gradient reaches a variable does not depend on the batch, and an eager
+  # tape over the whole batch keeps every activation (it set the peak RSS: docs/guides/memory.md).
   first = tf.nest.map_structure(lambda t: t[:1], batch)
   try:
     with forward_state_kept(model), tf.GradientTape() as tape:
@@ -393,9 +392,8 @@ def _warn_nonfinite_loss(loss: Any) -> None:
     )
 
 
-# Methods a step had and no longer calls, or never had under a name users expect: an override
-# would never run (an EMA written in `apply_gradients` once counted 0 updates over 60 applied
-# steps, without a word).
+# Methods the step does not call, under names users expect: an override would never run (an
+# EMA written in `apply_gradients` once counted 0 updates over 60 applied steps, without a word).
 RETIRED_STEP_METHODS = {
   'apply_gradients': 'each update group is applied by apply_group(index, grads), under its own '
   'finite flag: override apply_group (super().apply_group(index, grads) applies the update)',

@@ -1,25 +1,20 @@
 """`EagerThenCompiled`: a function the run calls rarely, run eagerly for its first calls and as
 one compiled `tf.function` after them.
 
-Tracing a graph and optimizing it (grappler) costs about as much as running the same function
-eagerly several times. For a function the run calls rarely (the numerics probe: one or two
-forward and backward passes with recording hooks; the checkpoint's finite check over every
-variable) a short run, a test or a debugging session is faster never compiling it, and a long
-run, which calls it hundreds of times, is faster compiled. The length is not known in advance,
-so the first calls run eagerly and the later ones compiled: eager for at most `eager_calls`
-calls and `eager_seconds` seconds in total, limits chosen so that the eager calls together
-cost about one compilation. Whatever the run's length, it then pays at most about twice the
-better of the two choices (the rent-or-buy rule: rent until the rent paid equals the price of
-buying, then buy). The count keeps a small function's choice deterministic; the seconds stop a
-large model, whose eager calls are slow, from renting long.
+Tracing and optimizing a graph (grappler) costs about as much as running the function eagerly
+several times. For a function the run calls rarely (the numerics probe; the checkpoint's finite
+check over every variable) a short run, a test or a debugging session is faster never compiling
+it, a long run, calling it hundreds of times, faster compiled. The length is not known in
+advance, so calls run eagerly for at most `eager_calls` calls and `eager_seconds` seconds in all
+(together about one compilation), compiled after: whatever the length, at most about twice the
+better choice (the rent-or-buy rule: rent until the rent paid equals the price, then buy). The
+count keeps a small function's choice deterministic; the seconds stop a large model, whose eager
+calls are slow, from renting long. With a TPU every call is compiled: eager ops on a TPU are each
+compiled on their own.
 
-On a machine with a TPU every call is compiled: eager ops on a TPU are each compiled on their
-own, so eager is the slow choice there at any length.
-
-Both run the same ops on the same values. A compiled graph may fuse kernels (grappler's
-remapper, oneDNN's fused matmuls), which in low precision can round an intermediate differently,
-so a float16 or bfloat16 statistic can differ in its last bits between an eager and a compiled
-call; the numerics guide says so where it shows.
+Both run the same ops on the same values; a compiled graph may fuse kernels (grappler's remapper,
+oneDNN's fused matmuls), which in low precision can round an intermediate differently, so a
+float16 or bfloat16 statistic can differ in its last bits between eager and compiled calls.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ def read_metrics(metrics: Mapping[str, keras.metrics.Metric]) -> dict[str, float
 class EvalLoop:
   """One pass over a (distributed) dataset, each batch added in a tf.function: sums of
   per-example loss and metrics over every example, divided by the count, so no example is
-  dropped or counted twice;
-  stateful metrics (`Trainer.build_metrics()`) are updated per replica and read on the host.
+  dropped or counted twice; stateful metrics (`Trainer.build_metrics()`) are updated per replica
+  and read on the host.
   `jit_compile`: each replica's forward pass and loss compiled by XLA, as the train step's
   gradients are (config.train.jit_compile); the stateful metrics' updates stay outside it.
   `grappler`: TensorFlow's graph optimizer on the compiled call (config.train.grappler)."""

@@ -1,20 +1,18 @@
 """TensorFlow's graph optimizer (grappler) on the trainer's compiled loops, or not.
 
-Grappler rewrites a function's graph once, when the function is first called: pruning,
-constant folding, arithmetic and dependency rewrites, fusions (its remapper). On the train
-loop's graph that is a pass over thousands of nodes on one thread, before the first step
-(docs/references.md, "Start-up: eager first, compiled later", has its time at the
-nanoGPT shape). On a CPU the
-rewritten loop was not faster per step (docs/results/grappler.md), so
-`config.train.grappler='auto'` leaves it off there. With a GPU or TPU 'auto' keeps TensorFlow's
-default, on: its layout and fusion passes target those devices' kernels, and this project has
-no GPU to measure them on.
+Grappler rewrites a function's graph once, at its first call (pruning, constant folding,
+arithmetic and dependency rewrites, its remapper's fusions): on the train loop that is a pass over
+thousands of nodes on one thread before the first step (its time at the nanoGPT shape:
+docs/references.md, "Start-up: eager first, compiled later"). On a CPU the rewritten loop was not
+faster per step (docs/results/grappler.md), so `config.train.grappler='auto'` leaves it off there;
+with a GPU or TPU 'auto' keeps TensorFlow's default, on: its layout and fusion passes target those
+devices' kernels, and this project has no GPU to measure them on.
 
 The switch is per call, for this thread: `passes(False)` runs the calls inside it with this
-thread's function call options saying "no grappler" (the options
-`tf.experimental.function_executor_type` sets the executor in), so a user's own tf.functions,
-called elsewhere, keep TensorFlow's defaults. A function is optimized (or not) when its first
-call instantiates it under those options; the loops make every call the same way.
+thread's function call options saying "no grappler" (those `tf.experimental.function_executor_type`
+sets the executor in), so a user's own tf.functions, called elsewhere, keep TensorFlow's defaults.
+A function is optimized (or not) when its first call instantiates it under those options; the
+loops make every call the same way.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """The batch of a skipped step, kept on the device for the forensic replay.
 
 The replay (trainer/insight/forensics.py) must see the skipped step's own batch, bit for bit,
-whatever the input pipeline does: a shuffle that reshuffles on every new iterator, random
-augmentation, `tf.data`'s non-deterministic parallel map. Re-reading "element N" from a new
-iterator gives another batch under any of these. Two ways keep the right one:
-
-  * checkpoint the iterator before each compiled call (tf.train.Checkpoint(iterator=...)) and
-    re-read from there: that writes the shuffle buffer every call (the MNIST pipeline's is the
-    whole training set, ~190 MB), and a non-deterministic map still gives other elements;
-  * keep the batch the step consumed: chosen. The compiled loop (trainer/step/loop.py) already
-    stops right after a skip that gets forensics (`TrainLoop.stop_at_skip`); on the step's skip
-    branch only (its `on_skip`) it gathers the step's batch (every local replica's share, in
-    replica order: the global batch on one host) into variables the host reads. A finite step
-    pays nothing; a recorded skip, one copy.
+whatever the pipeline does: re-reading "element N" from a new iterator gives another batch under
+a shuffle that reshuffles per iterator, random augmentation or a non-deterministic parallel map.
+Checkpointing the iterator before each compiled call would write the shuffle buffer every call
+(the MNIST pipeline's is the whole training set, ~190 MB), and a non-deterministic map would
+still give other elements. So the batch the step consumed is kept: the compiled loop
+(trainer/step/loop.py) already stops right after a skip that gets forensics
+(`TrainLoop.stop_at_skip`); on the step's skip branch only (its `on_skip`) it gathers the step's
+batch (every local replica's share, in replica order: the global batch on one host) into
+variables the host reads. A finite step pays nothing; a recorded skip, one copy.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Loss scaling: static or dynamic, written here rather than borrowed from Keras.
 
-Why: float16 has 5 exponent bits. Gradients smaller than about 6e-8 flush to zero, so the loss is
-multiplied by a scale S before backprop, which shifts every gradient up by S; the float32
-gradients are then divided by S before the optimizer sees them. Too large an S overflows to
-inf/NaN, so the scale is adjusted as training runs. bfloat16 has float32's exponent range and needs
-no scaling; float32 needs none either.
+Why: float16 has 5 exponent bits; gradients below about 6e-8 flush to zero. So the loss is
+multiplied by a scale S before backprop, shifting every gradient up by S, and the float32
+gradients are divided by S before the optimizer sees them. Too large an S overflows to inf/NaN,
+so the scale adapts as training runs. bfloat16 (float32's exponent range) and float32 need none.
 
 Each step (see `trainer/step/train_step.py`):
   1. loss x S  -> gradients  -> x (1/S) in float32 (`unscale`; exact when S is a power of 2,
@@ -20,13 +19,11 @@ Modes:
   'static'  S is fixed; non-finite steps are skipped, S never changes.
   'dynamic' the rules below.
 
-Dynamic rules, exactly (state: `scale`, `good_steps`, `hysteresis_left`; all tf.Variables, saved
-in checkpoints):
+Dynamic rules, exactly (state: `scale`, `good_steps`, `hysteresis_left`; tf.Variables, saved):
   start      scale = initial_scale, good_steps = 0, hysteresis_left = hysteresis.
   finite     good_steps += 1 and hysteresis_left = hysteresis (the budget refills).
-             If good_steps == growth_interval: good_steps = 0 and
-             scale = min(scale * growth_factor, max_scale), unless that product is not finite,
-             in which case scale stays. The scale never exceeds max_scale and never becomes inf.
+             If good_steps == growth_interval: good_steps = 0 and scale = min(scale *
+             growth_factor, max_scale), unless that product is not finite (then scale stays).
   non-finite good_steps = 0 and hysteresis_left = max(hysteresis_left - 1, 0).
              If hysteresis_left == 0: scale = max(scale * backoff_factor, min_scale).
              So with hysteresis = 1 (the default) every non-finite step backs off; with N > 1 the
@@ -58,11 +55,10 @@ def overwritten(variables: Iterable[tf.Variable]) -> list[bool]:
 def all_finite(grads: Sequence[tf.Tensor]) -> tf.Tensor:
   """A scalar bool: every element of every gradient is finite (None gradients are ignored).
 
-  Fast path, every step: one float32 sum per gradient. A sum is finite only if every element
-  is (an inf or NaN element makes it inf or NaN), so a finite total proves the step finite.
-  A non-finite total can also be a float32 overflow of huge but finite elements, so only then
-  are the elements checked one by one. A sum reads each gradient once; the element check writes
-  a boolean tensor the size of the gradient and reads it again.
+  Fast path, every step: one float32 sum per gradient (reading each once; the element check
+  writes and rereads a boolean tensor the gradient's size). An inf or NaN element makes the sum
+  non-finite, so a finite total proves the step finite; a non-finite one may be an overflow of
+  huge finite elements, so only then are the elements checked one by one.
   """
   grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
   if not grads:
@@ -158,8 +154,8 @@ class LossScaler(tf.Module):
     """Gradients in float32, divided by the scale. Given the `variables` they belong to, the
     values of variables marked `overwrite_with_gradient` (Keras float8 layers' scales and amax
     histories: new values, not gradients) are left as they are. An IndexedSlices (an
-    embedding's gradient) stays one when `sparse` (the public LossScaleOptimizer); otherwise
-    the product makes it dense, as the Trainer's step always had it."""
+    embedding's gradient) stays one when `sparse` (the public LossScaleOptimizer); otherwise the
+    product makes it dense (the Trainer's step)."""
     grads = [None if g is None else tf.cast(g, tf.float32) for g in grads]
     if self.mode == 'none':
       return grads

@@ -2,21 +2,20 @@
 
 16-bit master weights (`precision.master_weights`) and 8-bit optimizer state
 (`optimizer.state_bits=8`) save memory per parameter, and cost a fixed amount for the code that
-does it (the compiled update calls, the rounding and quantization kernels, their buffers) plus
-CPU time per step. The rule: the bytes a model's parameters save must exceed that fixed cost,
-measured as the rise in peak RSS on the MNIST MLP (101,770 parameters, where what is saved is
-under 1 MiB), 40 steps through launch.py, each option against the run without it (the runs, and
-their CPU time: docs/results/memory.md, "The fixed cost"):
+does it (compiled update calls, rounding and quantization kernels, their buffers) plus CPU time
+per step. The rule: the bytes a model's parameters save must exceed that fixed cost, measured as
+the rise in peak RSS on the MNIST MLP (101,770 parameters, saving under 1 MiB), 40 steps through
+launch.py, each option against the run without it (docs/results/memory.md, "The fixed cost"):
 
   optimizer.state_bits=8 (float32)            770 -> 927 MiB and 773 -> 921 MiB
   master_weights='bfloat16_sr' (mixed_bf16)   775 -> 854 MiB
 
-The smaller rise of each is the fixed cost below (FIXED_MIB), so the line errs towards silence;
-the small CNN rose by 207 and 71 MiB (issue 35). That cost is taken not to grow with the model
-(code and compiled calls, not per-parameter buffers): not measured on a larger one. Bytes saved
-per parameter, from the layouts trainer/optim/low_precision.py documents: 8-bit Adam moments
-store 1 + 4/256 bytes per element instead of 4, two moments; bfloat16 masters store the weight
-and each slot in 2 bytes instead of 4, minus the 2-byte compensation buffer of 'bfloat16_kahan'.
+The smaller rise of each is FIXED_MIB, so the line errs towards silence (the small CNN rose by
+207 and 71 MiB); it is taken not to grow with the model (code and compiled calls, not
+per-parameter buffers): not measured on a larger one. Bytes saved per parameter, from
+trainer/optim/low_precision.py's layouts: 8-bit Adam moments take 1 + 4/256 bytes per element
+instead of 4, two moments; bfloat16 masters store the weight and each slot in 2 bytes instead of
+4, minus the 2-byte compensation buffer of 'bfloat16_kahan'.
 """
 
 from __future__ import annotations

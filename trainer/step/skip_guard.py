@@ -1,24 +1,22 @@
 """The collapse guard: counts skipped steps in a row and names the variables that overflowed.
 
 A skipped step (non-finite gradients on any replica; no update applied) is routine under dynamic
-loss scaling. Step after step of them is not: the weights stop moving and the run trains on
-nothing. The guard lives inside the compiled loop:
+loss scaling; step after step of them is not: the weights stop moving. The guard lives inside the
+compiled loop:
 
   * on the skip branch of the step's `tf.cond` only, it checks each gradient for non-finite
-    values, keeps the per-variable result in a variable and `tf.print`s one line naming the step
-    and, per update group skipped (named when the step has several, with the groups applied):
-    the cause (non-finite gradients, gradients the debug injection made non-finite, or a
-    non-finite learning rate), that group's loss scale and the first variables whose gradients
-    were non-finite; a finite step pays only the reset of one scalar counter;
-  * that line is printed for the first skip of a run of skips in a row only; the skips right
-    after a skip are counted instead, and the host logs one line for them at its next progress
-    line (`unprinted`): a run that skips every step logs one line per log interval, not one per
-    step, and the first skip's cause and variables stay in the log;
-  * it counts bad steps in a row (skipped, or applied with a non-finite loss); when
-    `max_consecutive_skips` (> 0) is reached the loop
-    stops early, and `check()` (host side, between compiled calls) raises `CollapseError` naming
-    the step, the loss scale and those variables. The trainer checks before saving, so the last
-    checkpoint written before the storm is left as it was.
+    values, keeps the per-variable result and `tf.print`s one line naming the step and, per
+    update group skipped (named when the step has several, with the groups applied): the cause
+    (non-finite gradients, gradients the debug injection poisoned, or a non-finite learning
+    rate), its loss scale and the first non-finite variables; a finite step pays only the reset
+    of one scalar counter;
+  * only the first skip of a run of skips in a row gets that line; the later ones are counted,
+    and the host logs one line for them at its next progress line (`unprinted`): a run that skips
+    every step logs one line per log interval, and the first skip's cause stays in the log;
+  * it counts bad steps in a row (skipped, or applied with a non-finite loss); at
+    `max_consecutive_skips` (> 0) the loop stops early, and `check()` (host side, between
+    compiled calls) raises `CollapseError` naming the step, the loss scale and those variables.
+    The trainer checks before saving, so the last checkpoint before the storm is left as it was.
 """
 
 from __future__ import annotations

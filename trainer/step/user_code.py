@@ -1,21 +1,19 @@
 """Autograph for the user's code only, inside the framework's compiled functions.
 
-The framework's compiled functions (the train loop, the eval loop, the numerics probe, the
-checkpoint's finite check) are traced with `autograph=False`. The framework's own code states its
-control flow (tf.cond, tf.while_loop) and gains nothing from autograph, and converting it
-(parsing and rewriting the source of every method the step calls) was most of the time it took
-to trace the step, once per process.
+The framework's compiled functions (the train and eval loops, the numerics probe, the
+checkpoint's finite check) are traced with `autograph=False`: its own code states its control
+flow (tf.cond, tf.while_loop), and converting it (parsing and rewriting the source of every
+method the step calls) was most of the step's tracing time, once per process.
 
 What a user writes (a Trainer's `compute_loss`, the hooks a custom TrainStep overrides, a custom
 metric's `update_state`) may use Python control flow on tensors, as in any tf.function, so the
-framework calls it through `converted`: autograph converts it as tf.function would have,
-recursively, and falls back to calling it as it is (as tf.function does) when it cannot, for
-example when its source is not available. Keras's own code is never converted (autograph's own
-rule for the keras module).
+framework calls it through `converted`: autograph converts it recursively, as tf.function would,
+and calls it as it is when it cannot (its source unavailable, say), as tf.function does. Keras's
+own code is never converted (autograph's own rule for the keras module).
 
 `xla_per_replica` compiles the per-replica part of such a function (the code that calls the
-user's) with XLA under `train.jit_compile`, for the train step and the eval loop alike;
-`xla_errors` turns XLA's refusal of an op in the user's code into one UserError line.
+user's) with XLA under `train.jit_compile`, train step and eval loop alike; `xla_errors` turns
+XLA's refusal of an op in the user's code into one UserError line.
 """
 
 from __future__ import annotations
