@@ -61,7 +61,7 @@ def test_bar_on_a_terminal_only():
   live.draw(20)
   text = stream.getvalue()
   assert text.startswith('\r[') and '20/100' in text and 'loss 0.5000 (at step 0)' in text
-  assert 'scale 128' in text and '5.0 steps/s' in text and 'ETA 0:00:16' in text
+  assert 'scale 128' in text and '5.00 steps/s' in text and 'ETA 0:00:16' in text
   live.due(30)  # a call ended: the bar is erased before anything is logged
   assert stream.getvalue().endswith('\r\x1b[K')
   before = stream.getvalue()
@@ -143,3 +143,13 @@ def test_a_run_says_it_traces_and_beats_during_a_call(tmp_path, caplog, monkeypa
   lines = [r.getMessage() for r in caplog.records]
   first = lines.index('tracing and compiling the train step (the first call: steps 0-5)')
   assert any(l.startswith('in steps 0-5, ') for l in lines[first:]), lines
+
+
+def test_rate_has_three_significant_digits():
+  # The shown rate's relative error is at most half a unit in its third digit: a 1.45 and a 1.55
+  # steps/s run no longer print the same.
+  for rate in (0.123456, 1.45, 1.55, 5.0, 38.46, 99.94, 152.4, 1234.5):
+    text = progress.rate_text(rate)
+    assert abs(float(text) - rate) / rate <= 0.005 + 1e-12, (rate, text)
+    assert len(text.replace('.', '').lstrip('0')) >= 3, (rate, text)
+  assert progress.rate_text(1.45) != progress.rate_text(1.55)
