@@ -12,8 +12,10 @@ What stays float32 under a mixed policy:
 The matmuls and the residual stream run in the policy's compute dtype.
 
 Model keys (config.model_config, unchecked by the schema): context, d_model, num_heads,
-num_layers, mlp_ratio, dropout, val_fraction, attention ('full', or 'chunked': queries in chunks
-of attention_chunk positions, each recomputed in the backward pass; trainer/nn/layers.py).
+num_layers, mlp_ratio, dropout, val_fraction, attention ('auto': 'chunked' where the context spans
+more than one block and dropout is 0, else 'full'; 'chunked': the exact memory-efficient
+attention, queries in blocks of attention_chunk positions, each block's weights recomputed in
+the backward pass; 'full': the plain [batch, heads, time, time] softmax; trainer/nn/layers.py).
 
 Sample text from a trained workdir:
   python -m models.transformer_lm --workdir=runs/shakespeare --prompt='ROMEO:' --length=300
@@ -34,6 +36,7 @@ from trainer.nn import remat
 from trainer.data import shakespeare
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.nn.layers import (
+  ATTENTION,
   CausalSelfAttention,
   LayerNorm,
   TokenAndPositionEmbedding,
@@ -48,8 +51,8 @@ MODEL_DEFAULTS = dict(
   mlp_ratio=4,
   dropout=0.0,
   val_fraction=0.1,
-  attention='full',
-  attention_chunk=64,
+  attention='auto',
+  attention_chunk=128,
 )
 
 
@@ -75,8 +78,8 @@ class TransformerBlock(keras.layers.Layer):
     mlp_ratio: int,
     dropout: float = 0.0,
     remat: bool = False,
-    attention: str = 'full',
-    attention_chunk: int = 64,
+    attention: str = 'auto',
+    attention_chunk: int = 128,
     **kwargs,
   ):
     super().__init__(**kwargs)
@@ -149,8 +152,8 @@ def build_transformer(vocab_size: int, m, config=None) -> keras.Model:
   backward pass (trainer/nn/remat.py)."""
   config = config or {}
   remat.check_no_dropout(config, m.dropout, 'config.model_config.dropout')
-  if m.attention not in ('full', 'chunked'):
-    raise ConfigError(f"config.model_config.attention={m.attention!r}: must be 'full' or 'chunked'")
+  if m.attention not in ATTENTION:
+    raise ConfigError(f'config.model_config.attention={m.attention!r}: must be one of {ATTENTION}')
   if m.attention == 'chunked' and m.dropout:
     raise ConfigError(
       "config.model_config.attention='chunked' recomputes the attention weights "

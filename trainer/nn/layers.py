@@ -24,15 +24,20 @@ import tensorflow as tf
 from trainer.nn import fused
 
 
+ATTENTION = ('auto', 'full', 'chunked')
+
+
 @keras.saving.register_keras_serializable(package='trainer')
 class CausalSelfAttention(keras.layers.Layer):
   """Multi-head self-attention where position t attends to positions <= t.
 
   Input and output: [batch, time, d_model]. One fused query/key/value projection and one output
   projection, with biases. Dropout applies to the attention weights when training.
-  `attention='chunked'` computes the queries in chunks of `chunk` positions (`chunked_attention`):
-  the [batch, heads, time, time] weights are never held whole, nor kept for the backward pass;
-  it needs a static sequence length (else the full path runs) and no dropout. For a float8
+  `attention='chunked'` computes the queries in blocks of `chunk` positions (`chunked_attention`,
+  exact): the [batch, heads, time, time] weights are never held whole, nor kept for the backward
+  pass; it needs a static sequence length (else the full path runs) and no dropout. 'auto' (the
+  default) is 'chunked' where it applies and the sequence spans more than one block, else
+  'full': one block would be the plain path with more ops. For a float8
   recipe its GEMMs are the two projections (FLOAT8_KERNELS; trainer/nn/float8_layers.py sets
   `float8_matmul`); the attention's own matmuls stay in the compute dtype.
   """
@@ -40,13 +45,13 @@ class CausalSelfAttention(keras.layers.Layer):
   FLOAT8_KERNELS = ('qkv_kernel', 'out_kernel')
 
   def __init__(
-    self, num_heads: int, dropout: float = 0.0, attention: str = 'full', chunk: int = 64, **kwargs
+    self, num_heads: int, dropout: float = 0.0, attention: str = 'auto', chunk: int = 128, **kwargs
   ):
     super().__init__(**kwargs)
     self.num_heads = int(num_heads)
     self.dropout = float(dropout)
-    if attention not in ('full', 'chunked'):
-      raise ValueError(f"{self.name}: attention must be 'full' or 'chunked', got {attention!r}")
+    if attention not in ATTENTION:
+      raise ValueError(f'{self.name}: attention must be one of {ATTENTION}, got {attention!r}')
     if attention == 'chunked' and self.dropout:
       raise ValueError(
         f'{self.name}: chunked attention recomputes the weights in the backward '
@@ -89,7 +94,7 @@ class CausalSelfAttention(keras.layers.Layer):
     q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each [batch, heads, time, depth]
 
     q = q * tf.cast(depth**-0.5, dtype)
-    if self.attention == 'chunked' and x.shape[1] is not None:
+    if self._chunked(x.shape[1]):
       out = chunked_attention(q, k, v, self.chunk)
       return self._project(out, batch, time)
     scores = tf.matmul(q, k, transpose_b=True)  # [batch, heads, time, time], compute dtype
@@ -100,6 +105,12 @@ class CausalSelfAttention(keras.layers.Layer):
       weights = self._dropout(weights, training=training)
 
     return self._project(tf.matmul(weights, v), batch, time)
+
+  def _chunked(self, time: int | None) -> bool:
+    """Whether a sequence of static length `time` (None: dynamic) takes `chunked_attention`."""
+    if time is None or self.attention == 'full':
+      return False
+    return self.attention == 'chunked' or (not self.dropout and time > self.chunk)
 
   def _project(self, out, batch, time):
     """[batch, heads, time, depth] -> the output projection, [batch, time, d_model]."""
@@ -128,28 +139,55 @@ class CausalSelfAttention(keras.layers.Layer):
 
 
 def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
-  """Causal attention softmax(q k^T + mask) v, `chunk` query positions at a time.
+  """Causal attention softmax(q k^T + mask) v, exact, `chunk` query positions at a time, with
+  its backward pass written out: the memory-efficient attention (FlashAttention's algorithm
+  over blocks of queries, each against the keys it may see).
 
-  q, k, v: [batch, heads, time, depth] (q already scaled), static time. Chunk i's queries
-  attend to keys [0, end of the chunk) (the later ones are masked anyway): the scores, the
-  float32 softmax (`masked_softmax`: float32 statistics, output in q's dtype) and the product
-  with v. Each chunk goes through tf.recompute_grad with the whole q, k and v as inputs (sliced
-  inside, so nothing is copied for the tape): the backward pass keeps q, k, v and recomputes one
-  chunk's weights at a time. A row's softmax runs over the keys up to the chunk's end, the rest
-  being exp(-inf) = 0, so the result is the full path's to float32 rounding (the sums' order).
-  Transient memory: one chunk's [batch, heads, chunk, <= time] scores, not [.., time, time]."""
-  time = int(q.shape[2])
-  outs = []
-  for start in range(0, time, chunk):
-    end = min(start + chunk, time)
+  q, k, v: [batch, heads, time, depth] (q already scaled), static time. Block i's queries
+  attend to keys [0, end of the block) (the later ones are masked anyway, so their work is
+  skipped); its scores and float32 softmax exist one block at a time. The backward pass keeps
+  q, k, v, the output and each row's float32 log-sum-exp, and recomputes one block's weights
+  at a time from them: exp(s - lse), then dV += P^T dO, dS = P * (dO V^T - rowsum(dO * O)),
+  dQ = dS K, dK += dS^T Q. The matmuls run in q's dtype as the plain path's do; statistics
+  and dS in float32. Nothing [batch, heads, time, time] is made or kept: transient memory is
+  one block's [batch, heads, chunk, <= time] scores."""
+  time, dtype = int(q.shape[2]), q.dtype
+  blocks = [(start, min(start + chunk, time)) for start in range(0, time, chunk)]
 
-    def block(q, k, v, start=start, end=end):
-      scores = tf.matmul(q[:, :, start:end], k[:, :, :end], transpose_b=True)
-      mask = tf.range(end)[None, :] <= tf.range(start, end)[:, None]  # [end - start, end]
-      return tf.matmul(masked_softmax(scores, mask), v[:, :, :end])
+  def scores32(q, k, start, end):
+    """Block [start, end)'s float32 scores against keys [0, end), -inf where masked."""
+    s = tf.cast(tf.matmul(q[:, :, start:end], k[:, :, :end], transpose_b=True), tf.float32)
+    mask = tf.range(end)[None, :] <= tf.range(start, end)[:, None]  # [end - start, end]
+    return tf.where(mask, s, float('-inf'))
 
-    outs.append(tf.recompute_grad(block)(q, k, v))
-  return tf.concat(outs, axis=2)
+  @tf.custom_gradient
+  def attend(q, k, v):
+    outs, lses = [], []
+    for start, end in blocks:
+      s = scores32(q, k, start, end)
+      lse = tf.reduce_logsumexp(s, axis=-1, keepdims=True)
+      outs.append(tf.matmul(tf.cast(tf.exp(s - lse), dtype), v[:, :, :end]))
+      lses.append(lse)
+    out = tf.concat(outs, axis=2)
+
+    def backward(d_out):
+      d_out32 = tf.cast(d_out, tf.float32)
+      rowdot = tf.reduce_sum(d_out32 * tf.cast(out, tf.float32), axis=-1, keepdims=True)
+      dq, dk, dv = [], 0.0, 0.0
+      for (start, end), lse in zip(blocks, lses):
+        p = tf.exp(scores32(q, k, start, end) - lse)  # this block's weights, float32
+        do = d_out[:, :, start:end]
+        dp = tf.cast(tf.matmul(do, v[:, :, :end], transpose_b=True), tf.float32)
+        ds = tf.cast(p * (dp - rowdot[:, :, start:end]), dtype)
+        pad = [[0, 0], [0, 0], [0, time - end], [0, 0]]
+        dv += tf.pad(tf.cast(tf.matmul(tf.cast(p, dtype), do, transpose_a=True), tf.float32), pad)
+        dk += tf.pad(tf.cast(tf.matmul(ds, q[:, :, start:end], transpose_a=True), tf.float32), pad)
+        dq.append(tf.matmul(ds, k[:, :, :end]))
+      return tf.concat(dq, axis=2), tf.cast(dk, dtype), tf.cast(dv, dtype)
+
+    return out, backward
+
+  return attend(q, k, v)
 
 
 def causal_mask(time) -> tf.Tensor:
