@@ -66,12 +66,12 @@ def get_config():
   config.optimizer.epsilon = 1e-8  # torch.optim.AdamW's default
 
   config.precision.policy = 'float32'
-  # XLA for the step in every policy. With oneDNN's kernels on (trainer/onednn.py), XLA's
-  # compiled step at this shape took 0.7-0.8x the time of the uncompiled one in float32 and under
-  # mixed_bfloat16, in a bare fwd+bwd+AdamW timing on the AVX2 CPU (with Eigen's kernels it did
-  # not pay); `python -m benchmarks.peer_nanogpt` races `ours+train.jit_compile=false` against
-  # the config (docs/references.md links the pages). Under mixed_bfloat16 XLA's CPU backend
-  # computes the matmuls in float32 (its optimized HLO holds float32 dots only): the policy's
-  # casts remain, its arithmetic does not.
-  config.train.jit_compile = 'true'
+  # XLA for float32 runs only. With oneDNN's kernels on (trainer/onednn.py), XLA's compiled
+  # float32 step at this shape is faster than the uncompiled one (`python -m
+  # benchmarks.peer_nanogpt` races `ours+train.jit_compile=false` against the config;
+  # docs/references.md links the pages). Under mixed_bfloat16 XLA's CPU backend computes the
+  # matmuls in float32 (its optimized HLO holds float32 dots only): the policy's casts would
+  # remain, its arithmetic would not, so bfloat16 runs go without XLA. `auto` picks float32 here
+  # (the model's matmuls are 128 wide: trainer/step/precision.py).
+  config.train.jit_compile = 'float32'
   return config
