@@ -160,11 +160,14 @@ def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
     mask = tf.range(end)[None, :] <= tf.range(start, end)[:, None]  # [end - start, end]
     return tf.where(mask, s, float('-inf'))
 
+  # One block after the other (control dependencies): TensorFlow would otherwise run the
+  # independent blocks at once and hold all their scores, as the plain path does.
   @tf.custom_gradient
   def attend(q, k, v):
     outs, lses = [], []
     for start, end in blocks:
-      s = scores32(q, k, start, end)
+      with tf.control_dependencies(outs[-1:]):
+        s = scores32(q, k, start, end)
       lse = tf.reduce_logsumexp(s, axis=-1, keepdims=True)
       outs.append(tf.matmul(tf.cast(tf.exp(s - lse), dtype), v[:, :, :end]))
       lses.append(lse)
@@ -175,14 +178,16 @@ def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
       rowdot = tf.reduce_sum(d_out32 * tf.cast(out, tf.float32), axis=-1, keepdims=True)
       dq, dk, dv = [], 0.0, 0.0
       for (start, end), lse in zip(blocks, lses):
-        p = tf.exp(scores32(q, k, start, end) - lse)  # this block's weights, float32
+        with tf.control_dependencies(dq[-1:]):
+          p = tf.exp(scores32(q, k, start, end) - lse)  # this block's weights, float32
         do = d_out[:, :, start:end]
         dp = tf.cast(tf.matmul(do, v[:, :, :end], transpose_b=True), tf.float32)
         ds = tf.cast(p * (dp - rowdot[:, :, start:end]), dtype)
         pad = [[0, 0], [0, 0], [0, time - end], [0, 0]]
         dv += tf.pad(tf.cast(tf.matmul(tf.cast(p, dtype), do, transpose_a=True), tf.float32), pad)
         dk += tf.pad(tf.cast(tf.matmul(ds, q[:, :, start:end], transpose_a=True), tf.float32), pad)
-        dq.append(tf.matmul(ds, k[:, :, :end]))
+        with tf.control_dependencies([dk, dv]):  # the next block starts once these are summed
+          dq.append(tf.matmul(ds, k[:, :, :end]))
       return tf.concat(dq, axis=2), tf.cast(dk, dtype), tf.cast(dv, dtype)
 
     return out, backward
