@@ -89,6 +89,14 @@ _ADVISE_VALIDATE = flags.DEFINE_integer(
   'fraction; 0 = no validation.',
   lower_bound=0,
 )
+_RACE = flags.DEFINE_integer(
+  'race',
+  0,
+  'Does mixed precision pay for this config? Train it N steps under float32, mixed_bfloat16 and '
+  'mixed_float16, XLA off and on, print steps/s, step memory and loss per setting and which to '
+  'use, write it to <workdir>/race.md, and exit without training.',
+  lower_bound=0,
+)
 flags.DEFINE_integer(
   'workers',
   0,
@@ -232,6 +240,18 @@ def main(argv):
           _WORKDIR.value or _default_workdir(),
           steps=_ADVISE_STEPS.value,
           validate_steps=_ADVISE_VALIDATE.value,
+        )
+      )
+      return
+    if _RACE.value:
+      from trainer.run import race
+
+      print(
+        race.report(
+          models.get_trainer_class(config.model),
+          config,
+          _WORKDIR.value or _default_workdir(),
+          steps=_RACE.value,
         )
       )
       return

@@ -164,7 +164,8 @@ def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
   # independent blocks at once and hold all their scores, as the plain path does.
   @tf.custom_gradient
   def attend(q, k, v):
-    outs, lses = [], []
+    outs: list[tf.Tensor] = []
+    lses = []
     for start, end in blocks:
       with tf.control_dependencies(outs[-1:]):
         s = scores32(q, k, start, end)
@@ -176,7 +177,8 @@ def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
     def backward(d_out):
       d_out32 = tf.cast(d_out, tf.float32)
       rowdot = tf.reduce_sum(d_out32 * tf.cast(out, tf.float32), axis=-1, keepdims=True)
-      dq, dk, dv = [], 0.0, 0.0
+      dq: list[tf.Tensor] = []
+      dk, dv = 0.0, 0.0
       for (start, end), lse in zip(blocks, lses):
         with tf.control_dependencies(dq[-1:]):
           p = tf.exp(scores32(q, k, start, end) - lse)  # this block's weights, float32
