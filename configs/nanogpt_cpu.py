@@ -71,7 +71,7 @@ def get_config():
   # benchmarks.peer_nanogpt` races `ours+train.jit_compile=false` against the config;
   # docs/references.md links the pages). Under mixed_bfloat16 XLA's CPU backend computes the
   # matmuls in float32 (its optimized HLO holds float32 dots only): the policy's casts would
-  # remain, its arithmetic would not, so bfloat16 runs go without XLA. `auto` picks float32 here
-  # (the model's matmuls are 128 wide: trainer/step/precision.py).
+  # remain, its arithmetic would not, so bfloat16 runs go without XLA, and `auto` picks float32
+  # with XLA here (trainer/step/precision.py).
   config.train.jit_compile = 'float32'
   return config

@@ -88,11 +88,10 @@ def test_eval_warning_states_the_policy_that_trained_and_the_one_that_runs(tmp_p
   (checkpoints/policy.json)."""
   from trainer.step import precision
 
-  workdir = tmp_path / 'w'
-  run = _tiny('auto', workdir)
-  run.train()
-  here = precision.resolve('auto', lambda: precision.matmul_width(run.model))[0]
+  here = precision.resolve('auto')[0]
   other = 'mixed_bfloat16' if here == 'float32' else 'float32'
+  workdir = tmp_path / 'w'
+  _tiny('auto', workdir).train()
   record = json.loads((workdir / 'checkpoints' / 'policy.json').read_text())
   assert record == {'policy': here, 'config': 'auto'}
   (line,) = _warned(caplog, lambda: lifecycle.evaluate_checkpoint(_tiny(other, workdir)))

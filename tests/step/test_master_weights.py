@@ -362,7 +362,7 @@ def test_master_weights_under_auto_follow_what_auto_resolves_to(tmp_path, monkey
   to mixed_bfloat16 (a CPU with AVX512_BF16, a TPU) and is a one-line error elsewhere."""
   from trainer.step import precision
 
-  monkeypatch.setattr(precision, 'resolve', lambda name, width=None: (resolved, 'test'))
+  monkeypatch.setattr(precision, 'resolve', lambda name, float32_xla=False: (resolved, 'test'))
   config = tiny_config(**{'precision.master_weights': 'bfloat16_sr', 'precision.policy': 'auto'})
   if resolved == 'float32':
     with pytest.raises(

@@ -86,13 +86,7 @@ def jit(setting: str, policy: str) -> bool:
   """config.train.jit_compile under the resolved `policy`: 'auto' is on where XLA pays (GPU,
   TPU), off on CPU; a comma-separated list of policies is on under those. Logs the choice and
   why, and warns where XLA computes a CPU's bfloat16 matmuls in float32."""
-  if setting == 'auto':
-    on, why = _accelerated(), 'auto: on with a GPU or TPU; on a CPU it pays for some models only'
-  elif setting in config_lib.SWITCHES:
-    on, why = setting == 'true', f'train.jit_compile={setting}'
-  else:
-    on = policy in setting.split(',')
-    why = f"train.jit_compile='{setting}' {'lists' if on else 'leaves out'} {policy}"
+  on, why = _xla(setting, policy)
   logging.info('XLA %s (%s)%s', 'on' if on else 'off', why, '' if on else '; --race=50 measures it')
   if on and policy == 'mixed_bfloat16' and not _accelerated():
     logging.warning(
@@ -100,6 +94,15 @@ def jit(setting: str, policy: str) -> bool:
       "without XLA (train.jit_compile='float32' keeps XLA for float32 runs only)"
     )
   return on
+
+
+def _xla(setting: str, policy: str) -> tuple[bool, str]:
+  if setting == 'auto':
+    return _accelerated(), 'auto: on with a GPU or TPU; on a CPU it pays for some models only'
+  if setting in config_lib.SWITCHES:
+    return setting == 'true', f'train.jit_compile={setting}'
+  on = policy in setting.split(',')
+  return on, f"train.jit_compile='{setting}' {'lists' if on else 'leaves out'} {policy}"
 
 
 def grappler(setting: str) -> bool:
@@ -123,10 +126,6 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
   # without tf.data's autotuning thread, whose lost wake-up could hold each dropped iterator
   # (every evaluation's; the train one at exit) for up to a minute (trainer/data/autotune.py).
   trainer.datasets = trainer.build_datasets()
-  # The policy once the datasets are built: 'auto' on a CPU may measure the model (its width).
-  trainer.policy = precision.apply(
-    c.precision.policy, lambda: precision.probe_width(trainer.build_model, c.seed)
-  )
   prepared, steps_per_epoch = epochs.prepare(
     trainer.datasets, c.train.batch_size, c.train.eval_max_batches
   )
@@ -177,6 +176,8 @@ def _set_runtime(trainer, c, strategy: tf.distribute.Strategy | None) -> None:
   if c.train.deterministic:
     tf.config.experimental.enable_op_determinism()
   keras.utils.set_random_seed(c.seed)
+  float32_xla = _xla(c.train.jit_compile, 'float32')[0] and not _accelerated()
+  trainer.policy = precision.apply(c.precision.policy, float32_xla)
 
 
 def _build_update(trainer, c) -> None:

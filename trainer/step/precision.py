@@ -8,7 +8,6 @@ their final logits float32 (`dtype='float32'` on the last layer) and the loss is
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import re
@@ -38,18 +37,13 @@ def cpu_flags() -> frozenset[str]:
   return frozenset()
 
 
-# On a CPU, bfloat16 pays where the matmuls are wide: oneDNN's bfloat16 kernels halve a wide
-# matmul's time, while every cast, float32 island and element-wise op stays as slow, and a narrow
-# model's step is mostly those (nanoGPT's CPU shape, width 128, trains faster in float32 with XLA
-# than in bfloat16; width 512 about 1.6x faster in bfloat16: docs/guides/performance.md).
-CPU_BFLOAT16_WIDTH = 256
-
-
-def resolve(name: str, width: Callable[[], float] | None = None) -> tuple[str, str]:
+def resolve(name: str, float32_xla: bool = False) -> tuple[str, str]:
   """(policy, reason). 'auto': mixed_float16 on a GPU with compute capability >= 7.0,
-  mixed_bfloat16 on a TPU, and on a CPU with AVX512_BF16 or AMX when the model's matmuls are
-  at least CPU_BFLOAT16_WIDTH wide (`width()`, `matmul_width` of the model: asked only then),
-  float32 otherwise."""
+  mixed_bfloat16 on a TPU or a CPU with AVX512_BF16 or AMX, float32 otherwise; and float32 on
+  such a CPU where `float32_xla` (the config turns XLA on for float32 runs): XLA's CPU backend
+  computes bfloat16 matmuls in float32, so bfloat16 there goes without XLA, and a config that
+  asks for XLA says it pays for this model (configs/nanogpt_cpu.py: float32 with XLA is faster
+  than bfloat16 without)."""
   if name != 'auto':
     return name, 'set by config.precision.policy'
   if tf.config.list_logical_devices('TPU'):
@@ -62,52 +56,14 @@ def resolve(name: str, width: Callable[[], float] | None = None) -> tuple[str, s
     return 'float32', 'GPU older than compute capability 7.0 (no fast float16)'
   flags = cpu_flags()
   for flag in ('amx_bf16', 'avx512_bf16'):
-    if flag in flags:
-      wide = width() if width is not None else float('inf')
-      if wide >= CPU_BFLOAT16_WIDTH:
-        return 'mixed_bfloat16', f'CPU has {flag.upper()} (fast bfloat16)' + (
-          f' and the matmuls are {wide:.0f} wide' if width is not None else ''
-        )
+    if flag in flags and float32_xla:
       return 'float32', (
-        f'CPU has {flag.upper()}, but the matmuls are {wide:.0f} wide, under '
-        f'{CPU_BFLOAT16_WIDTH}: too narrow for bfloat16 to pay; --race=50 measures it'
+        f'CPU has {flag.upper()}, but train.jit_compile turns XLA on for float32 and XLA '
+        "computes a CPU's bfloat16 matmuls in float32; --race=50 measures both"
       )
+    if flag in flags:
+      return 'mixed_bfloat16', f'CPU has {flag.upper()} (fast bfloat16)'
   return 'float32', 'CPU without AVX512_BF16 or AMX (no fast low precision)'
-
-
-def matmul_width(model: keras.Model) -> float:
-  """How wide the model's matmuls are: the median over its kernels' parameters of each
-  kernel's smaller side (a [K, N] kernel, or a convolution's [..., N] with K its other sides'
-  product), 0 without kernels. A matmul's 16-bit speed-up grows with it."""
-  sides = sorted(
-    (min(int(tf.size(w)) // int(w.shape[-1]), int(w.shape[-1])), int(tf.size(w)))
-    for w in model.trainable_weights
-    if len(w.shape) >= 2 and 'kernel' in w.path.rsplit('/', 1)[-1]
-  )
-  half, seen = sum(n for _, n in sides) / 2, 0
-  for side, n in sides:
-    seen += n
-    if seen >= half:
-      return float(side)
-  return 0.0
-
-
-def probe_width(build_model: Callable[[], keras.Model], seed: int) -> float:
-  """`matmul_width` of a model `build_model` builds under float32 and that is then dropped,
-  leaving no trace: Keras's default layer names (dense, dense_1, ...) count per process and the
-  random generator moves, and the model built next must get the names and initial weights a
-  run with that policy set explicitly gets."""
-  from keras.src.backend.common import global_state  # the name counters: Keras has no API
-
-  names = dict(global_state.get_global_attribute('object_name_uids') or {})
-  base = keras.config.dtype_policy()
-  keras.config.set_dtype_policy('float32')
-  try:
-    return matmul_width(build_model())
-  finally:
-    keras.config.set_dtype_policy(base)
-    global_state.set_global_attribute('object_name_uids', collections.defaultdict(int, names))
-    keras.utils.set_random_seed(seed)
 
 
 def has_fast_float16() -> bool:
@@ -118,9 +74,9 @@ def has_fast_float16() -> bool:
   return False
 
 
-def apply(name: str, width: Callable[[], float] | None = None) -> str:
+def apply(name: str, float32_xla: bool = False) -> str:
   """Resolves and sets the global Keras policy before any model is built; returns its name."""
-  policy, reason = resolve(name, width)
+  policy, reason = resolve(name, float32_xla)
   logging.info('precision policy: %s (%s)', policy, reason)
   if policy == 'mixed_float16' and not has_fast_float16():
     logging.warning(
