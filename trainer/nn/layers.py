@@ -175,22 +175,33 @@ def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
     out = tf.concat(outs, axis=2)
 
     def backward(d_out):
-      d_out32 = tf.cast(d_out, tf.float32)
-      rowdot = tf.reduce_sum(d_out32 * tf.cast(out, tf.float32), axis=-1, keepdims=True)
       dq: list[tf.Tensor] = []
-      dk, dv = 0.0, 0.0
-      for (start, end), lse in zip(blocks, lses):
+      # dK and dV per key block, summed in float32 over the query blocks that see it.
+      dk: list = [0.0] * len(blocks)
+      dv: list = [0.0] * len(blocks)
+      for i, ((start, end), lse) in enumerate(zip(blocks, lses)):
         with tf.control_dependencies(dq[-1:]):
           p = tf.exp(scores32(q, k, start, end) - lse)  # this block's weights, float32
         do = d_out[:, :, start:end]
+        rowdot = tf.reduce_sum(
+          tf.cast(do, tf.float32) * tf.cast(out[:, :, start:end], tf.float32), -1, keepdims=True
+        )
         dp = tf.cast(tf.matmul(do, v[:, :, :end], transpose_b=True), tf.float32)
-        ds = tf.cast(p * (dp - rowdot[:, :, start:end]), dtype)
-        pad = [[0, 0], [0, 0], [0, time - end], [0, 0]]
-        dv += tf.pad(tf.cast(tf.matmul(tf.cast(p, dtype), do, transpose_a=True), tf.float32), pad)
-        dk += tf.pad(tf.cast(tf.matmul(ds, q[:, :, start:end], transpose_a=True), tf.float32), pad)
-        with tf.control_dependencies([dk, dv]):  # the next block starts once these are summed
+        ds = tf.cast(p * (dp - rowdot), dtype)
+        sizes = [b - a for a, b in blocks[: i + 1]]  # keys [0, end): key blocks 0..i
+        for acc, part in (
+          (dv, tf.matmul(tf.cast(p, dtype), do, transpose_a=True)),
+          (dk, tf.matmul(ds, q[:, :, start:end], transpose_a=True)),
+        ):
+          for j, piece in enumerate(tf.split(tf.cast(part, tf.float32), sizes, axis=2)):
+            acc[j] += piece
+        with tf.control_dependencies(dk[: i + 1] + dv[: i + 1]):  # summed before the next block
           dq.append(tf.matmul(ds, k[:, :, :end]))
-      return tf.concat(dq, axis=2), tf.cast(dk, dtype), tf.cast(dv, dtype)
+      return (
+        tf.concat(dq, axis=2),
+        tf.cast(tf.concat(dk, axis=2), dtype),
+        tf.cast(tf.concat(dv, axis=2), dtype),
+      )
 
     return out, backward
 
