@@ -17,11 +17,16 @@ that fits a budget; with --account, what the backward pass keeps, tensor by tens
 
 Method (docs/guides/memory.md says what each figure means). Memory: each (policy, remat) runs in
 a fresh subprocess (peak RSS never falls within a process) that imports TensorFlow, Keras and
-the project, reads its peak resident set (VmHWM), builds the trainer and trains --steps steps in
-one compiled call, and reads VmHWM again: "step MiB" is the peak after training minus the peak
-after the imports; "step - build MiB" also subtracts what building alone needed. The budget
-search doubles the batch until a run exceeds the budget (the parent polls the child's VmRSS and
-kills it past the budget, so a search never swaps), then bisects to --budget_resolution.
+the project, reads its peak resident set (VmHWM), builds the trainer, trains one step (traced
+there) and --steps more in one compiled call, and reads VmHWM again: "step MiB" is the peak after
+training minus the peak after the imports; "step - build MiB" also subtracts what building alone
+needed; "working MiB", the step working memory, is the peak of TensorFlow's CPU allocator during
+the --steps steps over what it held before them (trainer/run/race.py's working_mib, as --race
+measures it): the tensors a step needs beyond the weights and the optimizer state, without the
+traced program, the input pipeline and the runtime, which a 16-bit policy does not shrink. The
+budget search doubles the batch until a run exceeds the budget (the parent polls the child's
+VmRSS and kills it past the budget, so a search never swaps), then bisects to
+--budget_resolution.
 Account: every tensor the forward pass of one traced gradient computation makes and a gradient
 op reads (what the tape keeps alive), summed by dtype and by layer: exact for the graph, silent
 about the allocator. Breakdown: a subprocess per --setting on TF's BFC allocator (unless
@@ -150,6 +155,7 @@ def child(spec: dict) -> None:
   import models  # noqa: F401  (the imports whose memory is the baseline)
   import keras  # noqa: F401
   import tensorflow as tf
+  from trainer.run import race
 
   imported = status_mib('VmHWM')
   config = build_config(spec)
@@ -161,11 +167,11 @@ def child(spec: dict) -> None:
     if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # the allocator's peak: the steps' only
       tf.config.experimental.reset_memory_stats('CPU:0')
     iterator = iter(trainer.strategy.experimental_distribute_dataset(trainer.datasets.train))
+    trainer.runner.train_loop.run(iterator, 1)  # traced here
+    int(trainer.global_step.numpy())
     if spec.get('breakdown'):
       from trainer.optim import low_precision
 
-      trainer.runner.train_loop.run(iterator, 1)  # traced here
-      int(trainer.global_step.numpy())
       times = []
       for _ in range(spec['steps']):
         start = time.perf_counter()
@@ -180,8 +186,12 @@ def child(spec: dict) -> None:
         params=trainer.model.count_params(),
       )
     else:
-      trainer.runner.train_loop.run(iterator, spec['steps'])
-      int(trainer.global_step.numpy())
+
+      def steps():
+        trainer.runner.train_loop.run(iterator, spec['steps'])
+        int(trainer.global_step.numpy())  # the steps have run
+
+      extra['working_mib'] = race.working_mib(steps)
   peak = status_mib('VmHWM')
   if os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'):  # TF's own account of live tensor bytes
     extra['allocator_peak_mib'] = tf.config.experimental.get_memory_info('CPU:0')['peak'] / 2**20
@@ -394,6 +404,24 @@ def breakdown(setting: str) -> dict:
   return row
 
 
+def memory_table(memory: dict) -> str:
+  """The plain run's table: each figure and its ratio to the first setting's."""
+  first = next(iter(memory.values()))
+  lines = [
+    '| setting | step MiB | step - build MiB | working MiB |',
+    '|---|---|---|---|',
+  ]
+  for name, m in memory.items():
+    cells = [
+      f'{m[k]:.0f}' + (f' ({m[k] / first[k]:.2f}x)' if m is not first and first.get(k) else '')
+      if m.get(k) is not None
+      else 'n/a'
+      for k in ('step_mib', 'step_minus_build_mib', 'working_mib')
+    ]
+    lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
   """The --breakdown table, ratios against the first row."""
   cols = [
@@ -452,8 +480,9 @@ def main(argv):
     results['memory'] = {}
     for p, r in settings:
       results['memory'][f'{p} remat={r}'] = m = measure(p, r, _BATCH.value)
-      mib = (m['step_mib'], m['step_minus_build_mib'])
-      logging.warning('%s remat=%s: step %.0f MiB (step - build %.0f MiB)', p, r, *mib)
+      mib = (m['step_mib'], m['step_minus_build_mib'], m.get('working_mib', float('nan')))
+      logging.warning('%s remat=%s: step %.0f MiB (step - build %.0f, working %.0f)', p, r, *mib)
+    results['table'] = memory_table(results['memory'])
   text = json.dumps(results, indent=2)
   print(text)
   if 'table' in results:

@@ -8,23 +8,25 @@ all see the same batches. The first call of each (a fifth of the N steps) traces
 is not timed; then the settings take turns, one call each per round, so that a load on the
 machine falls on all of them alike; steps/s is the median of a setting's rounds. Step working
 memory is what a step needs beyond the weights and the optimizer state (activations, gradients,
-workspace): the resident set's peak during the setting's first timed call over the resident set
-just before it, with the heap trimmed and the peak reset first (/proc/self/clear_refs, Linux).
+workspace): the peak of TensorFlow's CPU allocator during the setting's first timed call over
+what it held just before (`working_mib`).
 The loss is the mean train loss of the last call's steps, as the progress line shows it.
 """
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ml_collections
+import tensorflow as tf
 from absl import logging
 
 from trainer.insight import files
@@ -59,26 +61,19 @@ def _setting(config, policy: str, xla: bool, call: int) -> ml_collections.Config
   return c
 
 
-def _status_mib(field: str) -> float | None:
+def working_mib(call: Callable[[], Any]) -> float | None:
+  """Runs `call()`; returns the step working memory it needed in MiB: the peak of the tensor
+  bytes TensorFlow's CPU allocator held during it over what it held just before (the weights,
+  the optimizer state and every other live tensor), or None where the allocator keeps no
+  statistics (its BFC allocator does, the default with oneDNN's kernels on)."""
   try:
-    with open('/proc/self/status') as f:
-      for line in f:
-        if line.startswith(field + ':'):
-          return int(line.split()[1]) / 1024
-  except OSError:
-    pass
-  return None
-
-
-def _reset_peak() -> float | None:
-  """Returns the resident MiB after trimming the heap and resetting the peak (None: no /proc)."""
-  try:
-    ctypes.CDLL('libc.so.6').malloc_trim(0)  # freed heap back to the system: the baseline is live
-    with open('/proc/self/clear_refs', 'w') as f:
-      f.write('5')
-  except OSError:
+    tf.config.experimental.reset_memory_stats('CPU:0')
+    before = tf.config.experimental.get_memory_info('CPU:0')['current']
+  except ValueError:
+    call()
     return None
-  return _status_mib('VmRSS')
+  call()
+  return (tf.config.experimental.get_memory_info('CPU:0')['peak'] - before) / 2**20
 
 
 def race(trainer_class, config, steps: int = 50, rounds: int = 4) -> list[Row]:
@@ -110,13 +105,12 @@ def race(trainer_class, config, steps: int = 50, rounds: int = 4) -> list[Row]:
           row.error = f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:160]}'
     for r in range(rounds):
       for row, trainer, losses, rates in runs:
-        base = _reset_peak() if r == 0 else None
         start = time.perf_counter()
-        trainer.runner.train_steps(call)
+        if r == 0:
+          row.memory_mib = working_mib(functools.partial(trainer.runner.train_steps, call))
+        else:
+          trainer.runner.train_steps(call)
         rates.append(call / (time.perf_counter() - start))
-        peak = _status_mib('VmHWM')
-        if base is not None and peak is not None:
-          row.memory_mib = peak - base
     for row, _, losses, rates in runs:
       row.steps_per_sec, row.loss = statistics.median(rates), losses[-1]
   finally:
