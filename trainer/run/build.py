@@ -162,8 +162,32 @@ def _set_runtime(trainer, c, strategy: tf.distribute.Strategy | None) -> None:
   trainer.strategy = strategy or distribute.build(c)
   if c.train.deterministic:
     tf.config.experimental.enable_op_determinism()
-  keras.utils.set_random_seed(c.seed)
+  _seed(c.seed)
   trainer.policy = precision.apply(c.precision.policy)
+
+
+_SEEDED: list[int] = []  # the seed this module gave keras.utils.set_random_seed last
+
+
+def _seed(seed: int) -> None:
+  """config.seed seeds Python, NumPy, TF and Keras (keras.utils.set_random_seed), overriding a
+  seed the user's code set before: one line when it did (Keras keeps the seed it was given)."""
+  try:  # Keras's record of the last seed; an internal name, hence the guard
+    from keras.src.utils import rng_utils  # pylint: disable=import-outside-toplevel
+
+    before = rng_utils.get_random_seed() if hasattr(rng_utils, 'get_random_seed') else None
+  except ImportError:
+    before = None
+  if before is not None and before != seed and before not in _SEEDED[-1:]:
+    logging.warning(
+      'keras.utils.set_random_seed(%d) is overridden by config.seed=%d: the trainer seeds '
+      'every run; set --config.seed=%d instead',
+      before,
+      seed,
+      before,
+    )
+  keras.utils.set_random_seed(seed)
+  _SEEDED[:] = [seed]
 
 
 def _build_update(trainer, c) -> None:
