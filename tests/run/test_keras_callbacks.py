@@ -9,6 +9,8 @@ import keras
 import numpy as np
 import pytest
 
+import docblocks
+
 from tiny import TinyTrainer, tiny_config, weights
 from trainer.errors import UserError
 
@@ -150,3 +152,18 @@ def test_a_seed_set_before_the_trainer_is_named(tmp_path, caplog):
     'keras.utils.set_random_seed(7) is overridden by config.seed=0' in r.getMessage()
     for r in caplog.records
   )
+
+
+def test_the_guide_example_runs(tmp_path, monkeypatch):
+  """docs/guides/coming-from-fit.md's example: History and CSV agree epoch by epoch."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / 'fit_callbacks.py').write_text(docblocks.block('runs this block as fit_callbacks.py'))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  import fit_callbacks  # pylint: disable=import-outside-toplevel
+
+  history = fit_callbacks.main(str(tmp_path / 'runs' / 'fit-callbacks'))
+  with open(tmp_path / 'runs' / 'fit-callbacks.csv') as f:
+    rows = list(csv.DictReader(f))
+  assert [int(r['epoch']) for r in rows] == history.epoch
+  assert [float(r['val_loss']) for r in rows] == pytest.approx(history.history['val_loss'])
+  assert history['loss'] == pytest.approx(history.history['val_loss'][-1])
