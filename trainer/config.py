@@ -301,6 +301,20 @@ SCHEMA: dict[str, Key] = {
     _one_of(*FLOAT8_RECIPES),
     _float8_recipe,
   ),
+  'precision.float8_layers': Key(
+    str,
+    '',
+    "comma-separated layer names or paths precision.float8's current-scaling recipes quantize "
+    "(and the layers inside them); '' = every Dense/EinsumDense layer and attention projection "
+    'that fits the recipe (one that does not, e.g. K=784 under mxfp8, stays in the compute '
+    'policy, named in one line); naming a layer that does not fit is an error',
+  ),
+  'precision.float8_skip': Key(
+    str,
+    '',
+    "comma-separated layer names or paths left out of precision.float8's current-scaling "
+    "recipes (and the layers inside them); '' = none",
+  ),
   'precision.float32_layers': Key(
     str,
     '',

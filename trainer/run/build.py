@@ -148,8 +148,13 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     if type(trainer).build_train_step is base.build_train_step:  # a custom step may differ
       contract.check_gradient(batch, trainer.compute_loss, trainer.model)
     # After the probe: quantizing needs a built model.
+    p = c.precision
     precision.apply_float8(
-      trainer.model, c.precision.float8, trainer.policy, c.precision.float32_layers
+      trainer.model,
+      p.float8,
+      float32_layers=p.float32_layers,
+      only=p.float8_layers,
+      skip=p.float8_skip,
     )
     _build_update(trainer, c)
   return batch
@@ -241,7 +246,7 @@ def _check_grad_accum(step, k: int) -> None:
 def check_config(c, *, replicas: int, policy: str, total_steps: int, train_examples) -> None:
   """The config against this run (replicas, the resolved policy, the length: train.steps or epochs
   of `train_examples`): one ConfigError naming the key, before the model is built. What needs a
-  built object is checked where it is built: float32_layers' names, float8's MX blocks, the
+  built object is checked where it is built: float32_layers' and float8_layers' names, the
   optimizer's low-precision state, early stopping's metric."""
   batch, k, float8 = int(c.train.batch_size), int(c.train.grad_accum_steps), c.precision.float8
   if batch % replicas:
