@@ -56,7 +56,7 @@ def operands(seed=0, m=40, k=96, n=64):
   return x, w, g
 
 
-@pytest.mark.parametrize('recipe', CURRENT)
+@pytest.mark.parametrize('recipe', [*CURRENT, 'mxfp8_rceil'])
 def test_gemm_and_its_gradients_equal_the_reference(recipe):
   x, w, g = operands()
   for got, want in zip(gemm(x, w, g, recipe), ref_gemm(x, w, g, recipe)):
@@ -120,7 +120,7 @@ def test_loss_scaled_gradients_quantize_to_the_same_values(recipe):
   assert not np.isfinite(dx).all() and not np.isfinite(dw).all()
 
 
-@pytest.mark.parametrize('recipe', CURRENT)
+@pytest.mark.parametrize('recipe', [*CURRENT, 'mxfp8_rceil'])
 def test_einsum_dense_is_the_recipes_gemm(recipe):
   """'abc,cde->abde': x's (a, b) fold into M, c is K, the kernel's (d, e) fold into N."""
   from trainer.nn import float8_layers

@@ -107,7 +107,7 @@ def _misfit(layer, recipe, kernels) -> str | None:
       _einsum_plan(layer)
     except ConfigError:
       return f'(EinsumDense {layer.equation!r}) is not one GEMM'
-  if recipe.scaling != 'block':
+  if not recipe.scaling.startswith('block'):
     return None
   for kernel in kernels:
     k, n = _contraction_sizes(layer, kernel)
