@@ -15,8 +15,9 @@ at the boundaries it has:
 `callback.model` is the Keras model. During `train()` its `optimizer` is `OptimizerView`, whose
 `learning_rate` is the rate the optimizer applies and can be set (ReduceLROnPlateau,
 LearningRateScheduler) when config.optimizer.schedule is 'constant': the trainer's schedule times
-a factor, checkpointed with the run. A cosine schedule, or a build_learning_rate of one's own,
-owns the rate: setting it is refused in one line (before training, for the two Keras classes).
+a factor, checkpointed with the run (during a warm-up, the rate it ramps up to). A cosine
+schedule, or a build_learning_rate of one's own, owns the rate: setting it is refused in one line
+(before training, for the two Keras classes).
 `model.stop_training = True` ends the run at the boundary with a checkpoint, and the run folder
 records the stop: the same command reruns to that step and trains no further. A callback's own
 state (EarlyStopping's wait, best) is Python, not checkpointed: a resumed run starts it afresh.
@@ -29,6 +30,7 @@ import difflib
 import math
 
 import keras
+import numpy as np
 
 from trainer.errors import UserError
 from trainer.optim import optimizers
@@ -65,7 +67,13 @@ class OptimizerView:
 
   @property
   def learning_rate(self) -> float:
-    return float(self._optimizer.learning_rate)
+    """The rate the optimizer applies; with the trainer's constant schedule, the rate it holds
+    after the warm-up (what a callback sets: reading and setting agree during a warm-up too)."""
+    rate, schedule = _own_schedule(self._trainer)
+    if rate is None or schedule is None:
+      return float(self._optimizer.learning_rate)
+    factor = 1.0 if rate.factor is None else float(rate.factor.numpy())
+    return float(np.float32(schedule.peak * factor))  # as Recoverable computes it
 
   @learning_rate.setter
   def learning_rate(self, value) -> None:
