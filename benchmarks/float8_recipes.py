@@ -34,7 +34,7 @@ from absl import app, flags  # noqa: E402
 
 from benchmarks import results as results_page  # noqa: E402  (--results_dir)
 
-RECIPES = ('none', 'delayed', 'tensorwise', 'rowwise', 'mxfp8')
+RECIPES = ('none', 'delayed', 'tensorwise', 'rowwise', 'mxfp8', 'mxfp8_rceil')
 MODELS = {  # name: (config file, data folder, metric, higher is better)
   'mnist_mlp': ('mnist_mlp.py', 'mnist', 'accuracy', True),
   'mnist_cnn': ('mnist.py', 'mnist', 'accuracy', True),

@@ -69,8 +69,10 @@ def get_config():
   config.precision.max_scale = 16777216.0  # the scale never grows above this (2**24)
   config.precision.hysteresis = 1  # non-finite steps in a row before backing off
   # float8 recipe of the Dense layers: 'none', 'delayed' (Keras's model.quantize('float8')),
-  # 'tensorwise', 'rowwise' or 'mxfp8' (docs/guides/float8.md); True = 'delayed'
+  # 'tensorwise', 'rowwise', 'mxfp8' or 'mxfp8_rceil' (docs/guides/float8.md); True = 'delayed'
   config.precision.float8 = 'none'
+  config.precision.float8_layers = ''  # only these layers in float8; '' = every one that fits
+  config.precision.float8_skip = ''  # these layers not in float8
   config.precision.float32_layers = ''  # e.g. 'dense,conv2d': layers kept float32 (--advise)
   config.precision.master_weights = 'float32'  # or bfloat16_sr / bfloat16_kahan (mixed_bfloat16)
   config.precision.max_consecutive_skips = 50  # skipped steps in a row that stop the run; 0 = off

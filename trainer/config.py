@@ -84,7 +84,7 @@ STATE_BITS = (32, 8)
 LOW_PRECISION_OPTIMIZERS = ('adam', 'adamw', 'sgd')  # the ones trainer/optim/low_precision.py has
 # precision.float8: 'delayed' is Keras's model.quantize('float8'); the others are current-scaling
 # recipes (trainer/nn/float8_gemm.py).
-FLOAT8_RECIPES = ('none', 'delayed', 'tensorwise', 'rowwise', 'mxfp8')
+FLOAT8_RECIPES = ('none', 'delayed', 'tensorwise', 'rowwise', 'mxfp8', 'mxfp8_rceil')
 
 
 def _float8_recipe(v):
@@ -296,10 +296,25 @@ SCHEMA: dict[str, Key] = {
     str,
     'none',
     "float8 recipe of the Dense/EinsumDense layers (and attention projections): 'none', 'delayed' "
-    "(Keras's model.quantize('float8')), 'tensorwise', 'rowwise' or 'mxfp8' (current scaling, "
-    'trainer/nn/float8_gemm.py); True = delayed, False = none; emulated without float8 hardware',
+    "(Keras's model.quantize('float8')), 'tensorwise', 'rowwise', 'mxfp8' or 'mxfp8_rceil' "
+    "(current scaling, trainer/nn/float8_gemm.py; mxfp8's E8M0 scales rounded up: torchao's "
+    'RCEIL); True = delayed, False = none; emulated without float8 hardware',
     _one_of(*FLOAT8_RECIPES),
     _float8_recipe,
+  ),
+  'precision.float8_layers': Key(
+    str,
+    '',
+    "comma-separated layer names or paths precision.float8's current-scaling recipes quantize "
+    "(and the layers inside them); '' = every Dense/EinsumDense layer and attention projection "
+    'that fits the recipe (one that does not, e.g. K=784 under mxfp8, stays in the compute '
+    'policy, named in one line); naming a layer that does not fit is an error',
+  ),
+  'precision.float8_skip': Key(
+    str,
+    '',
+    "comma-separated layer names or paths left out of precision.float8's current-scaling "
+    "recipes (and the layers inside them); '' = none",
   ),
   'precision.float32_layers': Key(
     str,

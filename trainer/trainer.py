@@ -14,7 +14,8 @@ and, beyond them, overrides any of these (each has a working default):
                         (a tuple of update_state arguments); default {}
   build_train_step() -> the TrainStep (trainer/step/train_step.py states its public contract)
   checkpoint_items() -> {name: trackable} saved in every checkpoint
-  build_actions()    -> callables run at log, eval and save boundaries (trainer/run/actions.py)
+  build_actions()    -> callables run at log, eval and save boundaries (trainer/run/actions.py),
+                        and keras.callbacks.Callback objects (trainer/run/keras_callbacks.py)
 
 What runs is not here: `Trainer.train()` hands the trainer to a `Runner` (trainer/run/runner.py),
 which owns the run folder, checkpoints, the outer loop, progress, eval, preemption and the
@@ -156,14 +157,18 @@ class Trainer:
 
   def build_actions(self) -> list:
     """Callables taking one `trainer.Event`, run at log, eval and save boundaries
-    (trainer/run/actions.py). Default: none; the runner adds the built-in ones (the config's
-    early_stopping and best_checkpoint, the numerics line) before these."""
+    (trainer/run/actions.py), and Keras callbacks (`keras.callbacks.EarlyStopping(...)`,
+    CSVLogger, TensorBoard, your own), called with fit's protocol and log keys; an epoch is an
+    eval interval (trainer/run/keras_callbacks.py). Default: none; the runner adds the built-in
+    actions (the config's early_stopping and best_checkpoint, the numerics line) before these."""
     return []
 
   # ---- what a user calls -------------------------------------------------------------------
   def train(self) -> dict[str, float]:
-    """Trains to `total_steps` (resuming from the workdir), evaluates; returns eval metrics.
-    Ends early, with a checkpoint, when an action calls `request_stop`."""
+    """Trains to `total_steps` (resuming from the workdir), evaluates; returns the final eval
+    metrics, a dict that is also a History (`history`: each epoch's logs, as fit's). Ends early,
+    with a checkpoint, when an action calls `request_stop` or a Keras callback sets
+    `model.stop_training`; the run folder records the stop, and a rerun trains no further."""
     return self.runner.train()
 
   def evaluate(self) -> dict[str, float]:

@@ -47,17 +47,22 @@ def ref_qdq(x, fmt, scaling, axis=-1):
   n = moved.shape[-1]
   padded = np.concatenate([moved, np.zeros((*moved.shape[:-1], -n % 32), np.float32)], -1)
   blocks = padded.reshape(*moved.shape[:-1], -1, 32)
-  scale = ref_mx_scale(ref_amax(blocks, -1), fmt).astype(np.float64)
+  scale = ref_mx_scale(ref_amax(blocks, -1), fmt, scaling == 'block_rceil').astype(np.float64)
   out = ref_cast((blocks / scale).astype(np.float32), fmt) * scale
   out = out.reshape(padded.shape)[..., :n].astype(np.float32)
   return ftz(np.moveaxis(out, -1, axis))
 
 
-def ref_mx_scale(a, fmt):
+def ref_mx_scale(a, fmt, rceil=False):
   """X = 2^(floor(log2(amax)) - emax_elem) as E8M0 (clamped to its range), NaN for a non-finite
-  amax (OCP MX spec v1.0, section 6.3)."""
-  with np.errstate(divide='ignore', invalid='ignore'):
-    e = np.clip(np.floor(np.log2(a.astype(np.float64))) - EMAX[fmt], -127, 127)
+  amax (OCP MX spec v1.0, section 6.3); `rceil`: X = 2^ceil(log2(amax / fmax)), amax / fmax a
+  float32 quotient (flushed to zero below 2^-126, as TF's CPU kernels), torchao's RCEIL."""
+  fmax = np.float32(ml_dtypes.finfo(DTYPES[fmt]).max)
+  with np.errstate(divide='ignore', invalid='ignore', over='ignore'):
+    if rceil:
+      e = np.clip(np.ceil(np.log2(ftz(a.astype(np.float32) / fmax).astype(np.float64))), -127, 127)
+    else:
+      e = np.clip(np.floor(np.log2(a.astype(np.float64))) - EMAX[fmt], -127, 127)
   scale = np.where(np.isfinite(a), np.exp2(np.nan_to_num(e, nan=0.0)), np.nan)
   e8m0 = scale.astype(ml_dtypes.float8_e8m0fnu)
   assert np.array_equal(e8m0.astype(np.float64), scale, equal_nan=True)  # representable
@@ -89,6 +94,8 @@ CASES = [
   ('axis', 0),
   ('block', 1),  # 1000 = 31 blocks + 8: the tail is padded
   ('block', 0),
+  ('block_rceil', 1),
+  ('block_rceil', 0),
 ]
 
 
@@ -162,9 +169,10 @@ def test_mx_exponents_are_the_e8m0_scales_of_the_reference(fmt):
   a = np.abs(rng.standard_normal(10**5) * np.exp2(rng.uniform(-140, 127, 10**5)))
   a = np.r_[a, 0.0, 2.0**-126, 2.0**-119, 2.0**-118, 3.4e38, 2.0**127]
   a = np.minimum(a, 3.4e38).astype(np.float32)
-  got = np.exp2(fq.mx_exponent(tf.constant(a), fmt).numpy().astype(np.float64))
-  want = ref_mx_scale(ftz(a), fmt).astype(np.float64)
-  np.testing.assert_array_equal(got.astype(ml_dtypes.float8_e8m0fnu).astype(np.float64), want)
+  for rceil in (False, True):
+    got = np.exp2(fq.mx_exponent(tf.constant(a), fmt, rceil).numpy().astype(np.float64))
+    want = ref_mx_scale(ftz(a), fmt, rceil).astype(np.float64)
+    np.testing.assert_array_equal(got.astype(ml_dtypes.float8_e8m0fnu).astype(np.float64), want)
   inverse = fq.mx_inverse_scale(tf.constant([np.inf, np.nan, 1.0]), fmt).numpy()
   assert np.isnan(inverse[:2]).all() and inverse[2] == 2.0 ** EMAX[fmt]
 
@@ -174,6 +182,10 @@ def test_counts_of_saturated_and_flushed_values(fmt):
   fmax = float(ml_dtypes.finfo(DTYPES[fmt]).max)
   block = np.r_[1.9 * 2 ** EMAX[fmt], np.ones(30), 0.0].astype(np.float32)  # X = 1: 1.9 * 2^emax
   np.testing.assert_array_equal(fq.counts(tf.constant(block), fmt, 'block').numpy(), [1, 0, 31])
+  # RCEIL rounds the scale up: the block maximum fits, nothing saturates.
+  np.testing.assert_array_equal(
+    fq.counts(tf.constant(block), fmt, 'block_rceil').numpy(), [0, 0, 31]
+  )
   x = np.array([fmax, 2.0**-40, -(2.0**-41), 1.0, 0.0], np.float32)  # scale 1: two flushed
   np.testing.assert_array_equal(fq.counts(tf.constant(x), fmt, 'tensor').numpy(), [0, 2, 4])
 

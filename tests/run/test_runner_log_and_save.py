@@ -130,6 +130,20 @@ def test_what_the_final_eval_records_is_saved_with_the_last_step(tmp_path):
   assert math.isfinite(restored.best)
 
 
+def test_an_early_stop_is_recorded_and_the_rerun_trains_no_further(tmp_path, caplog):
+  """Before the record a rerun trained on to the next eval, and stopped again there."""
+  keys = {'train.steps': 40, 'train.eval_every': 5, 'early_stopping.metric': 'loss'}
+  config = tiny_config(**keys, **{'early_stopping.min_delta': 10.0, 'early_stopping.patience': 1})
+  trainer = TinyTrainer(config, str(tmp_path / 'w'))
+  trainer.train()
+  assert int(trainer.global_step.numpy()) == 10  # no eval after the first improves by 10
+  again = TinyTrainer(config, str(tmp_path / 'w'))
+  with caplog.at_level(logging.INFO):
+    again.train()
+  assert int(again.global_step.numpy()) == 10
+  assert any('the run stopped at step 10 (early stopping: ' in m for m in messages(caplog))
+
+
 def test_a_long_eval_prints_its_progress(tmp_path, caplog, monkeypatch):
   monkeypatch.setattr(runner_lib, 'EVAL_REPORT_SECONDS', 0.0)  # every batch
   trainer = TinyTrainer(tiny_config(**{'train.steps': 5}), str(tmp_path / 'w'))

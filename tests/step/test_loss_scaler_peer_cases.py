@@ -45,6 +45,21 @@ def test_k2_k3_finite_step(with_variables):
   np.testing.assert_allclose(v.numpy(), AFTER, rtol=1e-6)
 
 
+@pytest.mark.parametrize('scale', [400.0, 2.0**15])
+def test_k3_prime_unscaling_multiplies_by_the_reciprocal(scale):
+  """Ours is g x (1/S) (PyTorch's inv_scale), Keras's g / S: one ulp apart in some values at a
+  scale that is not a power of two, bit-identical at one that is."""
+  grads = np.random.default_rng(0).normal(size=1000).astype(np.float32) * np.float32(scale)
+  opt = LSO(keras.optimizers.SGD(0.5), initial_scale=scale)
+  (ours,) = opt.get_unscaled_gradients([tf.constant(grads)])
+  s = np.float32(scale)
+  np.testing.assert_array_equal(ours.numpy(), grads * (np.float32(1) / s))
+  divided = grads / s
+  apart = np.abs(ours.numpy() - divided) / np.spacing(np.abs(divided))
+  assert apart.max() <= 1.0
+  assert (apart > 0).sum() > 100 if scale == 400.0 else (apart > 0).sum() == 0
+
+
 def test_k4_the_inner_optimizers_loss_scale_factor_is_reset():
   opt, v = LSO(keras.optimizers.SGD(0.5, loss_scale_factor=100)), variable()
   assert opt.inner_optimizer.loss_scale_factor is None

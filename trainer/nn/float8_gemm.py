@@ -48,6 +48,10 @@ RECIPES = {
   # gradients as Transformer Engine's MXFP8BlockScaling (HYBRID). Its block-scaled GEMMs write
   # bfloat16 or float32, and dequantized blocks span 2^+-127, far beyond float16.
   'mxfp8': Recipe('mxfp8', 'e4m3fn', 'e5m2', 'block', False, 'OCP MX / TE MXFP8BlockScaling'),
+  # The same with torchao's RCEIL scale (NVIDIA's cuBLAS MX rounding): 2^ceil(log2(amax / fmax)).
+  'mxfp8_rceil': Recipe(
+    'mxfp8_rceil', 'e4m3fn', 'e5m2', 'block_rceil', False, 'torchao MX, RCEIL scales'
+  ),
 }
 
 

@@ -7,8 +7,12 @@ projections) computing its GEMMs in float8; its variables are not touched, so ch
 hooks of the numerics tools (trainer/insight/hooks.py, which wrap an instance's `call`) see the
 same model. Left out: layers computing in float32 under a 16-bit policy (the float32 logits,
 `precision.float32_layers`) and, under any policy, the layers `precision.float32_layers` names
-(so a float32-compute run quantizes the same layers as its mixed_bfloat16 twin).
-`layer.float8_recipe` names the recipe on every quantized layer.
+(so a float32-compute run quantizes the same layers as its mixed_bfloat16 twin). Chosen by path,
+in the spirit of torchao's `module_filter_fn`: `precision.float8_layers` (only these),
+`precision.float8_skip` (not these). A layer whose GEMM does not fit the recipe (mxfp8's 32-element
+blocks) stays in the compute policy, named in one line with the reason, as torchao's recipes skip
+the layers whose dimensions do not fit. `layer.float8_recipe` names the recipe on every quantized
+layer.
 """
 
 from __future__ import annotations
@@ -25,31 +29,64 @@ from trainer.nn import float8_gemm, float8_quant
 KEY = 'config.precision.float8'
 
 
-def apply(model, name: str, policy: str, leave_out: tuple[str, ...] = ()) -> list[str]:
-  """Quantizes `model`'s layers with recipe `name` under the global `policy` (a resolved policy
-  name), except those named in `leave_out` (precision.float32_layers) and the layers nested in
-  them; the quantized layers' paths. ConfigError for an mxfp8 layer whose contraction axes do
-  not divide into 32-element blocks (a recipe's float16 compute: run/build.py's check_config)."""
+def apply(
+  model, name: str, leave_out: tuple[str, ...] = (), only: tuple[str, ...] = (), skip=()
+) -> tuple[list[str], list[str]]:
+  """Quantizes `model`'s layers with recipe `name` under the global policy, except those named in
+  `leave_out` (precision.float32_layers) or `skip` (precision.float8_skip) and the layers nested
+  in them; with `only` (precision.float8_layers), only the layers it names (and those nested in
+  them). A layer whose GEMM does not fit the recipe (mxfp8: axes not in whole 32-element blocks;
+  an EinsumDense that is not one GEMM) stays in the compute policy, unless `only` names it
+  itself: then a ConfigError. Returns (the quantized layers' paths, 'path (why)' of those left
+  out for not fitting). A name in `only` or `skip` that matches no layer is a ConfigError."""
   recipe = float8_gemm.RECIPES[name]
   sixteen = keras.mixed_precision.dtype_policy().compute_dtype != 'float32'
-  done = []
+  done: list[str] = []
+  misfits: list[str] = []
+  used: set[str] = set()
   # pylint: disable-next=protected-access
-  for layer in model._flatten_layers(include_self=False):
-    if (sixteen and layer.compute_dtype == 'float32') or _named(layer, leave_out):
+  layers = list(model._flatten_layers(include_self=False))
+  for layer in layers:
+    used.update(n for n in (*only, *skip) if _named(layer, (n,)))
+    if (sixteen and layer.compute_dtype == 'float32') or _named(layer, leave_out + tuple(skip)):
       continue  # a float32 layer stays float32
+    if only and not _named(layer, only):
+      continue
+    kernels = _kernels(layer)
+    if not kernels:
+      continue
+    why = _misfit(layer, recipe, kernels)
+    if why and (layer.name in only or layer.path in only):
+      raise ConfigError(
+        f"{KEY}='{name}': layer {layer.path} {why}; take it out of "
+        'config.precision.float8_layers or use another recipe'
+      )
+    if why:
+      misfits.append(f'{layer.path} ({why})')
+      continue
     if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
-      _check_blocks(layer, recipe, [layer.kernel])
       call = _dense_call if isinstance(layer, keras.layers.Dense) else _einsum_call
       object.__setattr__(layer, 'call', call(layer, recipe))
-    elif getattr(layer, 'FLOAT8_KERNELS', None):
-      _check_blocks(layer, recipe, [getattr(layer, k) for k in layer.FLOAT8_KERNELS])
+    else:
       matmul = lambda x, w, r=recipe, p=layer.path: float8_gemm.matmul(x, w, r, p)  # noqa: E731
       object.__setattr__(layer, 'float8_matmul', matmul)
-    else:
-      continue
     object.__setattr__(layer, 'float8_recipe', name)
     done.append(layer.path)
-  return done
+  for key, names in (('float8_layers', only), ('float8_skip', skip)):
+    if missing := [n for n in names if n not in used]:
+      raise ConfigError(
+        f'config.precision.{key}={",".join(names)!r}: no layer named {", ".join(missing)} in '
+        f'the model; layer names: {", ".join(sorted(x.name for x in layers))}'
+      )
+  return done, misfits
+
+
+def _kernels(layer) -> list:
+  """The kernels of the GEMMs a recipe computes in `layer`: Dense's and EinsumDense's, or the
+  projections a layer names (FLOAT8_KERNELS); [] for any other layer."""
+  if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+    return [layer.kernel]
+  return [getattr(layer, k) for k in getattr(layer, 'FLOAT8_KERNELS', None) or ()]
 
 
 def _named(layer, names: tuple[str, ...]) -> bool:
@@ -60,20 +97,26 @@ def _named(layer, names: tuple[str, ...]) -> bool:
   return layer.name in names or any(n in paths for n in names)
 
 
-def _check_blocks(layer, recipe, kernels) -> None:
-  """mxfp8: the forward GEMM contracts over K (the kernel's input size), the input-gradient GEMM
-  over N (its output size): both must be whole 32-element blocks. (The weight-gradient GEMM
-  contracts over the batch, whose ragged tail is padded with zeros.)"""
-  if recipe.scaling != 'block':
-    return
+def _misfit(layer, recipe, kernels) -> str | None:
+  """Why `layer`'s GEMMs do not fit `recipe`, or None. An EinsumDense must be one GEMM. mxfp8:
+  the forward GEMM contracts over K (the kernel's input size), the input-gradient GEMM over N
+  (its output size): both must be whole 32-element blocks (the weight-gradient GEMM contracts
+  over the batch, whose ragged tail is padded with zeros)."""
+  if isinstance(layer, keras.layers.EinsumDense):
+    try:
+      _einsum_plan(layer)
+    except ConfigError:
+      return f'(EinsumDense {layer.equation!r}) is not one GEMM'
+  if not recipe.scaling.startswith('block'):
+    return None
   for kernel in kernels:
     k, n = _contraction_sizes(layer, kernel)
     if k % float8_quant.BLOCK or n % float8_quant.BLOCK:
-      raise ConfigError(
-        f"{KEY}='mxfp8': layer {layer.path} contracts over K={k} (forward) and N={n} (input "
-        f'gradient); both must be multiples of {float8_quant.BLOCK} (MX blocks): leave it out '
-        'with config.precision.float32_layers or use another recipe'
+      return (
+        f'contracts over K={k} (forward) and N={n} (input gradient); mxfp8 needs both in '
+        f'multiples of {float8_quant.BLOCK} (MX blocks)'
       )
+  return None
 
 
 def _contraction_sizes(layer, kernel) -> tuple[int, int]:
@@ -137,6 +180,6 @@ def _einsum_plan(layer, rank: int | None = None) -> tuple[str, str, str, str, st
   if '...' in b or not contracted or sorted(out) != sorted(free + kfree):
     raise ConfigError(
       f'{KEY}: layer {layer.path} (EinsumDense {layer.equation!r}) is not one GEMM (x free, '
-      'contracted, kernel free axes); leave it out with config.precision.float32_layers'
+      'contracted, kernel free axes); leave it out with config.precision.float8_skip'
     )
   return a, b, out, free, contracted, kfree

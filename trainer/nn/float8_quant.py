@@ -14,6 +14,9 @@ The scalings (one per recipe, trainer/nn/float8_recipes.py):
     (MX) spec v1.0 section 6.3: X = 2^(floor(log2(amax)) - emax_elem), clamped to E8M0's
     [2^-127, 2^127]; elements x / X saturated into the format. A ragged tail (a batch axis) is
     padded with zeros, which change no block's amax.
+  * 'block_rceil': the same blocks with torchao's RCEIL scale (NVIDIA's MX rounding):
+    X = 2^ceil(log2(amax / fmax)), rounded up, so no element saturates (the spec's floor cuts a
+    block maximum whose mantissa is above fmax's, 1.75 for e4m3).
 Invariants, shared with the NumPy reference in tests/nn/test_float8_quant.py:
   * saturation: finite values beyond the format's largest magnitude become +-fmax; inf and NaN
     are not finite values and stay non-finite (e4m3fn has no inf: inf becomes NaN).
@@ -35,7 +38,7 @@ FORMATS = {  # name: (TF dtype, largest finite value, MX emax_elem: exponent of 
   'e4m3fn': (tf_dtypes.float8_e4m3fn, float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max), 8),
   'e5m2': (tf_dtypes.float8_e5m2, float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max), 15),
 }
-SCALINGS = ('tensor', 'axis', 'block')
+SCALINGS = ('tensor', 'axis', 'block', 'block_rceil')
 BLOCK = 32  # MX block size (OCP MX spec: k = 32)
 EPS = 1e-12  # amax floor of the tensor and axis scalings (torchao's EPS)
 E8M0_MIN, E8M0_MAX = -127, 127  # E8M0's exponents (255 is its NaN)
@@ -76,20 +79,24 @@ def current_scale(a: tf.Tensor, fmt: str, power_of_two: bool) -> tf.Tensor:
   return pow2_floor(scale) if power_of_two else scale
 
 
-def mx_exponent(a: tf.Tensor, fmt: str) -> tf.Tensor:
+def mx_exponent(a: tf.Tensor, fmt: str, rceil: bool = False) -> tf.Tensor:
   """The MX shared scale's exponent, clamp(floor(log2(amax)) - emax_elem, -127, 127) (int32):
   X = 2^e, an E8M0 value. floor(log2) of a float32 is its unbiased exponent field (a zero or
   subnormal amax reads -127, already below the clamp; a non-finite amax is handled by the
   caller)."""
+  if rceil:  # torchao's RCEIL (NVIDIA's): ceil(log2(amax / fmax)), so no element saturates
+    bits = tf.bitcast(a / FORMATS[fmt][1], tf.int32)
+    up = tf.cast(tf.bitwise.bitwise_and(bits, (1 << 23) - 1) != 0, tf.int32)
+    return tf.clip_by_value(tf.bitwise.right_shift(bits, 23) - 127 + up, E8M0_MIN, E8M0_MAX)
   field = tf.bitwise.right_shift(tf.bitcast(a, tf.int32), 23) - 127
   return tf.clip_by_value(field - FORMATS[fmt][2], E8M0_MIN, E8M0_MAX)
 
 
-def mx_inverse_scale(a: tf.Tensor, fmt: str) -> tf.Tensor:
+def mx_inverse_scale(a: tf.Tensor, fmt: str, rceil: bool = False) -> tf.Tensor:
   """1 / X = 2^-e as float32 (normal: -e <= 127, and e <= 119 for any float32 amax), NaN where the
   amax is not finite (the OCP MX spec's NaN scale). Dividing by 2^-e instead of multiplying by
   X keeps X = 2^-127, a float32 subnormal that TF's CPU kernels read as 0, out of the math."""
-  inverse = tf.bitcast(tf.bitwise.left_shift(127 - mx_exponent(a, fmt), 23), tf.float32)
+  inverse = tf.bitcast(tf.bitwise.left_shift(127 - mx_exponent(a, fmt, rceil), 23), tf.float32)
   return tf.where(tf.math.is_finite(a), inverse, tf.constant(float('nan'), tf.float32))
 
 
@@ -97,8 +104,8 @@ def scaled(x: tf.Tensor, fmt: str, scaling: str, axis: int = -1):
   """(x times its scales in float32, the function taking quantized values back to x's layout
   and magnitude) for `scaling` ('tensor', 'axis' or 'block' along `axis`)."""
   x = tf.cast(x, tf.float32)
-  if scaling == 'block':
-    return _scaled_blocks(x, fmt, axis)
+  if scaling.startswith('block'):
+    return _scaled_blocks(x, fmt, axis, rceil=scaling == 'block_rceil')
   if scaling == 'tensor':
     scale = current_scale(amax(x), fmt, power_of_two=False)
   elif scaling == 'axis':
@@ -116,7 +123,7 @@ def qdq(x: tf.Tensor, fmt: str, scaling: str, axis: int = -1) -> tf.Tensor:
   # rounded once (the axis scale rounded down to a power of two on top), |x| <= amax, the product
   # rounded once. So saturating first would change no bit (`rounded`), and 4 of the chain's
   # element-wise passes go. An MX block's x / X reaches 2^(emax + 1) > fmax: it must saturate.
-  return back(cast_saturated(y, fmt) if scaling == 'block' else rounded(y, fmt))
+  return back(cast_saturated(y, fmt) if scaling.startswith('block') else rounded(y, fmt))
 
 
 @functools.cache
@@ -142,7 +149,7 @@ def counts(x: tf.Tensor, fmt: str, scaling: str, axis: int = -1) -> tf.Tensor:
   return tf.stack([tf.reduce_sum(tf.cast(f, tf.float32)) for f in flags])
 
 
-def _scaled_blocks(x: tf.Tensor, fmt: str, axis: int):
+def _scaled_blocks(x: tf.Tensor, fmt: str, axis: int, rceil: bool = False):
   """MX: `axis` moved last, zero-padded to whole blocks of 32, one E8M0 scale per block. Both
   scalings are exact (powers of two), but for results below 2^-126, which TF flushes to zero."""
   rank = x.shape.rank
@@ -155,7 +162,7 @@ def _scaled_blocks(x: tf.Tensor, fmt: str, axis: int):
   pad = (-n) % BLOCK
   padded = tf.pad(moved, [[0, 0]] * (rank - 1) + [[0, pad]])
   blocks = tf.reshape(padded, tf.concat([shape[:-1], [(n + pad) // BLOCK, BLOCK]], 0))
-  inverse = mx_inverse_scale(amax(blocks, -1), fmt)
+  inverse = mx_inverse_scale(amax(blocks, -1), fmt, rceil)
 
   def unscale(q):
     out = tf.reshape(q / inverse, tf.concat([shape[:-1], [n + pad]], 0))[..., :n]

@@ -102,28 +102,41 @@ def schedule(opt_config, total_steps: int) -> ConfigSchedule:
 
 
 class Recoverable(Schedule):
-  """`schedule(step) x factor`: `factor` is the recovery factor (config.train.recover_lr_factor),
-  a float64 variable that each recovery lowers (trainer/run/recovery.py) and every checkpoint
-  saves ('lr_factor'). The product is taken in float64: factors such as 1e-40 (taming a
-  learning rate of 1e38) are no float32."""
+  """`schedule(step) x factor`: `factor` is a float64 variable that each recovery lowers
+  (config.train.recover_lr_factor, trainer/run/recovery.py) and a Keras callback setting the
+  rate sets (trainer/run/keras_callbacks.py); every checkpoint saves it ('lr_factor'). None (the
+  schedule alone, no variable in the step) until `settable()` makes it, before the step is
+  traced. The product is taken in float64: factors such as 1e-40 (taming a learning rate of
+  1e38) are no float32."""
 
-  def __init__(self, schedule: Schedule, factor: tf.Variable):
+  def __init__(self, schedule: Schedule, factor: tf.Variable | None = None):
     self.schedule, self.factor = schedule, factor
 
+  def settable(self) -> tf.Variable:
+    """The factor, made at 1 (under the strategy's scope) when there is none yet."""
+    if self.factor is None:
+      self.factor = state_variable(1.0, tf.float64, 'lr_factor')
+    return self.factor
+
   def __call__(self, step):
+    if self.factor is None:
+      return self.schedule(step)
     rate = tf.cast(self.schedule(step), tf.float64) * self.factor
     return tf.cast(rate, tf.float32)
 
   def get_config(self) -> dict:
-    return {'schedule': self.schedule.get_config(), 'factor': float(self.factor.numpy())}
+    factor = 1.0 if self.factor is None else float(self.factor.numpy())
+    return {'schedule': self.schedule.get_config(), 'factor': factor}
 
 
-def recoverable(rate: Schedule, recover_lr_factor: float) -> Schedule:
-  """`rate` as it is when recovery leaves the learning rate alone (a factor of 1), else
-  `Recoverable(rate, <a new factor variable at 1>)`; made under the strategy's scope."""
-  if recover_lr_factor == 1.0:
-    return rate
-  return Recoverable(rate, state_variable(1.0, tf.float64, 'lr_factor'))
+def recoverable(rate: Schedule, recover_lr_factor: float) -> Recoverable:
+  """`rate` times a factor: made now when recovery lowers the learning rate
+  (`recover_lr_factor` below 1), else when a Keras callback may set it (Recoverable.settable);
+  made under the strategy's scope."""
+  wrapped = Recoverable(rate)
+  if recover_lr_factor != 1.0:
+    wrapped.settable()
+  return wrapped
 
 
 class AtGlobalStep(Schedule):

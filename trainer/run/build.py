@@ -161,8 +161,13 @@ def build(trainer, config, workdir: str, strategy: tf.distribute.Strategy | None
     if type(trainer).build_train_step is base.build_train_step:  # a custom step may differ
       contract.check_gradient(batch, trainer.compute_loss, trainer.model)
     # After the probe: quantizing needs a built model.
+    p = c.precision
     precision.apply_float8(
-      trainer.model, c.precision.float8, trainer.policy, c.precision.float32_layers
+      trainer.model,
+      p.float8,
+      float32_layers=p.float32_layers,
+      only=p.float8_layers,
+      skip=p.float8_skip,
     )
     _build_update(trainer, c)
   return batch
@@ -175,9 +180,33 @@ def _set_runtime(trainer, c, strategy: tf.distribute.Strategy | None) -> None:
   trainer.strategy = strategy or distribute.build(c)
   if c.train.deterministic:
     tf.config.experimental.enable_op_determinism()
-  keras.utils.set_random_seed(c.seed)
+  _seed(c.seed)
   float32_xla = _xla(c.train.jit_compile, 'float32')[0] and not _accelerated()
   trainer.policy = precision.apply(c.precision.policy, float32_xla)
+
+
+_SEEDED: list[int] = []  # the seed this module gave keras.utils.set_random_seed last
+
+
+def _seed(seed: int) -> None:
+  """config.seed seeds Python, NumPy, TF and Keras (keras.utils.set_random_seed), overriding a
+  seed the user's code set before: one line when it did (Keras keeps the seed it was given)."""
+  try:  # Keras's record of the last seed; an internal name, hence the guard
+    from keras.src.utils import rng_utils  # pylint: disable=import-outside-toplevel
+
+    before = rng_utils.get_random_seed() if hasattr(rng_utils, 'get_random_seed') else None
+  except ImportError:
+    before = None
+  if before is not None and before != seed and before not in _SEEDED[-1:]:
+    logging.warning(
+      'keras.utils.set_random_seed(%d) is overridden by config.seed=%d: the trainer seeds '
+      'every run; set --config.seed=%d instead',
+      before,
+      seed,
+      before,
+    )
+  keras.utils.set_random_seed(seed)
+  _SEEDED[:] = [seed]
 
 
 def _build_update(trainer, c) -> None:
@@ -231,7 +260,7 @@ def _check_grad_accum(step, k: int) -> None:
 def check_config(c, *, replicas: int, policy: str, total_steps: int, train_examples) -> None:
   """The config against this run (replicas, the resolved policy, the length: train.steps or epochs
   of `train_examples`): one ConfigError naming the key, before the model is built. What needs a
-  built object is checked where it is built: float32_layers' names, float8's MX blocks, the
+  built object is checked where it is built: float32_layers' and float8_layers' names, the
   optimizer's low-precision state, early stopping's metric."""
   batch, k, float8 = int(c.train.batch_size), int(c.train.grad_accum_steps), c.precision.float8
   if batch % replicas:

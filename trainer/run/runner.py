@@ -13,13 +13,15 @@ and a 'log' event (and the recovery policy's look at the loss); at a checkpoint 
 step, a requested stop) a finite-checked save and a 'save' event; at an eval step (and the last
 step) an eval and an 'eval' event, after the save, so that an eval that fails or hangs loses no
 trained step; when the eval changed the actions' checkpointed state (best eval, evals without
-improvement) the step is saved again with it, and the run folder records the eval as done. A
-resumed run whose restored step was due an eval that did not complete (Ctrl-C or a kill during
-it) evaluates that step first. A preemption notice saves and raises `Preempted`. `train_steps(n)`
-runs the calls and their log steps alone, for a benchmark or a loop of one's own.
+improvement, a learning rate a Keras callback set) the step is saved again with it, and the run
+folder records the eval as done. A resumed run whose restored step was due an eval that did not
+complete (Ctrl-C or a kill during it) evaluates that step first. A requested stop is recorded in
+the run folder: a rerun trains no further. A preemption notice saves and raises `Preempted`.
+`train_steps(n)` runs the calls and their log steps alone, for a benchmark or a loop of one's own.
 Every event goes to the built-in actions first (the numerics line, the config's early stopping
 and best checkpoint), then to the trainer's `build_actions()`, all through the same API
-(trainer/run/actions.py).
+(trainer/run/actions.py); the Keras callbacks among them are called last, as fit calls them
+(trainer/run/keras_callbacks.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from trainer.run import (
   epochs,
   goodput,
   health,
+  keras_callbacks,
   lifecycle,
   preemption,
   profiling,
@@ -80,10 +83,18 @@ class Runner:
     self.numerics = numerics.Recorder(
       t, c.numerics.every, self.write_scalars, batch=self._first_eval_batch
     )
-    user_actions = list(t.build_actions())
+    # Keras callbacks among the actions: driven as fit drives them (trainer/run/keras_callbacks.py).
+    user_actions, callbacks = keras_callbacks.split(list(t.build_actions()))
     contract.check_actions(user_actions)
     config_actions = actions.from_config(c, self.eval_loop.reports)
-    self.actions = [numerics.NumericsLine(self.numerics), *config_actions, *user_actions]
+    reported = [k for k in self.eval_loop.reports if k != 'loss']
+    self.callbacks = keras_callbacks.Callbacks(callbacks, t, reported)  # may make the lr factor
+    self.actions = [
+      numerics.NumericsLine(self.numerics),
+      *config_actions,
+      *user_actions,
+      self.callbacks,
+    ]
     self._actions_state = actions.state(config_actions + user_actions)  # checkpointed
     self.items = {**t.checkpoint_items(), 'actions': self._actions_state}
     # The schedule's recovery factor (train.recover_lr_factor != 1), checkpointed.
@@ -234,11 +245,15 @@ class Runner:
     for action in self.actions:
       action(event)
 
-  def train(self) -> dict[str, float]:
+  def train(self) -> keras_callbacks.History:
     """Trains to `total_steps` (resuming from the run folder), saves, evaluates; returns the
-    eval metrics. Ends early, with a checkpoint, when an action calls `request_stop`."""
+    eval metrics (a History: each epoch's logs too). Ends early, with a checkpoint, when an
+    action calls `request_stop` or a Keras callback sets `model.stop_training`; the run folder
+    records that stop, and a rerun trains no further."""
     t, total = self.config.train, self.trainer.total_steps
     step = self._start()
+    recorded = self._stop_reason = self._recorded_stop(step)
+    self.callbacks.train_begin()
     with self._running(step) as watcher:
       self._redo_cut_eval(watcher, step)
       while step < total and self._stop_reason is None:
@@ -261,9 +276,24 @@ class Runner:
       if not self._evaluated(step):  # an early stop off the eval grid; a finished run again
         self._eval_at(watcher, step)
         self._maybe_preempt(watcher, step)
-    if self._stop_reason is not None:
+    if self._stop_reason is not None and recorded is None and self._saved_at == step:
       logging.info('%s; stopped at step %d/%d', self._stop_reason, step, total)
-    return self._final_metrics(step)
+      self.workdir.record_stop(step, self._stop_reason)
+    return self.callbacks.train_end(self._final_metrics(step))
+
+  def _recorded_stop(self, step: int) -> str | None:
+    """The reason of the stop the run folder records at or before the restored `step`."""
+    stopped = self.workdir.stopped()
+    if stopped is None or step < stopped[0]:
+      return None
+    self._saved_at = step  # restored from that step's checkpoint: no save again for the stop
+    logging.info(
+      'the run stopped at step %d (%s): not training further (to train on, delete %s)',
+      stopped[0],
+      stopped[1],
+      os.path.join(self.workdir.checkpoint_dir, 'stopped.json'),
+    )
+    return stopped[1]
 
   def train_steps(self, n: int) -> int:
     """Trains `n` more steps as `train()` does between its boundaries (for a benchmark, or a
@@ -364,6 +394,7 @@ class Runner:
     line, its 'log' event and the recovery policy's look at it. Returns (the step to go on from,
     whether it is the call's end: False after a recovery went back to an earlier step)."""
     self._profiler.before(step, step + n)
+    self.callbacks.batch_begin(step)
     if self.clock.first_call is None:  # nothing is printed while the step is traced
       logging.info(
         'tracing and compiling the train step (the first call: steps %d-%d)', step, step + n
@@ -443,7 +474,9 @@ class Runner:
     self._maybe_preempt(watcher, step)
 
   def _actions_values(self) -> list:
-    return [np.array(v.numpy()) for v in self._actions_state.variables]
+    """The actions' checkpointed state, with the learning-rate factor a Keras callback sets."""
+    factor = [self.items['lr_factor']] if 'lr_factor' in self.items else []
+    return [np.array(v.numpy()) for v in [*self._actions_state.variables, *factor]]
 
   def _evaluated(self, step: int) -> bool:
     return self._last_eval is not None and self._last_eval['_step'] == step
@@ -556,6 +589,7 @@ class Runner:
   def _log_eval(self, step: int, stop=None) -> dict[str, float] | None:
     """One eval (`evaluate`), its line, its scalars and an 'eval' event; the metrics with
     '_step', kept as `last_eval`. None (and no event) when `stop()` ended it early."""
+    self.callbacks.test_begin()
     metrics = self.evaluate(stop, step)
     if metrics is None:
       logging.info('eval at step %d interrupted', step)

@@ -4,8 +4,9 @@
   <workdir>/config-step-<N>.json      the whole config of a resume at step N that changed keys
   <workdir>/checkpoints/              tf.train.CheckpointManager's ckpt-N files and state file,
                                       healthy.json (the last healthy checkpoint), evaluated.json
-                                      (the step of the last eval that completed) and policy.json
+                                      (the step of the last eval that completed), policy.json
                                       (the precision policy the newest checkpoints trained in)
+                                      and stopped.json (a requested stop's step and reason)
   <workdir>/tensorboard/              tf.summary events (train/..., eval/...)
   <workdir>/train.lock                while a training process runs (trainer/run/lock.py)
 
@@ -69,6 +70,7 @@ from trainer.errors import ConfigError, UserError
 HEALTHY = 'healthy.json'  # in checkpoints/: the last healthy checkpoint (trainer/run/health.py)
 EVALUATED = 'evaluated.json'  # in checkpoints/: the step of the last eval that completed
 POLICY = 'policy.json'  # in checkpoints/: the resolved policy of the process that saved last
+STOPPED = 'stopped.json'  # in checkpoints/: the step and reason of a requested stop
 CHECKPOINTS = 'checkpoints'
 TENSORBOARD = 'tensorboard'
 # TensorBoard writes of one set of tags run eagerly this many times before one compiled call
@@ -305,6 +307,18 @@ class Workdir:
     """The step of the last eval that completed (`record_eval`); None when none did, or the run
     folder was written before the record existed. Reads only (every worker: the chief's)."""
     return self._record_field(EVALUATED, 'step', int)
+
+  def record_stop(self, step: int, reason: str) -> None:
+    """Records a requested stop (an action's request_stop, a Keras callback's stop_training),
+    saved at `step` (the chief writes checkpoints/stopped.json): a rerun of the same command
+    restores that step and trains no further (Runner.train)."""
+    if self.is_chief:
+      write_json(os.path.join(self.checkpoint_dir, STOPPED), {'step': int(step), 'reason': reason})
+
+  def stopped(self) -> tuple[int, str] | None:
+    """(step, reason) of the recorded stop (`record_stop`), None when there is none. Reads only."""
+    step = self._record_field(STOPPED, 'step', int)
+    return None if step is None else (step, str(self._record_field(STOPPED, 'reason', str)))
 
   def healthy_path(self) -> str | None:
     record = self.healthy_record()

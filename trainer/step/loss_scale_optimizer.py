@@ -57,6 +57,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
   `initial_scale`, non-finite steps are still skipped), `growth_factor`, `backoff_factor`,
   `min_scale` (the floor, 1), `max_scale` (the cap, `2**24`), `hysteresis` (non-finite steps in a
   row before a back-off). Create it under the model's `strategy.scope()`.
+
+  Unscaling multiplies each gradient by 1/S in float32, as PyTorch's GradScaler does; Keras's
+  own divides by S. With a power-of-two scale (every scale the defaults reach) the two are
+  bit-identical; with a scale such as `initial_scale=400` some values differ in the last bit
+  (docs/guides/loss-scaler-cases.md, case K3').
   """
 
   def __init__(
@@ -77,6 +82,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # Keras's LossScaleOptimizer.__init__ is skipped: its scale is not ours.
     keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
     self.inner_optimizer = inner_optimizer
+    """The wrapped optimizer: it applies the unscaled gradients of a finite step."""
     _reset_loss_scale_factor(inner_optimizer)
     self._config: dict[str, Any] = dict(
       initial_scale=2.0**15 if initial_scale is None else float(initial_scale),
@@ -98,20 +104,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
       max_scale=max_scale,
       hysteresis=hysteresis,
     )
+    """The scale and its rules (trainer/step/loss_scale.py), the Trainer's own."""
     self.skipped_steps = state_variable(0, tf.int64, 'skipped_steps')
+    """Steps skipped because a gradient was not finite (int64, checkpointed)."""
     self._pending = threading.local()  # per replica: get_unscaled_gradients ran
 
   # ---- Keras 3's API ------------------------------------------------------------------------
   @property
   def initial_scale(self) -> float:
+    """The scale the first step uses."""
     return self._config['initial_scale']
 
   @property
   def dynamic_growth_steps(self) -> int:
+    """Finite steps in a row before the scale grows by `growth_factor`."""
     return self._config['dynamic_growth_steps']
 
   @property
   def dynamic(self) -> bool:
+    """Whether the scale moves (False: it stays `initial_scale`; skips still happen)."""
     return self._config['dynamic']
 
   @property
@@ -132,6 +143,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     return self._variables + self.inner_optimizer.variables + own
 
   def build(self, var_list: Sequence[Any]) -> None:
+    """Builds the inner optimizer's slots for `var_list` (float16 variables are refused, as is
+    a strategy other than the one the optimizer was created in)."""
     _check_variables(self, var_list)
     self.inner_optimizer.build(var_list)
     keras.optimizers.Optimizer.build(self, var_list)
@@ -148,6 +161,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     return scaled
 
   def apply_gradients(self, grads_and_vars: Any) -> tf.Variable:
+    """`apply` on `(gradient, variable)` pairs of scaled gradients; returns `iterations`."""
     grads, variables = zip(*grads_and_vars)
     self.apply(list(grads), list(variables))
     return self.iterations
@@ -170,9 +184,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     context.merge_call(self._apply_or_skip, args=(counts, grads, variables))
 
   def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    """JAX's stateless update: refused in one line (this backend is TensorFlow)."""
     raise UserError('LossScaleOptimizer.stateless_apply: not supported on TensorFlow')
 
   def get_config(self) -> dict:
+    """Keras 3's keys and ours (10 in all): `keras.saving` round-trips the optimizer."""
     return {
       'name': self.name,
       'inner_optimizer': keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -197,7 +213,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     return self.scale_loss(loss)
 
   def get_unscaled_gradients(self, grads: Sequence[Any]) -> list:
-    """`grads` / the scale, in float32 (None stays None). The next `apply_gradients` of this
+    """`grads` x 1/scale, in float32 (None stays None). The next `apply_gradients` of this
     replica then does not divide again (tf-keras), whatever happened to them in between
     (clipping). Gradients this returned are refused (unscaled twice)."""
     if any(getattr(g, _UNSCALED, False) for g in grads):
@@ -214,7 +230,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
   # ---- the step -----------------------------------------------------------------------------
   def _unscaled(self, grads: list, variables: list) -> list:
-    """`grads` divided by the scale, unless this replica (thread: MirroredStrategy runs each
+    """`grads` unscaled (x 1/scale), unless this replica (thread: MirroredStrategy runs each
     replica in its own) called `get_unscaled_gradients` since its last apply."""
     if getattr(self._pending, 'unscaled', False):
       self._pending.unscaled = False
@@ -305,7 +321,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
     logs['skipped_steps'] = int(optimizer.skipped_steps.numpy())
 
   def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+    """Adds `loss_scale` and `skipped_steps` to the batch's logs."""
     self._add(logs)
 
   def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    """Adds `loss_scale` and `skipped_steps` to the epoch's logs (History, TensorBoard)."""
     self._add(logs)

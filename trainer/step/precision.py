@@ -88,16 +88,32 @@ def apply(name: str, float32_xla: bool = False) -> str:
   return policy
 
 
-def apply_float8(model: keras.Model, recipe: str, policy: str, float32_layers: str = '') -> None:
-  """config.precision.float8 on a built model under the resolved `policy`: 'none' leaves it,
+def apply_float8(
+  model: keras.Model, recipe: str, *, float32_layers: str = '', only: str = '', skip: str = ''
+) -> None:
+  """config.precision.float8 on a built model under the global policy: 'none' leaves it,
   'delayed' is Keras's (quantize_float8), the others are current-scaling recipes applied to the
-  layers that do not compute in float32 and are not named in `float32_layers` (the value of
-  precision.float32_layers; trainer/nn/float8_layers.py)."""
+  layers that do not compute in float32 and are not named in `float32_layers`, chosen by `only`
+  and `skip` (the values of precision.float32_layers, float8_layers and float8_skip;
+  trainer/nn/float8_layers.py). The layers left out because they do not fit: one warning line."""
   if recipe == 'delayed':
     quantize_float8(model)
   elif recipe != 'none':
-    layers = float8_layers.apply(model, recipe, policy, parse_layer_names(float32_layers))
+    layers, misfits = float8_layers.apply(
+      model,
+      recipe,
+      parse_layer_names(float32_layers),
+      only=parse_layer_names(only),
+      skip=parse_layer_names(skip),
+    )
     logging.info('float8 %s: %d layers (%s)', recipe, len(layers), ', '.join(layers))
+    if misfits:
+      logging.warning(
+        'float8 %s: %d layers left in the compute policy, their GEMMs do not fit the recipe: %s',
+        recipe,
+        len(misfits),
+        '; '.join(misfits),
+      )
 
 
 def quantize_float8(model: keras.Model) -> None:
