@@ -184,9 +184,12 @@ def windows(ids: np.ndarray, length: int, stride: int) -> np.ndarray:
 
 
 class TransformerLmTrainer(Trainer):
+  # The model's config section, defaults filled in (a subclass with other keys sets its own).
+  settings = staticmethod(model_config)
+
   def build_datasets(self):
     c = self.config
-    self.m = model_config(c)
+    self.m = self.settings(c)
     self.corpus = shakespeare.Corpus.from_text(shakespeare.load(c.data.dir), self.m.val_fraction)
     span = self.m.context + 1  # inputs and the targets shifted by one
     if len(self.corpus.val) < span:
@@ -225,10 +228,14 @@ class TransformerLmTrainer(Trainer):
   def compute_loss(self, batch, *, training):
     """Per sequence: the mean cross-entropy over its positions (nats per character), float32."""
     inputs, targets = batch
-    logits = tf.cast(self.model(inputs, training=training), tf.float32)
+    logits = tf.cast(self.logits(inputs, training), tf.float32)
     per_char = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
     correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), targets), tf.float32)
     return tf.reduce_mean(per_char, -1), {'accuracy': tf.reduce_mean(correct, -1)}
+
+  def logits(self, inputs, training=False):
+    """The model's logits [batch, time, vocab] for token ids [batch, time]."""
+    return self.model(inputs, training=training)
 
   # ---- sampling ----------------------------------------------------------------------------
   def sample(
@@ -249,7 +256,7 @@ class TransformerLmTrainer(Trainer):
     )
     def next_id(window, position, rng):
       # Causal: the padding after `position` does not affect the logits at `position`.
-      logits = tf.cast(self.model(window, training=False), tf.float32)[0, position]
+      logits = tf.cast(self.logits(window), tf.float32)[0, position]
       return tf.random.stateless_categorical(logits[None] / temperature, 1, rng)[0, 0]
 
     for i in range(length):

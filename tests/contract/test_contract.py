@@ -191,18 +191,29 @@ def test_float16_layer_is_an_error_unless_allowed(tmp_path):
 
 
 def test_low_precision_logits_warn_when_training_starts(tmp_path, monkeypatch):
-  class HalfLogits(FashionTrainer):
-    logits_dtype = None  # follows the mixed policy: bfloat16 logits
+  """Bfloat16 logits warn when the loss computes on them in bfloat16 (a hand-written
+  log-softmax), not when compute_loss casts them to float32 first (issue 58)."""
 
-  warnings = []
-  monkeypatch.setattr(logging, 'warning', lambda msg, *args: warnings.append(msg % args))
-  trainer = HalfLogits(
-    config(**{'precision.policy': 'mixed_bfloat16', 'train.steps': 2}), str(tmp_path / 'work')
-  )
-  trainer.train()
-  hazards = [w for w in warnings if w.startswith('precision hazard')]
-  assert len(hazards) == 1 and 'low-precision logits' in hazards[0]
-  assert 'dtype="float32"' in hazards[0]
+  class CastLogits(FashionTrainer):
+    logits_dtype = None  # follows the mixed policy: bfloat16 logits, cast by self.logits
+
+  class HalfLogits(CastLogits):
+    def compute_loss(self, batch, *, training):
+      images, labels = batch
+      logits = self.model(images, training=training)
+      log_p = tf.nn.log_softmax(logits)  # in bfloat16
+      loss = -tf.reduce_sum(tf.one_hot(labels, 10, dtype=log_p.dtype) * log_p, -1)
+      return tf.cast(loss, tf.float32), {}
+
+  for trainer_class, expected in ((CastLogits, 0), (HalfLogits, 1)):
+    warnings = []
+    monkeypatch.setattr(logging, 'warning', lambda msg, *args: warnings.append(msg % args))
+    config_ = config(**{'precision.policy': 'mixed_bfloat16', 'train.steps': 2})
+    trainer_class(config_, str(tmp_path / trainer_class.__name__)).train()
+    hazards = [w for w in warnings if w.startswith('precision hazard')]
+    assert len(hazards) == expected, hazards
+  assert 'low-precision logits' in hazards[0] and 'LogSoftmax on it in bfloat16' in hazards[0]
+  assert 'tf.cast(logits, tf.float32)' in hazards[0] and 'dtype="float32"' in hazards[0]
 
 
 def test_clean_model_starts_without_hazard_warnings(tmp_path, monkeypatch):

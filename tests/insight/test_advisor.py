@@ -105,8 +105,9 @@ def _demo_config(**overrides):
 def test_advisor_names_the_culprit_and_its_suggestion_trains_like_float32(tmp_path):
   trainer_class = models.get_trainer_class('overflow_demo')
   advice = advisor.advise(trainer_class, _demo_config(), str(tmp_path / 'advise'), steps=3)
-  assert 'culprit' in advice.suggested and 'hidden' not in advice.suggested
-  culprit = next(s for s in advice.layers if s.name == 'culprit')
+  # By path (trainer/nn/paths.py), as a run of the config names them.
+  assert advice.suggested == ['overflow_forward/culprit', 'overflow_forward/norm']
+  culprit = next(s for s in advice.layers if s.name == 'overflow_forward/culprit')
   assert culprit.max_out > 65504 and culprit.headroom(culprit.max_out) < 0
   assert culprit.nonfinite > 0  # the float16 run overflowed where float32 did not
   text = advice.markdown()
@@ -155,7 +156,9 @@ def test_launch_advise_writes_advice_md(tmp_path):
     env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
   )
   assert result.returncode == 0, result.stderr[-2000:]
-  assert "precision.float32_layers = 'culprit,norm'" in result.stdout
+  assert (
+    "precision.float32_layers = 'overflow_forward/culprit,overflow_forward/norm'" in result.stdout
+  )
   assert (workdir / 'advice.md').read_text() in result.stdout
 
 
@@ -243,14 +246,15 @@ def test_an_overflow_inside_a_layer_is_suggested_though_its_output_fits(tmp_path
     str(tmp_path / 'advise'),
     steps=2,
   )
-  gate = next(s for s in advice.layers if s.name == 'gate')
+  path = 'gated/holder/gate' if nested else 'gated/gate'
+  gate = next(s for s in advice.layers if s.name == path)
   assert gate.headroom(gate.max_out) > advisor.HEADROOM_BITS  # its output fits float16
   assert gate.overflowed > 0 and gate.nonfinite > 0
-  assert advice.suggested == ['gate'], advice.markdown()
+  assert advice.suggested == [path], advice.markdown()
   text = advice.markdown()
-  assert 'Overflowed inside: gate' in text
+  assert f'Overflowed inside: {path}' in text
   share = 100.0 * gate.nonfinite / gate.outputs
-  row = next(line for line in text.splitlines() if line.startswith('| gate'))
+  row = next(line for line in text.splitlines() if line.startswith(f'| {path}'))
   assert ('< 0.1 %' if share < 0.05 else f'{share:.1f} %') in row
   assert np.isfinite(gate.max_out)
 
@@ -277,7 +281,10 @@ def test_launch_advise_validates_its_suggestion(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   out = result.stdout
   assert "- as configured (float32_layers=''): skipped 20 of 20 steps" in out, out[-1500:]
-  assert "- with the suggestion (float32_layers='culprit,norm'): skipped 0 of 20 steps" in out
+  assert (
+    "- with the suggestion (float32_layers='overflow_forward/culprit,overflow_forward/norm'): "
+    'skipped 0 of 20 steps' in out
+  )
   assert (workdir / 'advice.md').read_text() in out
 
 

@@ -47,7 +47,7 @@ def test_clean_mixed_model_has_float32_variables_and_logits(mixed_float16):
   ]
   assert hazards == []
   text = audit.markdown(model, mixed_float16, rows, hazards)
-  assert '| hidden | Dense | float16 | float32 | float16 | 144 |' in text
+  assert '| clean/hidden | Dense | float16 | float32 | float16 | 144 |' in text
   assert 'No hazards' in text and '195 parameters' in text
 
 
@@ -59,15 +59,16 @@ def test_flags_each_hazard_once(mixed_float16):
       Float32Inside(name='float32_inside'),
       keras.layers.Dense(16, name='ok'),
       keras.layers.Dense(3, activation='softmax', name='half_softmax'),  # float16 output too
-    ]
+    ],
+    name='hazards',
   )
   _, hazards = audit.audit(model)
   found = sorted((h.layer, h.kind) for h in hazards)
   assert found == [
-    ('float32_inside', 'not autocast'),
-    ('half_softmax', 'low-precision logits'),  # named by the layer making it
-    ('half_softmax', 'low-precision softmax'),
-    ('half_weights', 'low-precision variables'),
+    ('hazards/float32_inside', 'not autocast'),
+    ('hazards/half_softmax', 'low-precision logits'),  # named by the layer making it
+    ('hazards/half_softmax', 'low-precision softmax'),
+    ('hazards/half_weights', 'low-precision variables'),
   ]
   assert all('float32' in h.message for h in hazards)  # each says what to do
 
@@ -86,20 +87,43 @@ class Subclassed(keras.Model):
 def test_a_subclassed_model_is_audited_through_one_forward_pass(mixed_float16):
   """Keras records no layer outputs for a subclassed model: without `run` its output dtypes
   are '?' and its float16 logits go unseen."""
-  model = Subclassed()
+  model = Subclassed(name='sub')
   model(tf.zeros([2, 8]))
   rows, hazards = audit.audit(model)
   assert [r.output_dtype for r in rows] == ['?'] * 3 and hazards == []
-  rows, hazards = audit.audit(model, run=lambda: model(tf.ones([2, 8])))
+
+  labels = tf.constant([0, 1])
+
+  def loss():  # a hand-written cross-entropy: its log-softmax runs in the logits' dtype
+    logits = model(tf.ones([2, 8]))
+    return -tf.reduce_sum(tf.one_hot(labels, 3, dtype=logits.dtype) * tf.nn.log_softmax(logits), -1)
+
+  rows, hazards = audit.audit(model, run=loss)
   assert [(r.name, r.output_dtype) for r in rows] == [
-    ('hidden', 'float16'),
-    ('float32_inside', 'float32'),
-    ('head', 'float16'),
+    ('sub/hidden', 'float16'),
+    ('sub/float32_inside', 'float32'),
+    ('sub/head', 'float16'),
   ]
   assert sorted((h.layer, h.kind) for h in hazards) == [
-    ('float32_inside', 'not autocast'),
-    ('head', 'low-precision logits'),
+    ('sub/float32_inside', 'not autocast'),
+    ('sub/head', 'low-precision logits'),
   ]
+  assert 'the loss computes LogSoftmax on it in float16' in hazards[-1].message
+
+  # What the loss receives decides: logits cast to float32 first, or Keras's cross-entropy
+  # (whose op gets them cast to float32, as tf.nn's does), and the float16 output is no hazard.
+  def cast_loss():
+    logits = tf.cast(model(tf.ones([2, 8])), tf.float32)
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+
+  def keras_loss():
+    logits = model(tf.ones([2, 8]))
+    return keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+
+  for run in (cast_loss, keras_loss):
+    _, hazards = audit.audit(model, run=run)
+    assert [h.kind for h in hazards] == ['not autocast']
+
   assert 'call' not in vars(model) and 'call' not in vars(model.head)  # the hooks are gone
 
 
@@ -128,7 +152,7 @@ def test_float_token_ids_into_an_embedding(policy):
 
     assert audit.audit(functional('float32'))[1] == []
     assert audit.audit(functional('int32'))[1] == []
-    model = FloatIds()
+    model = FloatIds(name='float_ids')
     model(tf.zeros([2, 4]))
     # The premise: the Embedding gets the ids the model cast (id 257 becomes 256 in bfloat16,
     # 2049 becomes 2048 in float16); given float32 ids itself, it reads the right row.
@@ -140,7 +164,7 @@ def test_float_token_ids_into_an_embedding(policy):
     model.embed.embeddings.assign(np.tile([[0.0], [1.0]], [2500, 4]))  # odd rows 1, even 0
     assert float(model.embed(tf.constant([first]))[0, 0]) == 1.0
     _, hazards = audit.audit(model, run=lambda: model(tf.fill([2, 4], 257.0)))
-    assert [(h.layer, h.kind) for h in hazards] == [('embed', 'float token ids')]
+    assert [(h.layer, h.kind) for h in hazards] == [('float_ids/embed', 'float token ids')]
     limit = '256' if policy == 'mixed_bfloat16' else '2048'
     assert f'ids above {limit} of its 5000 turn into other ids' in hazards[0].message
     model(tf.zeros([2, 4], tf.int32))
@@ -177,9 +201,11 @@ def test_nested_models_are_walked(mixed_float16):
   inner = keras.Sequential(
     [keras.Input((4,)), keras.layers.Dense(5, name='inner_dense')], name='inner'
   )
-  outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(2, dtype='float32')])
+  outer = keras.Sequential(
+    [keras.Input((4,)), inner, keras.layers.Dense(2, dtype='float32')], name='outer'
+  )
   names = [r.name for r in audit.audit(outer)[0]]
-  assert names[:2] == ['inner', 'inner/inner_dense']
+  assert names[:2] == ['outer/inner', 'outer/inner/inner_dense']
 
 
 def test_launch_audit_prints_and_writes_markdown(tmp_path):
@@ -202,8 +228,11 @@ def test_launch_audit_prints_and_writes_markdown(tmp_path):
     env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
   )
   assert result.returncode == 0, result.stderr[-2000:]
-  assert '| block0/block0_attention | CausalSelfAttention | float16 | float32 |' in result.stdout
-  assert '| logits | Dense | float32 | float32 | float32 |' in result.stdout
+  assert (
+    '| transformer_lm/block0/block0_attention | CausalSelfAttention | float16 | float32 |'
+    in result.stdout
+  )
+  assert '| transformer_lm/logits | Dense | float32 | float32 | float32 |' in result.stdout
   assert 'No hazards' in result.stdout
   assert (workdir / 'audit.md').read_text() == result.stdout.rstrip('\n') + '\n'
   assert not (workdir / 'checkpoints').exists()  # audit does not train
@@ -245,19 +274,19 @@ def test_nested_layers_are_counted_listed_and_checked():
     by_name = {r.name: r for r in rows}
     for name in ('patches', 'attention'):
       layer = model.get_layer(name)
-      assert by_name[name].params == layer.count_params() > 0
-      assert by_name[name].variable_dtype == 'float32'
+      assert by_name[f'vit/{name}'].params == layer.count_params() > 0
+      assert by_name[f'vit/{name}'].variable_dtype == 'float32'
     projection = model.get_layer('patches').projection
-    assert by_name[f'patches/{projection.name}'].params == 8 * 32 + 32
+    assert by_name[f'vit/patches/{projection.name}'].params == 8 * 32 + 32
     (softmax,) = [r for r in rows if r.cls == 'Softmax']  # Keras numbers the names: softmax_N
-    assert softmax.name.startswith('attention/softmax')
+    assert softmax.name.startswith('vit/attention/softmax')
     assert (softmax.cls, softmax.compute_dtype, softmax.output_dtype) == (
       'Softmax',
       'bfloat16',
       'bfloat16',
     )
     assert [(h.layer, h.kind) for h in hazards] == [(softmax.name, 'low-precision softmax')]
-    assert 'give attention dtype="float32"' in hazards[0].message
+    assert 'give vit/attention dtype="float32"' in hazards[0].message
     # The fix the message gives works: attention (and its softmax) in float32.
     fixed = _attention_model('float32')
     rows, hazards = audit.audit(fixed, run=lambda: fixed(tf.ones([1, 16, 8])))
@@ -267,7 +296,7 @@ def test_nested_layers_are_counted_listed_and_checked():
     # never calls the Softmax layer: listed, not flagged.
     plain = _attention_model(dropout=0.0)
     rows, hazards = audit.audit(plain, run=lambda: plain(tf.ones([1, 16, 8])))
-    assert [r.name.split('/')[0] for r in rows if r.cls == 'Softmax'] == ['attention']
+    assert [r.name.split('/')[1] for r in rows if r.cls == 'Softmax'] == ['attention']
     assert hazards == []
   finally:
     keras.mixed_precision.set_global_policy('float32')

@@ -123,13 +123,15 @@ def test_forward_overflow_names_the_culprit(mixed_float16):
   report = forensics.replay(model, _loss_fn(model), _batch(), loss_scale=SCALE)
   assert (report.phase, report.layer, report.layer_class, report.tensor) == (
     'forward',
-    'culprit',
+    'forward_overflow/culprit',  # its path in the model (trainer/nn/paths.py)
     'Dense',
     'output',
   )
   assert report.op == 'MatMul'  # check_numerics on the replay names the op
   assert report.dtype == 'float16' and report.max_abs_float32 > 65504
-  assert report.line().startswith("first non-finite: forward output of 'culprit' (Dense)")
+  assert report.line().startswith(
+    "first non-finite: forward output of 'forward_overflow/culprit' (Dense)"
+  )
   assert '> float16 max 65504' in report.line()
 
 
@@ -160,7 +162,7 @@ def test_an_overflow_inside_a_layer_reports_the_ops_own_value(mixed_float16):
   report = forensics.replay(model, _loss_fn(model), (x, y), loss_scale=SCALE)
   assert (report.phase, report.layer, report.tensor, report.op) == (
     'forward',
-    'gate',
+    'gated/gate',
     'output',
     'Exp',
   )
@@ -214,7 +216,7 @@ def test_an_intended_infinity_is_passed_over_for_the_real_overflow(mixed_float16
   model = _gated(MaskThenOverflow(name='masked'))
   x, y = _batch()
   report = forensics.replay(model, _loss_fn(model), (x, y), loss_scale=SCALE)
-  assert (report.layer, report.op) == ('masked', 'Mul'), report.line()
+  assert (report.layer, report.op) == ('gated/masked', 'Mul'), report.line()
   h = model.get_layer('proj')(x).numpy().astype(np.float64)
   assert report.op_max_abs_float32 == pytest.approx(np.abs(h * 1e4).max(), rel=1e-5)
   assert report.op_max_abs_float32 > 65504
@@ -223,7 +225,7 @@ def test_an_intended_infinity_is_passed_over_for_the_real_overflow(mixed_float16
 def test_a_traced_function_inside_a_layer_is_not_named_as_the_op(mixed_float16):
   model = _gated(TracedExpGate(name='gate'))
   report = forensics.replay(model, _loss_fn(model), _batch(), loss_scale=SCALE)
-  assert (report.phase, report.layer) == ('forward', 'gate')
+  assert (report.phase, report.layer) == ('forward', 'gated/gate')
   assert not report.op.startswith('__'), report.line()  # not '__inference__traced_gate_12'
   assert report.op_max_abs_float32 is None
 
@@ -245,7 +247,7 @@ def test_a_weight_gradient_overflow_names_each_variable_and_whose_value_it_gives
   x, y = _batch(n=256)
   scale = 2.0**21
   report = forensics.replay(model, _loss_fn(model), (x, y), loss_scale=scale)
-  assert (report.phase, report.layer, report.tensor) == ('backward', 'proj', 'weight gradient')
+  assert (report.phase, report.layer, report.tensor) == ('backward', 'wg/proj', 'weight gradient')
   assert report.detail == 'wg/proj/kernel, wg/proj/bias'
   proj, logits = model.layers
   with tf.GradientTape() as tape:
@@ -285,10 +287,14 @@ def test_forward_model_is_finite_in_float32():
 def test_backward_overflow_names_the_layer_whose_input_gradient_overflowed(mixed_float16):
   model = backward_model()
   report = forensics.replay(model, _loss_fn(model), _batch(), loss_scale=SCALE)
-  assert (report.phase, report.layer, report.tensor) == ('backward', 'amplifier', 'input gradient')
+  assert (report.phase, report.layer, report.tensor) == (
+    'backward',
+    'backward_overflow/amplifier',
+    'input gradient',
+  )
   assert np.isfinite(report.loss)  # the forward pass was finite
   assert report.max_abs_float32 > 65504
-  assert "backward input gradient of 'amplifier' (Dense)" in report.line()
+  assert "backward input gradient of 'backward_overflow/amplifier' (Dense)" in report.line()
   assert 'at loss scale 32768' in report.line()
   # The same step at scale 1 is finite: the overflow was the scale's.
   assert forensics.replay(model, _loss_fn(model), _batch(), loss_scale=1.0).phase == ''
@@ -298,7 +304,11 @@ def test_nested_subclassed_model_names_the_innermost_layer(mixed_float16):
   model = Net()
   model(_batch()[0])  # build
   report = forensics.replay(model, _loss_fn(model), _batch(), loss_scale=SCALE)
-  assert (report.phase, report.layer, report.layer_class) == ('forward', 'culprit', 'Dense')
+  assert (report.phase, report.layer, report.layer_class) == (
+    'forward',
+    'subclassed/block/culprit',
+    'Dense',
+  )
   # The hooks are gone afterwards: the layers' own call runs again.
   assert all('call' not in layer.__dict__ for layer in model._flatten_layers())
 
@@ -325,7 +335,11 @@ def test_nested_backward_overflow_names_the_innermost_layer(mixed_float16):
   )(x)
   model = keras.Model(inputs, outputs, name='functional')
   report = forensics.replay(model, _loss_fn(model), _batch(), loss_scale=SCALE)
-  assert (report.phase, report.layer, report.tensor) == ('backward', 'amplifier', 'input gradient')
+  assert (report.phase, report.layer, report.tensor) == (
+    'backward',
+    'functional/block/amplifier',
+    'input gradient',
+  )
 
 
 def test_a_non_finite_batch_is_named_as_such(mixed_float16):
@@ -415,7 +429,7 @@ def test_launch_diagnose_records_then_replays_a_folder(tmp_path):
     env=env,
   )
   assert first.returncode == 0, first.stderr[-2000:]
-  assert "forward output of 'culprit' (Dense)" in first.stdout
+  assert "forward output of 'overflow_forward/culprit' (Dense)" in first.stdout
   folder = workdir / 'forensics' / 'step-0'
   assert (folder / 'report.txt').is_file()
   assert os.listdir(workdir) == ['forensics']  # read-only otherwise: no lock, config, events
@@ -447,7 +461,9 @@ def test_replay_after_a_compiled_xla_step_on_two_replicas(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   replicas, skipped, recorded, replayed = result.stdout.strip().splitlines()[-4:]
   assert (replicas, skipped) == ('2', '2')
-  assert recorded.startswith("first non-finite: forward output of 'culprit' (Dense)")
+  assert recorded.startswith(
+    "first non-finite: forward output of 'overflow_forward/culprit' (Dense)"
+  )
   assert replayed == recorded
 
 

@@ -42,9 +42,10 @@ def train(config, workdir, caplog):
 @pytest.mark.parametrize(
   'overflow, jit, words',
   [
-    ('forward', 'false', "forward output of 'culprit'"),
-    ('forward', 'true', "forward output of 'culprit'"),  # the compiled step used XLA
-    ('backward', 'false', "'amplifier'"),
+    ('forward', 'false', "forward output of 'overflow_forward/culprit'"),
+    # The compiled step used XLA.
+    ('forward', 'true', "forward output of 'overflow_forward/culprit'"),
+    ('backward', 'false', "'overflow_backward/amplifier'"),
   ],
 )
 def test_skips_are_replayed_and_name_the_layer(tmp_path, caplog, overflow, jit, words):

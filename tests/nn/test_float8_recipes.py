@@ -486,7 +486,7 @@ def test_replay_names_the_float8_layer_that_overflows(tmp_path, recipe):
   assert trainer.model.get_layer('culprit').float8_recipe == recipe
   batch = next(iter(trainer.datasets.train))
   report = forensics.replay(trainer.model, trainer.compute_loss, batch, loss_scale=32768.0)
-  assert report.phase == 'forward' and report.layer == 'culprit', report.line()
+  assert report.phase == 'forward' and report.layer == 'loud/culprit', report.line()
 
 
 @pytest.mark.slow

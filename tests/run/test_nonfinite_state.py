@@ -127,8 +127,29 @@ def test_a_nan_planted_in_a_weight_is_recovered_from(tmp_path, caplog, at):
   assert '/bias' in lines[0] and ('after the updates of these steps' in lines[0]) == (at == 25), (
     lines
   )
+  # Named as at a call, by Keras's path (the save read the tf.Variable, named '...:0').
+  assert trainer.model.layers[0].bias.path in lines[0] and ':0' not in lines[0], lines
   assert int(trainer.global_step.numpy()) == 40 and math.isfinite(metrics['loss'])
   assert all(np.isfinite(w).all() for w in weights(trainer))
+
+
+def test_a_nan_found_by_a_save_gets_advice_for_a_write_between_steps(tmp_path):
+  """The save at step 10 finds the NaN an action put in the bias at step 10's progress line:
+  the step's own check had found the update finite, so the advice is that write, not a learning
+  rate or a loss scale (a float32 run)."""
+
+  class Planted(Pooled):
+    def build_actions(self):
+      return [PlantNaN(10)]
+
+  trainer = Planted(tiny_config(**FAST), str(tmp_path))
+  with pytest.raises(NonFiniteError) as info:
+    trainer.train()
+  message = str(info.value)
+  assert message.startswith('step 10: the training state is not finite'), message
+  assert f'first: {trainer.model.layers[0].bias.path});' in message, message
+  assert 'so something between the steps wrote them: an action, a callback' in message
+  assert 'loss scale' not in message and 'learning_rate' not in message
 
 
 def test_no_healthy_checkpoint_says_why_no_try_could_help(tmp_path):

@@ -189,7 +189,7 @@ def test_float8_replay_names_the_overflowing_quantized_layer(tmp_path):
   assert trainer.model.get_layer('culprit').quantization_mode == 'float8'
   batch = next(iter(trainer.datasets.train))
   report = forensics.replay(trainer.model, trainer.compute_loss, batch, loss_scale=32768.0)
-  assert report.phase == 'forward' and report.layer == 'culprit', report.line()
+  assert report.phase == 'forward' and report.layer == 'loud/culprit', report.line()
   finite = MnistMlpTrainerFor(tmp_path)
   line = forensics.replay(
     finite.model, finite.compute_loss, next(iter(finite.datasets.train)), loss_scale=32768.0

@@ -22,7 +22,9 @@ made a non-finite output from finite inputs where float32 stayed finite: a value
 overflowed (an exp in a hand-written softmax) although its output fits. Output error and
 underflow are reported, not acted on: the remedy for underflow is the loss scale. A layer with
 non-finite outputs or gradients never "fits": when headroom names no layer but something was
-non-finite, the advice says so instead of suggesting nothing. `launch.py --advise` prints the
+non-finite, the advice says so instead of suggesting nothing. Layers are named by their path in
+the model (trainer/nn/paths.py); the table marks every layer so condemned, and the suggestion
+leaves out those inside another (`Advice.suggested`). `launch.py --advise` prints the
 report and writes <workdir>/advice.md; with `--advise_validate_steps=N` it then trains N steps
 as configured and N with the suggestion (`validate`) and prints each run's skipped steps and
 flushed gradient fraction.
@@ -39,6 +41,7 @@ import ml_collections
 import tensorflow as tf
 
 from trainer.insight import files, forensics
+from trainer.nn import paths
 
 HEADROOM_BITS = 2  # keep values at least 2**HEADROOM_BITS below the dtype's maximum
 LOW = ('float16', 'bfloat16')
@@ -88,13 +91,21 @@ class Advice:
   steps: int
   loss_scale: float
   layers: list[LayerStats]
-  suggested: list[str]
+  condemned: list[str]  # the layers (paths) the numbers put in float32
   scale_mode: str = 'dynamic'  # the LossScaler's: 'dynamic', 'static' or 'none'
 
   @property
   def nonfinite_layers(self) -> list[str]:
     """The layers whose target outputs or weight gradients had a non-finite element."""
     return [s.name for s in self.layers if s.nonfinite or s.grad_nonfinite]
+
+  @property
+  def suggested(self) -> list[str]:
+    """The condemned layers not inside another one: a float32_layers entry reaches the layers
+    inside it, and Keras refuses two entries of which one holds the other."""
+    return [
+      p for p in self.condemned if not any(p.startswith(outer + '/') for outer in self.condemned)
+    ]
 
   @property
   def suggested_value(self) -> str:
@@ -123,7 +134,7 @@ class Advice:
         else f'{pct(s.grad_flushed, s.grad_total)} | {pct(s.grad_subnormal, s.grad_total)}'
       )
       lines.append(
-        f'| {s.name}{" **float32**" if s.name in self.suggested else ""} | {s.cls} | '
+        f'| {s.name}{" **float32**" if s.name in self.condemned else ""} | {s.cls} | '
         f'{s.compute_dtype} | {s.max_out:.3g} | {_bits(s.headroom(s.max_out))} | '
         f'{s.max_in:.3g} | {_bits(s.headroom(s.max_in))} | {pct(s.nonfinite, s.outputs)} | '
         f'{s.rel_error:.2g} | {underflow} | '
@@ -133,7 +144,8 @@ class Advice:
     lines.append(
       f'Headroom: powers of two between the largest |value| of the float32 run and '
       f"the compute dtype's largest finite value (negative: out of range); a layer "
-      f'within {HEADROOM_BITS} is suggested for float32. Gradients are the weight '
+      f'within {HEADROOM_BITS} is marked float32 (the suggestion leaves out those inside '
+      'another marked layer: an entry reaches them). Gradients are the weight '
       'gradients at the loss scale above: flushed = zero in the compute dtype, '
       'non-zero but below its smallest normal in float32 (lost to range); zero (f32) '
       '= zero in float32 too.'
@@ -194,7 +206,8 @@ def _observe(model, compute_loss, batch, scale):
       loss += tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
     scaled = loss * scale
   variables = model.trainable_variables
-  grads = tape.gradient(scaled, variables)
+  # An embedding's gradient comes as IndexedSlices: dense here, for the element counts.
+  grads = [None if g is None else tf.convert_to_tensor(g) for g in tape.gradient(scaled, variables)]
   del tape
   by_id = {id(v): g for v, g in zip(variables, grads)}
   unscaled = [None if g is None else tf.cast(g, tf.float32) / scale for g in grads]
@@ -222,6 +235,7 @@ def advise(
   scale = float(target.loss_scaler.scale.numpy())
 
   stats: dict[int, LayerStats] = {}
+  names = paths.layer_paths(target.model)  # the target is built first: a training run's names
   batches = iter(target.datasets.train)
   for _ in range(steps):
     batch = next(batches)
@@ -234,7 +248,8 @@ def advise(
     for ct, cr in zip(calls_t, calls_r):
       layer = ct.layer
       s = stats.setdefault(
-        id(layer), LayerStats(layer.name, type(layer).__name__, layer.compute_dtype)
+        id(layer),
+        LayerStats(names.get(id(layer), layer.name), type(layer).__name__, layer.compute_dtype),
       )
       assert to_target.get(id(cr.layer)) is layer, 'the two builds called different layers'
       s.max_out = max(s.max_out, forensics.max_abs(cr.outputs))
@@ -280,14 +295,14 @@ def advise(
     target.model.set_weights(reference.model.get_weights())
 
   layers = list(stats.values())
-  suggested = [
+  condemned = [
     s.name
     for s in layers
     if s.compute_dtype in LOW
     and (min(s.headroom(s.max_out), s.headroom(s.max_in)) < HEADROOM_BITS or s.overflowed)
   ]
   return Advice(
-    policy, steps, scale, layers, list(dict.fromkeys(suggested)), scale_mode=target.loss_scaler.mode
+    policy, steps, scale, layers, list(dict.fromkeys(condemned)), scale_mode=target.loss_scaler.mode
   )
 
 

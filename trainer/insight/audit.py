@@ -3,8 +3,10 @@
 `audit(model)` returns one `Row` per layer (nested models and the layers a layer holds, such as
 attention's projections and softmax, are walked; a row counts every variable inside its layer)
 and the `Hazard`s found:
-  * low-precision logits: a float16/bfloat16 model output reaches the loss (whose softmax and
-    log would run in float16: overflow, or bfloat16: 8-bit precision);
+  * low-precision logits: a float16/bfloat16 model output reaches the loss, whose softmax and
+    log ops (seen on the forward pass `run`, after compute_loss's own cast) run in float16
+    (overflow) or bfloat16 (8-bit precision);
+  * overflow: a layer computes inf or NaN from finite inputs at the current weights;
   * low-precision softmax: a layer applying softmax computes in float16/bfloat16;
   * low-precision variables: a layer stores float16/bfloat16 weights, so the optimizer's updates
     are rounded away (use a mixed_* policy: float32 variables, low-precision compute);
@@ -13,7 +15,8 @@ and the `Hazard`s found:
   * not autocast: under a mixed policy a layer outputs float32 although its compute dtype is low
     precision (it creates or reads weights Keras cannot autocast, e.g. a raw tf.Variable, or has
     `autocast=False` on its weights), so it silently computes in float32.
-`markdown(...)` renders the table and the hazards; `python launch.py --config=... --audit` prints
+Rows and hazards name a layer by its path in the model (trainer/nn/paths.py). `markdown(...)`
+renders the table and the hazards; `python launch.py --config=... --audit` prints
 it and writes it to <workdir>/audit.md.
 """
 
@@ -28,6 +31,8 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.insight import files, hooks
+from trainer.insight.forensics import nonfinite
+from trainer.nn import paths
 
 LOW = ('float16', 'bfloat16')
 
@@ -54,21 +59,6 @@ def _children(layer) -> list:
   if isinstance(layer, keras.Model) or getattr(layer, 'layers', None):
     return list(layer.layers)
   return list(getattr(layer, '_layers', None) or [])  # pylint: disable=protected-access
-
-
-def _layers(model, prefix=''):
-  """(path, layer) for every layer inside `model`, depth first, each once."""
-  seen = set()
-
-  def walk(parent, prefix):
-    for layer in _children(parent):
-      if id(layer) in seen:
-        continue
-      seen.add(id(layer))
-      yield prefix + layer.name, layer
-      yield from walk(layer, prefix + layer.name + '/')
-
-  yield from walk(model, prefix)
 
 
 def _dtypes(structure) -> list[str]:
@@ -120,38 +110,23 @@ def audit(
   model: keras.Model, policy: str | None = None, run=None
 ) -> tuple[list[Row], list[Hazard]]:
   """Rows for every layer of a built model and the hazards found. `policy`: the global policy
-  name the model was built under (default: the current global policy). A subclassed model
-  records no layer outputs: `run`, a callable running its forward pass (compute_loss on a
-  batch), is then called once to see every layer's output dtype and the model's."""
+  name the model was built under (default: the current global policy). `run`, a callable
+  running the forward pass and the loss (compute_loss on a batch), is called once with every
+  layer recorded: it shows the output dtypes Keras does not record (a subclassed model's, the
+  layers nested in a layer), the first layer whose output overflows, and the dtype in which the
+  loss's softmax and log ops receive the logits (after compute_loss's own cast)."""
   policy = policy or keras.mixed_precision.global_policy().name
   mixed = policy.startswith('mixed_')
   rows, hazards = [], []
   seen: dict = {}  # id(layer): outputs of its first call in `run`
   inputs: dict = {}  # id(layer): the first argument of that call
-  layers = dict(_layers(model))
-  # Keras records the outputs of a functional model's own layers, not those of the layers
-  # nested in them (attention's softmax) nor any of a subclassed model's: `run` sees them.
-  if run is not None and (
-    not getattr(model, 'outputs', None) or any(_output_dtype(l, {}) == '?' for l in layers.values())
-  ):
-    try:
-      with hooks.recording(model, None, include_self=True) as calls:
-        run()
-    except Exception as e:  # pylint: disable=broad-except  (the audit never ends a run)
-      # Keras wraps a layer's error: 'Exception encountered when calling X.call().', the
-      # message in bold (ANSI codes), then the arguments.
-      lines = [re.sub(r'\x1b\[[0-9;]*m', '', l).strip() for l in str(e).splitlines()]
-      logging.warning(
-        "dtype audit: the forward pass of %s failed (%s: %s); its layers' output "
-        'dtypes are not checked',
-        model.name,
-        type(e).__name__,
-        next((l for l in lines if l and not l.startswith('Exception encountered')), '')[:200],
-      )
-      calls = []
-    for c in calls:
-      seen.setdefault(id(c.layer), c.outputs)
-      inputs.setdefault(id(c.layer), (c.args or tuple(c.kwargs.values()) or (None,))[0])
+  layers = dict(paths.walk(model))
+  calls, received = _recorded(model, run) if run is not None else ([], None)
+  if overflow := _overflow(calls, layers):
+    hazards.append(overflow)
+  for c in calls:
+    seen.setdefault(id(c.layer), c.outputs)
+    inputs.setdefault(id(c.layer), (c.args or tuple(c.kwargs.values()) or (None,))[0])
   for name, layer in layers.items():
     # A row counts every variable inside the layer (a container such as MultiHeadAttention
     # holds none of its own); the hazards below look at its own, as each nested layer has a row.
@@ -202,8 +177,10 @@ def audit(
     # A softmax layer the recorded forward pass never called computes nothing (attention without
     # dropout computes its softmax in float32 in Keras's dot_product_attention instead).
     if _applies_softmax(layer) and compute in LOW and (not seen or id(layer) in seen):
-      maker = layers.get(name.rpartition('/')[0])
-      hazards.append(Hazard(name, 'low-precision softmax', _softmax_fix(maker, compute)))
+      maker = name.rpartition('/')[0]
+      hazards.append(
+        Hazard(name, 'low-precision softmax', _softmax_fix(maker, layers.get(maker), compute))
+      )
     # A functional model's InputLayer outputs what it is fed (float32): nothing it computes.
     if (
       mixed
@@ -227,39 +204,121 @@ def audit(
   ]
   for i, out in enumerate(outputs):
     dtype = keras.backend.standardize_dtype(out.dtype)
-    if dtype in LOW:  # named by the layer that makes the output, when Keras records it
-      maker = getattr(
-        getattr(getattr(out, '_keras_history', None), 'operation', None), 'name', None
-      ) or next(
-        (
-          name
-          for name, layer in _layers(model)
-          if any(t is out for t in keras.tree.flatten(seen.get(id(layer), [])))
-        ),
-        None,
-      )
-      hazards.append(
-        Hazard(
-          maker or f'output {i}',
-          'low-precision logits',
-          f'the model outputs {dtype}, so the loss (softmax, log) computes in '
-          f'{dtype}; give the last layer dtype="float32"',
-        )
-      )
+    # What the loss receives: the softmax and log ops after the model's call returned, in the
+    # dtype compute_loss gave them (a cast to float32 there is the fix); without a recorded
+    # pass, the model's output.
+    low = ['softmax, log'] if received is None else sorted({o for o, d in received if d in LOW})
+    if dtype in LOW and low:
+      hazards.append(_logits_hazard(out, i, dtype, low, layers, seen))
   return rows, hazards
 
 
-def _softmax_fix(maker, compute: str) -> str:
+# The ops through which a loss turns logits into log-probabilities.
+LOSS_OPS = frozenset(
+  {
+    'Softmax',
+    'LogSoftmax',
+    'SoftmaxCrossEntropyWithLogits',
+    'SparseSoftmaxCrossEntropyWithLogits',
+    'Log',
+    'Log1p',
+  }
+)
+
+
+def _recorded(model, run) -> tuple[list, list | None]:
+  """Runs `run` with every layer's call recorded (the model's own too): the calls, and (type,
+  input dtype) of each LOSS_OPS op run after the model's call returned (None when the pass
+  failed: a warning says so)."""
+  from tensorflow.python.framework import op_callbacks  # pylint: disable=import-outside-toplevel
+
+  received: list[tuple[str, str]] = []
+
+  def seen(op_type, inputs, attrs, outputs, op_name=None, graph=None):  # pylint: disable=W0613
+    name = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
+    if graph is None and name in LOSS_OPS and any(c.layer is model for c in calls):
+      received.append((name, keras.backend.standardize_dtype(inputs[0].dtype)))
+
+  op_callbacks.add_op_callback(seen)
+  try:
+    with hooks.recording(model, None, include_self=True) as calls:
+      run()
+    return calls, received
+  except Exception as e:  # pylint: disable=broad-except  (the audit never ends a run)
+    # Keras wraps a layer's error: 'Exception encountered when calling X.call().', the
+    # message in bold (ANSI codes), then the arguments.
+    lines = [re.sub(r'\x1b\[[0-9;]*m', '', l).strip() for l in str(e).splitlines()]
+    logging.warning(
+      "dtype audit: the forward pass of %s failed (%s: %s); its layers' output "
+      'dtypes are not checked',
+      model.name,
+      type(e).__name__,
+      next((l for l in lines if l and not l.startswith('Exception encountered')), '')[:200],
+    )
+    return [], None
+  finally:
+    op_callbacks.remove_op_callback(seen)
+
+
+def _overflow(calls, layers: dict) -> Hazard | None:
+  """The first recorded call whose output is not finite from finite inputs (a call is recorded
+  when it returns, so the innermost layer comes first), named by its path."""
+  names = {id(layer): name for name, layer in layers.items()}
+  for c in calls:
+    if any(tf.is_symbolic_tensor(t) for t in hooks.float_leaves(c.outputs)):
+      continue  # traced while a layer was built: no values
+    if nonfinite(c.outputs) and not nonfinite((c.args, c.kwargs)):
+      path = names.get(id(c.layer), c.layer.name)
+      return Hazard(
+        path,
+        'overflow',
+        f'it computes inf or NaN from finite inputs in {c.layer.compute_dtype} at these '
+        'weights, so every step through it is skipped; keep it in float32 '
+        f'(config.precision.float32_layers={path}) or check its initialization '
+        '(--mode=diagnose names the op)',
+      )
+  return None
+
+
+def _logits_hazard(out, index: int, dtype: str, ops: list[str], layers: dict, seen) -> Hazard:
+  """The low-precision logits hazard for model output `out`, named by the layer making it; its
+  fix fits that layer: a tied output embedding (Keras's ReversibleEmbedding, also the input
+  embedding) cannot take dtype="float32" for its projection alone."""
+  maker = getattr(getattr(out, '_keras_history', None), 'operation', None) or next(
+    (
+      layer
+      for layer in layers.values()
+      if any(t is out for t in keras.tree.flatten(seen.get(id(layer), [])))
+    ),
+    None,
+  )
+  name = next((n for n, layer in layers.items() if layer is maker), None)
+  cast = 'cast the logits to float32 in compute_loss before the loss (tf.cast(logits, tf.float32))'
+  if isinstance(maker, getattr(keras.layers, 'ReversibleEmbedding', ())):
+    fix = (
+      f'{cast}, or set reverse_dtype="float32" on {name}: it is the input embedding too, and '
+      'that attribute moves only its output projection to float32'
+    )
+  else:
+    fix = f'{cast}, or give the last layer dtype="float32"'
+  return Hazard(
+    name or f'output {index}',
+    'low-precision logits',
+    f'the model outputs {dtype} and the loss computes {", ".join(ops)} on it in {dtype}; {fix}',
+  )
+
+
+def _softmax_fix(path: str, maker, compute: str) -> str:
   """The fix for a low-precision softmax layer. One that another layer (not a model) makes for
-  itself, as attention makes its softmax, gets that layer's policy object; Keras gives it no
-  path, so config.precision.float32_layers naming the outer layer does not reach it (measured,
-  Keras 3.15: MultiHeadAttention's softmax stayed bfloat16), a float32 dtype on that layer does."""
+  itself, as attention makes its softmax, is reached through that layer: a float32 dtype on
+  it, or its path in config.precision.float32_layers (trainer/step/precision.py gives the
+  layers inside a named one the float32 policy; Keras's own policy map did not reach a
+  softmax it gives no path: MultiHeadAttention's stayed bfloat16, Keras 3.15)."""
   if maker is None or isinstance(maker, keras.Model):
     return f'softmax computed in {compute}; give this layer dtype="float32"'
   return (
-    f'softmax computed in {compute} inside layer {maker.name}, which makes it itself; give '
-    f'{maker.name} dtype="float32" (config.precision.float32_layers does not reach a '
-    'softmax Keras gives no path)'
+    f'softmax computed in {compute} inside layer {path}, which makes it itself; give '
+    f'{path} dtype="float32" or name it in config.precision.float32_layers'
   )
 
 
@@ -313,6 +372,15 @@ def forward(trainer):
         trainer.compute_loss(batch, training=False)
 
   return run
+
+
+def overflow(trainer) -> str | None:
+  """'layer <path> ...': the first layer of the trainer's model whose output overflows on the
+  audit's forward pass (`forward`), None when none does. The hook check's non-finite loss
+  warning names it (trainer/step/contract.py)."""
+  _, hazards = audit(trainer.model, trainer.policy, forward(trainer))
+  found = next((h for h in hazards if h.kind == 'overflow'), None)
+  return f'layer {found.layer} overflows: {found.message}' if found else None
 
 
 def check_at_start(

@@ -43,6 +43,7 @@ from trainer.errors import UserError
 from trainer.insight import op_watch
 from trainer.insight.forensic_folder import folder_for, load, save, write_report
 from trainer.insight.forensic_folder import Forensics, run_of  # noqa: F401  (re-exported)
+from trainer.nn.paths import layer_paths, variable_name
 from trainer.insight.hooks import (
   Call,
   float32,
@@ -167,7 +168,7 @@ def _call_layer(call: Call, args, kwargs):
   return call.layer(*args, **kwargs)
 
 
-def _forward_report(call: Call, scale, loss=None) -> Report:
+def _forward_report(call: Call, path: str, scale, loss=None) -> Report:
   layer = call.layer
   run = lambda: _call_layer(call, call.args, call.kwargs)  # noqa: E731
   _, ops = op_watch.watched(run)
@@ -178,7 +179,7 @@ def _forward_report(call: Call, scale, loss=None) -> Report:
   op, value = op_watch.culprit(ops, ops32) or (op_watch.failing_op(run), None)
   return Report(
     FORWARD,
-    layer.name,
+    path,
     type(layer).__name__,
     'output',
     op,
@@ -210,8 +211,11 @@ def _layer_vjp(call: Call, upstream, float32: bool):
   return grads[: len(inputs)], grads[len(inputs) :]
 
 
-def _backward_report(call: Call, upstream, tensor: str, bad: list[str], scale, loss) -> Report:
-  """`bad`: the paths of the layer's non-finite weight gradients (tensor 'weight gradient')."""
+def _backward_report(
+  call: Call, path: str, upstream, tensor: str, bad: list[str], scale, loss
+) -> Report:
+  """`path`: the layer's (trainer/nn/paths.py); `bad`: the paths of the layer's non-finite weight
+  gradients (tensor 'weight gradient')."""
   layer = call.layer
   run = lambda: _layer_vjp(call, upstream, float32=False)  # noqa: E731
   _, ops = op_watch.watched(run)
@@ -223,9 +227,9 @@ def _backward_report(call: Call, upstream, tensor: str, bad: list[str], scale, l
       largest = max_abs(dx32)
     else:  # the non-finite weights' gradients only; which one, when several
       sizes = {
-        v.path: max_abs(g)
+        variable_name(v): max_abs(g)
         for v, g in zip(trainable(layer), dw32)
-        if v.path in bad and g is not None
+        if variable_name(v) in bad and g is not None
       }
       if sizes:
         largest_of = max(sizes, key=lambda path: sizes[path])
@@ -235,7 +239,7 @@ def _backward_report(call: Call, upstream, tensor: str, bad: list[str], scale, l
   op, op_value = op_watch.culprit(ops, ops32) or (op_watch.failing_op(run), None)
   return Report(
     BACKWARD,
-    layer.name,
+    path,
     type(layer).__name__,
     tensor,
     op,
@@ -282,19 +286,21 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
       loss += tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
     scaled = loss * scale
   loss_value = float(loss)
+  paths = layer_paths(model)
+  name = lambda layer: paths.get(id(layer), layer.name)  # noqa: E731
   for call in calls:  # forward, in the order the outputs were computed
     if nonfinite(call.outputs):
       if nonfinite((call.args, call.kwargs)):  # not from a layer: an op between layers
         return Report(
           FORWARD,
-          call.layer.name,
+          name(call.layer),
           type(call.layer).__name__,
           'input',
           detail='non-finite before this layer: made by an op outside the layers '
           "(compute_loss or a containing layer's own code)",
           loss_scale=scale,
         )
-      return _forward_report(call, scale, loss_value)
+      return _forward_report(call, name(call.layer), scale, loss_value)
   if not math.isfinite(loss_value):
     return Report(
       FORWARD,
@@ -325,7 +331,7 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
     if nonfinite(d_out[i]):
       return Report(
         BACKWARD,
-        call.layer.name,
+        name(call.layer),
         type(call.layer).__name__,
         'output gradient',
         detail='non-finite where it enters this layer (from compute_loss or a cast between layers)',
@@ -335,11 +341,15 @@ def _replay(model, compute_loss, batch, scale: float) -> Report:
       )
     upstream = tf.nest.pack_sequence_as(call.outputs, _expand(call.outputs, d_out[i]))
     if nonfinite(d_in[i]):
-      return _backward_report(call, upstream, 'input gradient', [], scale, loss_value)
+      return _backward_report(
+        call, name(call.layer), upstream, 'input gradient', [], scale, loss_value
+      )
     if leaf[i]:
-      bad = [v.path for v, g in zip(weights[i], d_w[i]) if g is not None and nonfinite(g)]
+      bad = [variable_name(v) for v, g in zip(weights[i], d_w[i]) if g is not None and nonfinite(g)]
       if bad:
-        return _backward_report(call, upstream, 'weight gradient', bad, scale, loss_value)
+        return _backward_report(
+          call, name(call.layer), upstream, 'weight gradient', bad, scale, loss_value
+        )
   return Report('', loss=loss_value, loss_scale=scale)
 
 

@@ -24,7 +24,7 @@ Per layer: these fractions over its variables' gradients (Keras float8 layers' s
 amax-history variables are left out: their "gradients" are new values), grad_max (the largest
 unscaled |gradient|), and over its forward output (`quantized_call` hooked too) output_max,
 output_flushed, output_subnormal and headroom_bits (log2(dtype max / output_max): doublings
-before overflow). They go to TensorBoard under `numerics/<layer>/...` (`layer_paths`) and
+before overflow). They go to TensorBoard under `numerics/<layer path>/...` (trainer/nn/paths.py) and
 `numerics/gradient_*`; one console line (`summary_line`) gives the flushed fraction and the worst
 layer, or says nothing is flushed by range (bfloat16, float32). The train step is unchanged: off
 costs nothing, on one probe (two passes) per interval. More: docs/guides/numerics-statistics.md.
@@ -42,6 +42,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.insight import hooks
+from trainer.nn import paths
 from trainer.data import checks
 from trainer.step import user_code
 from trainer.step.eager_then_compiled import EagerThenCompiled
@@ -70,28 +71,6 @@ def leaf_layers(model) -> list:
     for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
     if not list(layer._flatten_layers(include_self=False))
   ]  # pylint: disable=protected-access
-
-
-def layer_name(layer) -> str:
-  return getattr(layer, 'path', None) or layer.name
-
-
-def layer_paths(model) -> dict[int, str]:
-  """{id(layer): its path} for every layer inside `model`: Keras's `layer.path`
-  ('<model>/.../<name>', set by the layer's build), else (a layer built at construction: Dropout,
-  Activation) its parent's path and its own name, so its TensorBoard tags get the prefix too."""
-  paths: dict[int, str] = {}
-
-  def walk(parent, prefix: str) -> None:
-    # pylint: disable-next=protected-access  (Keras's own walk over a layer's direct children)
-    for layer in parent._flatten_layers(include_self=False, recursive=False):
-      path = getattr(layer, 'path', None) or f'{prefix}/{layer.name}'
-      if id(layer) not in paths:  # a shared layer: its first place
-        paths[id(layer)] = path
-        walk(layer, path)
-
-  walk(model, getattr(model, 'path', None) or model.name)
-  return paths
 
 
 @contextlib.contextmanager
@@ -203,7 +182,7 @@ class Probe:
     self.trainer = trainer
     model = trainer.model
     self.layers = leaf_layers(model)
-    self.paths = layer_paths(model)  # what every statistic and tag names a layer by
+    self.paths = paths.layer_paths(model)  # what every statistic and tag names a layer by
     variables = list(trainer.train_step.variables)
     # Float8 layers' scale and amax-history variables: their "gradients" are new values.
     self.variables = [v for v, new_value in zip(variables, overwritten(variables)) if not new_value]
@@ -275,8 +254,8 @@ class Probe:
     }
 
   def name(self, layer) -> str:
-    """The layer's path (`layer_paths`); Keras's own for a layer outside the model's tree."""
-    return self.paths.get(id(layer)) or layer_name(layer)
+    """The layer's path (trainer/nn/paths.py); Keras's own for a layer outside the model."""
+    return self.paths.get(id(layer)) or getattr(layer, 'path', None) or layer.name
 
   def next_batch(self):
     """The first eval batch, every time: measurements compare the same examples, and the train

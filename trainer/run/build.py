@@ -26,6 +26,7 @@ from trainer.errors import ConfigError, UserError
 from trainer.run import epochs
 from trainer.run.workdir import local_path
 from trainer.data import autotune, checks
+from trainer.insight import audit
 from trainer.nn import remat
 from trainer.nn.float8_gemm import RECIPES
 from trainer.distribute import strategy as distribute
@@ -238,7 +239,14 @@ def _probe(trainer, batch) -> tuple:
   """The metric names from the hook check's eager forward pass (contract.probe), which also
   tells whether the model marks a block for config.train.remat."""
   with remat.counted() as blocks:
-    names = tuple(contract.probe(batch, trainer.compute_loss, stateful=trainer.train_metrics))
+    names = tuple(
+      contract.probe(
+        batch,
+        trainer.compute_loss,
+        stateful=trainer.train_metrics,
+        overflow=lambda: audit.overflow(trainer),
+      )
+    )
   remat.warn_if_unmarked(trainer.config, blocks)
   return names
 

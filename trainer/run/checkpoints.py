@@ -29,6 +29,7 @@ from absl import logging
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from trainer.errors import UserError
+from trainer.nn.paths import variable_name
 from trainer.run.checkpoint_files import find
 from trainer.step.eager_then_compiled import EagerThenCompiled
 from trainer.step.loss_scale import all_finite
@@ -106,7 +107,7 @@ def nonfinite(variables_: list) -> list[str]:
   floats = [v for v in variables_ if v.dtype.is_floating]
   if not floats or bool(_all_finite(floats)):
     return []
-  return [getattr(v, 'path', None) or v.name for v in floats if not np.isfinite(v.numpy()).all()]
+  return [variable_name(v) for v in floats if not np.isfinite(v.numpy()).all()]
 
 
 # Eager for the first saves: compiling the check over every variable costs as much as dozens

@@ -195,11 +195,30 @@ class Runner:
     if not bad:
       return
     newest = self.workdir.latest_checkpoint
+    # The updates of each compiled call are checked when it ends (trainer/step/step_state.py):
+    # what only a save finds was written elsewhere, and no learning rate or loss scale fixes it.
+    if set(bad) <= self.trainer.train_step.state.updated():
+      cause = (
+        'the optimizer left them finite (checked after each compiled call), so something '
+        'between the steps wrote them: an action, a callback or your own code; find that write'
+      )
+    else:
+      cause = (
+        'not an optimizer update: the forward pass writes them (a layer state such as '
+        "BatchNormalization's moving statistics) or code between the steps does; check the "
+        'input data'
+        + (
+          ', and whether a layer overflows float16 (--mode=diagnose)'
+          if 'float16' in self.trainer.policy
+          else ''
+        )
+      )
     raise NonFiniteError(
       f'step {int(self.trainer.global_step.numpy())}: the training state is not finite '
       f'({checkpoints.describe_nonfinite(bad)}); not saved. '
-      + (f'The newest checkpoint, {newest}, is finite; ' if newest else '')
-      + 'lower config.optimizer.learning_rate, use a loss scale, or check the input data.'
+      + (f'The newest checkpoint, {newest}, is finite. ' if newest else '')
+      + cause[0].upper()
+      + cause[1:]
     )
 
   def on_disk(self) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import keras
@@ -28,6 +28,7 @@ from absl import logging
 from trainer.data import hints
 from trainer.data.checks import shape_text as _shape
 from trainer.errors import UserError
+from trainer.nn.paths import variable_name
 from trainer.step.eval_step import LossFn
 
 
@@ -329,12 +330,19 @@ def _called(
     raise
 
 
-def probe(batch: Any, compute_loss: LossFn, stateful: Collection[str] = ()) -> dict:
+def probe(
+  batch: Any,
+  compute_loss: LossFn,
+  stateful: Collection[str] = (),
+  overflow: Callable[[], str | None] = lambda: None,
+) -> dict:
   """Runs compute_loss eagerly on `batch` (the first eval batch; the call builds the model)
-  and checks its result; returns the metrics dict. Call it under the strategy's scope."""
+  and checks its result; returns the metrics dict. Call it under the strategy's scope.
+  `overflow()`: the layer whose output overflows, in words (trainer/insight/audit.py), asked
+  when the loss is not finite."""
   outputs = _called(compute_loss, batch, False)
   metrics = check_outputs(batch, outputs, stateful)
-  _warn_nonfinite_loss(outputs[0])
+  _warn_nonfinite_loss(outputs[0], overflow)
   return metrics
 
 
@@ -371,9 +379,10 @@ def check_gradient(batch: Any, compute_loss: LossFn, model: keras.Model) -> None
     )
 
 
-def _warn_nonfinite_loss(loss: Any) -> None:
+def _warn_nonfinite_loss(loss: Any, overflow: Callable[[], str | None]) -> None:
   """A loss already non-finite at the initial weights (log(0), a division by zero, an overflow
-  in float16) makes every step a skipped one: one warning line before training starts."""
+  in float16) makes every step a skipped one: one warning line before training starts, naming
+  the layer whose output overflows (`overflow()`) when one does."""
   try:
     values = tf.reshape(tf.cast(loss, tf.float32), [-1]).numpy()
   except Exception:  # pylint: disable=broad-except  (not eager: nothing to say)
@@ -381,6 +390,16 @@ def _warn_nonfinite_loss(loss: Any) -> None:
   bad = int((~np.isfinite(values)).sum())
   if bad:
     kinds = ', '.join(sorted({str(v) for v in values[~np.isfinite(values)]}))
+    if layer := overflow():
+      logging.warning(
+        'compute_loss returned a non-finite loss (%s) for %d of %d examples of the first eval '
+        'batch, at the initial weights: %s',
+        kinds,
+        bad,
+        values.size,
+        layer,
+      )
+      return
     logging.warning(
       'compute_loss returned a non-finite loss (%s) for %d of %d examples of the '
       'first eval batch, at the initial weights: every step with such an example '
@@ -448,7 +467,7 @@ def step_gradients(step: object, result: Any, variables: Sequence[tf.Variable]) 
     if shape is not None and shape.is_fully_defined() and shape != v.shape:
       raise UserError(
         f'{name} returned a gradient of shape {shape} for '
-        f'{getattr(v, "path", v.name)} of shape '
+        f'{variable_name(v)} of shape '
         f'{tuple(v.shape)}: the gradients must follow self.variables, in its order'
       )
   return outputs, grads

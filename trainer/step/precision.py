@@ -8,6 +8,7 @@ their final logits float32 (`dtype='float32'` on the last layer) and the loss is
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import re
@@ -19,7 +20,7 @@ from absl import logging
 
 from trainer.step import contract
 from trainer import config
-from trainer.nn import float8_layers
+from trainer.nn import float8_layers, paths
 from trainer.errors import ConfigError
 
 POLICIES = config.PRECISION_POLICIES
@@ -133,15 +134,23 @@ def parse_layer_names(text: str) -> tuple[str, ...]:
   return tuple(dict.fromkeys(n.strip() for n in text.split(',') if n.strip()))
 
 
+def _pattern(names: Iterable[str]) -> str:
+  """One regular expression for a layer path holding one of `names` (a name or a path) as whole
+  path parts, the layer itself or one inside it. One key, not one per name: Keras's
+  DTypePolicyMap refuses a path two keys match (`reaching` names such a pair first)."""
+  return f'(.*/)?({"|".join(re.escape(n) for n in names)})(/.*)?'
+
+
 @contextlib.contextmanager
 def float32_layers(names: str | Iterable[str], bfloat16_variables: bool = False) -> Iterator[None]:
-  """Layers constructed inside this scope whose name is in `names` (and every layer nested in
-  them) compute in float32 under a mixed global policy; the others keep the global policy.
+  """Layers constructed inside this scope whose name or path holds one of `names` (and every
+  layer nested in them) compute in float32 under a mixed global policy; the others keep the
+  global policy.
 
   Keras's own mechanism: the global policy becomes a `keras.dtype_policies.DTypePolicyMap` whose
-  default is the current policy and whose entries map the layer paths `(.*/)?name(/.*)?` to
+  default is the current policy and whose one entry maps the layer paths holding a name to
   float32. A layer built with no explicit `dtype` holds the map and looks its policy up by its
-  path when it is built, so the choice is made before any weight exists; a layer given an
+  Keras path when it is built, so the choice is made before any weight exists; a layer given an
   explicit dtype (such as float32 logits) keeps it. Outside the scope the global policy is the
   plain one again; no-op without names or under a non-mixed policy.
 
@@ -155,8 +164,8 @@ def float32_layers(names: str | Iterable[str], bfloat16_variables: bool = False)
     return
   default = keras.DTypePolicy('bfloat16') if bfloat16_variables else base
   policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=default)
-  for name in names:
-    policy_map[f'(.*/)?{re.escape(name)}(/.*)?'] = keras.DTypePolicy('float32')
+  if names:
+    policy_map[_pattern(names)] = keras.DTypePolicy('float32')
   keras.config.set_dtype_policy(policy_map)
   try:
     yield
@@ -164,29 +173,86 @@ def float32_layers(names: str | Iterable[str], bfloat16_variables: bool = False)
     keras.config.set_dtype_policy(base)
 
 
+def reaching(names: tuple[str, ...], model: keras.Model) -> dict[str, list]:
+  """{name: the layers it reaches} for precision.float32_layers' `names`, by a layer's path in
+  the model (trainer/nn/paths.py) or its Keras path. ConfigError when one layer is reached by two
+  names (one holds the other: Keras's DTypePolicyMap would refuse the pair)."""
+  found: dict[str, list] = {n: [] for n in names}
+  for path, layer in paths.walk(model):
+    keras_path = getattr(layer, 'path', None) or ''
+    hit = [n for n in names if any(re.fullmatch(_pattern([n]), p) for p in (path, keras_path))]
+    if len(hit) > 1:
+      raise ConfigError(
+        f'config.precision.float32_layers: {hit[0]!r} and {hit[1]!r} both reach layer {path} '
+        "(one holds the other, which Keras's DTypePolicyMap refuses); keep the outer one"
+      )
+    for n in hit:
+      found[n].append(layer)
+  return found
+
+
+@contextlib.contextmanager
+def fresh_names() -> Iterator[None]:
+  """Keras's automatic names (`dense`, `gpt2_backbone`) numbered from zero inside, as in a
+  fresh process: Keras numbers them per process (the second build's backbone is
+  `gpt2_backbone_1`), so the advisor's second build, its validation run or a test's would give
+  the same config's layers other paths, and a path pasted into float32_layers would miss."""
+  from keras.src.backend.common import global_state  # pylint: disable=import-outside-toplevel
+
+  saved = global_state.get_global_attribute('object_name_uids')
+  global_state.set_global_attribute('object_name_uids', collections.defaultdict(int))
+  try:
+    yield
+  finally:
+    global_state.set_global_attribute('object_name_uids', saved)
+
+
 def build_model(
   build: Callable[[], keras.Model], names_text: str, bfloat16_variables: bool = False
 ) -> keras.Model:
   """`build()` (a Trainer's build_model) with the layers named in `names_text` (the value of
-  config.precision.float32_layers) kept in float32; ConfigError when a name matches no layer.
-  `bfloat16_variables`: the other layers store bfloat16 variables (see float32_layers)."""
+  config.precision.float32_layers) kept in float32; ConfigError when a name matches no layer,
+  or when two reach the same layer (`reaching`).
+  `bfloat16_variables`: the other layers store bfloat16 variables (see float32_layers).
+
+  A layer is reached by its Keras path while it is built (`float32_layers`) and by its path in
+  the model after: a nested functional model's layers were built before it existed, with Keras
+  paths that miss its name, so a path as the audit and the advisor print it
+  ('gpt2_causal_lm/gpt2_backbone/transformer_layer_1') reaches them only then. Under a mixed
+  policy their variables are float32 either way; they and the layers inside them get the float32
+  policy here."""
   names = parse_layer_names(names_text)
-  with float32_layers(names, bfloat16_variables):
+  with float32_layers(names, bfloat16_variables), fresh_names():
     model = build()
   contract.check_model(model)
-  if names:
-    # pylint: disable-next=protected-access
-    layers = list(model._flatten_layers(include_self=False))
-    found = {layer.name for layer in layers}
-    # A path as the numerics line prints it ('net/big') names the layer too.
-    paths = [getattr(layer, 'path', None) or layer.name for layer in layers]
-    missing = [
-      n for n in names if n not in found and not any(p == n or p.endswith('/' + n) for p in paths)
-    ]
-    if missing:
-      raise ConfigError(
-        f'config.precision.float32_layers={names_text!r}: no layer named '
-        f'{", ".join(missing)} in the model; layer names: '
-        f'{", ".join(sorted(found))}.'
-      )
+  if not names:
+    return model
+  found = reaching(names, model)
+  missing = [n for n, layers in found.items() if not layers]
+  if missing:
+    known = [p for p, _ in paths.walk(model)]
+    raise ConfigError(
+      f'config.precision.float32_layers={names_text!r}: no layer named '
+      f'{", ".join(missing)} in the model; layer paths: {", ".join(known[:20])}'
+      + (f' and {len(known) - 20} more' if len(known) > 20 else '')
+    )
+  if keras.config.dtype_policy().name.startswith('mixed_'):
+    for layer in {id(l): l for ls in found.values() for l in ls}.values():
+      _to_float32(layer, bfloat16_variables)
   return model
+
+
+def _to_float32(layer, bfloat16_variables: bool) -> None:
+  """`layer` and the layers inside it compute in float32 from now on (a built layer's variables
+  are float32 under a mixed policy)."""
+  # pylint: disable-next=protected-access
+  for inner in layer._flatten_layers(include_self=True):
+    if inner.compute_dtype == 'float32' or isinstance(inner, keras.layers.InputLayer):
+      continue
+    if bfloat16_variables and any(v.dtype != 'float32' for v in inner.weights):
+      raise ConfigError(
+        f'config.precision.float32_layers: layer {inner.path} was built with bfloat16 '
+        'variables before its path in the model was known; name it by its Keras path '
+        f'{inner.path!r}'
+      )
+    inner._dtype_policy = keras.DTypePolicy('float32')  # pylint: disable=protected-access

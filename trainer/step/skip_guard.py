@@ -27,6 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from trainer.errors import CollapseError
+from trainer.nn.paths import variable_name
 from trainer.step.apply_or_skip import SKIP_SCOPE
 from trainer.distribute.strategy import state_variable
 
@@ -87,7 +88,7 @@ class SkipGuard(tf.Module):
   ):
     super().__init__(name='skip_guard')
     self.strategy = strategy
-    self.names = [getattr(v, 'path', None) or v.name for v in variables]
+    self.names = [variable_name(v) for v in variables]
     self.groups = list(groups or [('0', len(self.names))])
     self.max_consecutive_skips = int(max_consecutive_skips)
     self.consecutive = state_variable(0, tf.int64, 'consecutive_skips')

@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer.errors import NonFiniteError
+from trainer.nn.paths import variable_name
 from trainer.distribute.strategy import state_variable
 from trainer.step.loss_scale import all_finite
 from trainer.step.skip_guard import SkipGuard
@@ -115,6 +116,10 @@ class StepState:
     consecutive = self.guard.consecutive.read_value()
     return tf.stack([first_step, end_step, skipped, consecutive, self.bad_steps[0]])
 
+  def updated(self) -> set[str]:
+    """The names of the variables the check after each call reads (trainer/nn/paths.py)."""
+    return {variable_name(v) for v in checked_variables(self._groups())}
+
   def skipped(self) -> int:
     """Host side: the skipped steps so far."""
     return int(self.skipped_steps.numpy())
@@ -136,7 +141,7 @@ class StepState:
     (a recovery goes on)."""
     first, last = (int(s) for s in self.bad_steps.numpy())
     self.bad_steps.assign([-1, -1])
-    bad = [_name(v) for v in self._checked if not np.isfinite(v.numpy()).all()]
+    bad = [variable_name(v) for v in self._checked if not np.isfinite(v.numpy()).all()]
     kept = (
       f'the newest checkpoint, {checkpoint}, is finite (checked when saved)'
       if checkpoint
@@ -154,7 +159,3 @@ class StepState:
       'config.optimizer.learning_rate, clip the gradients (config.optimizer.clip_norm) or '
       'check the input data and the weights'
     )
-
-
-def _name(v) -> str:
-  return getattr(v, 'path', None) or v.name
