@@ -151,67 +151,74 @@ def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
   dQ = dS K, dK += dS^T Q. The matmuls run in q's dtype as the plain path's do; statistics
   and dS in float32. Nothing [batch, heads, time, time] is made or kept: transient memory is
   one block's [batch, heads, chunk, <= time] scores."""
-  time, dtype = int(q.shape[2]), q.dtype
+  time = int(q.shape[2])
   blocks = [(start, min(start + chunk, time)) for start in range(0, time, chunk)]
 
-  def scores32(qi, kj, start, end):
-    """Block [start, end)'s float32 scores against keys [0, end), -inf where masked."""
-    s = tf.cast(tf.matmul(qi, kj, transpose_b=True), tf.float32)
-    mask = tf.range(end)[None, :] <= tf.range(start, end)[:, None]  # [end - start, end]
-    return tf.where(mask, s, float('-inf'))
-
-  # One block after the other, its slices included (control dependencies): TensorFlow would
-  # otherwise run the independent blocks, or slice every block's keys, at once and hold them all.
-  # The forward pass normalizes as FlashAttention does: exp(s - max) summed, the product with v
-  # divided by the sum, and log-sum-exp = max + log(sum) kept for the backward pass.
   @tf.custom_gradient
   def attend(q, k, v):
-    outs: list[tf.Tensor] = []
-    lses = []
-    for start, end in blocks:
-      with tf.control_dependencies(outs[-1:]):
-        qi, kj, vj = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-      s = scores32(qi, kj, start, end)
-      m = tf.reduce_max(s, axis=-1, keepdims=True)  # finite: the diagonal is never masked
-      e = tf.exp(s - m)
-      total = tf.reduce_sum(e, axis=-1, keepdims=True)
-      # Normalized after the product with v: [.., chunk, depth] divided, not [.., chunk, end].
-      o = tf.matmul(tf.cast(e, dtype), vj)
-      outs.append(tf.cast(tf.cast(o, tf.float32) / total, dtype))
-      lses.append(m + tf.math.log(total))
-    out = tf.concat(outs, axis=2)
-
-    def backward(d_out):
-      dq: list[tf.Tensor] = []
-      # dK and dV per key block, summed in float32 over the query blocks that see it.
-      dk: list = [0.0] * len(blocks)
-      dv: list = [0.0] * len(blocks)
-      for i, ((start, end), lse) in enumerate(zip(blocks, lses)):
-        with tf.control_dependencies(dq[-1:]):
-          qi, kj, vj = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-          do, oi = d_out[:, :, start:end], out[:, :, start:end]
-        p = tf.exp(scores32(qi, kj, start, end) - lse)  # this block's weights, float32
-        rowdot = tf.reduce_sum(tf.cast(do, tf.float32) * tf.cast(oi, tf.float32), -1, keepdims=True)
-        dp = tf.cast(tf.matmul(do, vj, transpose_b=True), tf.float32)
-        ds = tf.cast(p * (dp - rowdot), dtype)
-        sizes = [b - a for a, b in blocks[: i + 1]]  # keys [0, end): key blocks 0..i
-        for acc, part in (
-          (dv, tf.matmul(tf.cast(p, dtype), do, transpose_a=True)),
-          (dk, tf.matmul(ds, qi, transpose_a=True)),
-        ):
-          for j, piece in enumerate(tf.split(tf.cast(part, tf.float32), sizes, axis=2)):
-            acc[j] += piece
-        with tf.control_dependencies(dk[: i + 1] + dv[: i + 1]):  # summed before the next block
-          dq.append(tf.matmul(ds, kj))
-      return (
-        tf.concat(dq, axis=2),
-        tf.cast(tf.concat(dk, axis=2), dtype),
-        tf.cast(tf.concat(dv, axis=2), dtype),
-      )
-
-    return out, backward
+    out, lses = _blocked_forward(q, k, v, blocks)
+    return out, lambda d_out: _blocked_backward(q, k, v, out, lses, d_out, blocks)
 
   return attend(q, k, v)
+
+
+# The blocks run one after another, their slices included (control dependencies): TensorFlow
+# would otherwise run the independent blocks, or slice every block's keys, at once and hold them.
+
+
+def _scores32(qi, kj, start: int, end: int) -> tf.Tensor:
+  """Block [start, end)'s float32 scores against keys [0, end), -inf where masked."""
+  s = tf.cast(tf.matmul(qi, kj, transpose_b=True), tf.float32)
+  mask = tf.range(end)[None, :] <= tf.range(start, end)[:, None]  # [end - start, end]
+  return tf.where(mask, s, float('-inf'))
+
+
+def _blocked_forward(q, k, v, blocks):
+  """(the attention's output, each block's float32 log-sum-exp [batch, heads, block, 1])."""
+  outs: list[tf.Tensor] = []
+  lses = []
+  for start, end in blocks:
+    with tf.control_dependencies(outs[-1:]):
+      qi, kj, vj = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
+    s = _scores32(qi, kj, start, end)
+    m = tf.reduce_max(s, axis=-1, keepdims=True)  # finite: the diagonal is never masked
+    e = tf.exp(s - m)
+    total = tf.reduce_sum(e, axis=-1, keepdims=True)
+    outs.append(tf.matmul(tf.cast(e / total, q.dtype), vj))  # the softmax as the plain path's
+    lses.append(m + tf.math.log(total))
+  return tf.concat(outs, axis=2), lses
+
+
+def _blocked_backward(q, k, v, out, lses, d_out, blocks):
+  """(dQ, dK, dV): per block, P = exp(s - lse), dV += P^T dO, dS = P * (dO V^T - rowsum(dO *
+  O)), dQ = dS K, dK += dS^T Q; dK and dV summed in float32 per key block over the query blocks
+  that see it."""
+  dtype = q.dtype
+  dq: list[tf.Tensor] = []
+  dk: list = [0.0] * len(blocks)
+  dv: list = [0.0] * len(blocks)
+  for i, ((start, end), lse) in enumerate(zip(blocks, lses)):
+    with tf.control_dependencies(dq[-1:]):
+      qi, kj, vj = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
+      do, oi = d_out[:, :, start:end], out[:, :, start:end]
+    p = tf.exp(_scores32(qi, kj, start, end) - lse)  # this block's weights, float32
+    rowdot = tf.reduce_sum(tf.cast(do, tf.float32) * tf.cast(oi, tf.float32), -1, keepdims=True)
+    dp = tf.cast(tf.matmul(do, vj, transpose_b=True), tf.float32)
+    ds = tf.cast(p * (dp - rowdot), dtype)
+    sizes = [b - a for a, b in blocks[: i + 1]]  # keys [0, end): key blocks 0..i
+    for acc, part in (
+      (dv, tf.matmul(tf.cast(p, dtype), do, transpose_a=True)),
+      (dk, tf.matmul(ds, qi, transpose_a=True)),
+    ):
+      for j, piece in enumerate(tf.split(tf.cast(part, tf.float32), sizes, axis=2)):
+        acc[j] += piece
+    with tf.control_dependencies(dk[: i + 1] + dv[: i + 1]):  # summed before the next block
+      dq.append(tf.matmul(ds, kj))
+  return (
+    tf.concat(dq, axis=2),
+    tf.cast(tf.concat(dk, axis=2), dtype),
+    tf.cast(tf.concat(dv, axis=2), dtype),
+  )
 
 
 def causal_mask(time) -> tf.Tensor:
