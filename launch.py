@@ -10,7 +10,7 @@ Exit statuses (docs/guides/troubleshooting.md#exit-statuses), each failure one `
   1    a bug: an unexpected exception, with its traceback
   2    bad input: a mistake in the command, config, data or model code (trainer.errors.UserError)
   3    the run failed numerically: it collapsed, diverged, ended at chance or is not finite, or
-       --mode=eval of a checkpoint whose eval loss is not finite (trainer.errors.TrainingFailed)
+       --mode=eval or export of a checkpoint whose eval loss is not finite (TrainingFailed)
   130  a second Ctrl-C: stopped at once, nothing saved
 A mistake is one line naming the culprit; --traceback (or TRAINER_TRACEBACK=1) prints the
 Python traceback before it.

@@ -43,12 +43,12 @@ def _restore(trainer, what: str) -> tuple[int, str]:
   return int(trainer.global_step.numpy()), str(path)
 
 
-def evaluate_checkpoint(trainer) -> dict[str, float]:
+def evaluate_checkpoint(trainer, what: str = '--mode=eval') -> dict[str, float]:
   """Restores the workdir's latest checkpoint (read-only) and runs one pass over the eval set;
   says which checkpoint it read and whether it is the last healthy one (trainer/run/health.py).
   NonFiniteError (exit status 3) when the eval loss is not finite, naming the last healthy
   checkpoint."""
-  step, path = _restore(trainer, '--mode=eval')
+  step, path = _restore(trainer, what)
   record = trainer.runner.workdir.healthy_record()
   name = os.path.basename(path)
   which = (
@@ -67,7 +67,7 @@ def evaluate_checkpoint(trainer) -> dict[str, float]:
   )
   if not math.isfinite(metrics['loss']):
     raise NonFiniteError(
-      f'--mode=eval: {name} (step {step}, {which}) gives eval loss {metrics["loss"]}: the '
+      f'{what}: {name} (step {step}, {which}) gives eval loss {metrics["loss"]}: the '
       'model does not compute finite outputs'
     )
   return metrics
@@ -82,8 +82,10 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
   """Writes the latest checkpoint's model as a SavedModel (signature `serve`) and a `.keras`
   file into `folder` (default `default_export_dir`); returns their paths (model.keras left out,
   with a warning, when Keras cannot serialize the model's config). Both compute in the
-  training policy."""
-  step = restore(trainer, '--mode=export')
+  training policy. The checkpoint is evaluated first, and one whose eval loss is not finite is
+  refused as --mode=eval refuses it (NonFiniteError): nothing is written."""
+  evaluate_checkpoint(trainer, '--mode=export')
+  step = int(trainer.global_step.numpy())
   folder = (
     workdir_lib.local_path(folder, '--export_dir')
     if folder
