@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -134,31 +135,44 @@ def test_a_port_held_by_another_process_is_named():
   cluster.check_port_free(f'127.0.0.1:{port}', '--task_index=1')  # released: free again
 
 
+def write_record(folder, workers: int) -> None:
+  (folder / 'cluster.json').write_text(json.dumps({'workers': workers, 'addresses': []}))
+
+
 def test_the_cluster_record_refuses_another_worker_count(tmp_path):
-  cluster.write_record(str(tmp_path), ['127.0.0.1:1', '127.0.0.1:2'])
-  cluster.check_record(str(tmp_path), ['127.0.0.1:7', '127.0.0.1:8'], accept_change=False)  # ports
+  write_record(tmp_path, 2)
+  cluster.check_record(str(tmp_path), 2, accept_change=False)  # other ports, the same count
   with pytest.raises(UserError, match='trained by 2 worker.*this command starts 3'):
-    cluster.check_record(str(tmp_path), ['h:1', 'h:2', 'h:3'], accept_change=False)
-  cluster.check_record(str(tmp_path), ['h:1', 'h:2', 'h:3'], accept_change=True)
+    cluster.check_record(str(tmp_path), 3, accept_change=False)
+  cluster.check_record(str(tmp_path), 3, accept_change=True)
 
 
-def test_the_watchdog_names_a_worker_lost_for_the_timeout(tmp_path):
+def test_a_run_of_one_process_is_one_worker_to_resume(tmp_path):
+  """1 -> N changes every worker's part of each batch as N -> M does: refused too (it was let
+  through, with an INFO line, since a single process writes no record)."""
+  cluster.check_record(str(tmp_path), 2, accept_change=False)  # nothing saved: a new run
+  (tmp_path / 'checkpoints').mkdir()
+  (tmp_path / 'checkpoints' / 'ckpt-5.index').write_bytes(b'')
+  cluster.check_record(str(tmp_path), 1, accept_change=False)
+  with pytest.raises(UserError, match=r'trained by 1 worker\(s\), this command starts 2'):
+    cluster.check_record(str(tmp_path), 2, accept_change=False)
+  cluster.check_record(str(tmp_path), 2, accept_change=True)
+
+
+def test_the_watchdog_names_a_worker_lost_for_the_timeout():
   """A peer seen up, then unreachable: lost after `timeout` seconds, not before; one never seen
-  up (still starting) is not lost. The chief records the cluster once config.json exists."""
+  up (still starting) is not lost."""
   up = socket.socket()
   up.bind(('127.0.0.1', 0))
   up.listen()
   never = cluster.free_ports(1)[0]
   addresses = ['127.0.0.1:1', f'127.0.0.1:{up.getsockname()[1]}', f'127.0.0.1:{never}']
-  watch = peers.Watch(addresses, 0, str(tmp_path), timeout=60)
+  watch = peers.Watch(addresses, 0, None, timeout=60)
   assert watch.tick(0.0) is None and watch.seen_up == {1}
-  assert not (tmp_path / 'cluster.json').exists()  # the run folder is not set up yet
-  (tmp_path / 'config.json').write_text('{}')
   up.close()
   assert watch.tick(1.0) is None and watch.lost() == [1]
   assert watch.tick(60.0) is None
   assert watch.tick(61.0) == 1
-  assert json.loads((tmp_path / 'cluster.json').read_text())['workers'] == 3
 
 
 # ---- bad cluster input through launch.py: one line, exit 2, nothing written -------------------
@@ -207,14 +221,33 @@ def test_a_second_process_with_the_same_index_is_refused(tmp_path):
   assert not os.path.exists(tmp_path / 'run')
 
 
-def test_a_cluster_of_another_size_than_the_run_folders_is_refused(tmp_path):
+@pytest.mark.parametrize('args, starts', [(['--workers=4'], 4), ([], 1)])
+def test_a_cluster_of_another_size_than_the_run_folders_is_refused(tmp_path, args, starts):
+  """--workers=4, and one process (N -> 1), on a run two workers trained."""
   run = tmp_path / 'run'
   run.mkdir()
-  cluster.write_record(str(run), ['127.0.0.1:1', '127.0.0.1:2'])
+  write_record(run, 2)
   before = sorted(os.listdir(run))
-  proc = launch('--workers=3', f'--workdir={run}')
-  assert 'this run was trained by 2 worker(s), this command starts 3' in one_error_line(proc)
+  proc = launch(*args, f'--workdir={run}')
+  assert f'this run was trained by 2 worker(s), this command starts {starts}' in one_error_line(
+    proc
+  )
   assert sorted(os.listdir(run)) == before  # nothing written
+
+
+def test_a_batch_that_does_not_divide_among_the_workers_is_found_before_any_starts(tmp_path):
+  """It was found by each of N TensorFlow workers, N times the same line. More workers than
+  cores is a warning naming both numbers."""
+  cores = len(os.sched_getaffinity(0))
+  n = cores + 1
+  proc = launch(f'--workers={n}', f'--config.train.batch_size={2 * n + 1}', f'--workdir={tmp_path}')
+  line = one_error_line(proc)
+  assert line == (
+    f'error: config.train.batch_size={2 * n + 1} does not divide among {n} workers; use a '
+    f'multiple of {n} (e.g. {3 * n}).'
+  )
+  assert '[launcher] started' not in proc.stdout + proc.stderr  # no worker process
+  assert f'[launcher] warning: {n} workers on {cores} CPU cores' in proc.stderr
 
 
 def test_cluster_and_tf_config_together_are_refused(tmp_path):
@@ -238,6 +271,8 @@ def test_the_k8s_manifest_loads_and_gives_each_pod_its_tf_config(tmp_path):
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert not os.path.exists(os.path.join(ROOT, 'runs', 'MNIST_4'))  # nothing written
+  name, note = k8s.name_for('runs/MNIST_4')
+  assert proc.stdout.startswith(f'# {note}\n') and f'[launcher] {note}' in proc.stderr
   service_doc, job_doc = list(yaml.safe_load_all(proc.stdout))
   api = kubernetes.client.ApiClient()
   service = api._ApiClient__deserialize(service_doc, 'V1Service')
@@ -248,7 +283,7 @@ def test_the_k8s_manifest_loads_and_gives_each_pod_its_tf_config(tmp_path):
   assert service.spec.cluster_ip == 'None' and service.spec.publish_not_ready_addresses
   assert job.spec.completion_mode == 'Indexed' and job.spec.completions == job.spec.parallelism == 4
   pod = job.spec.template
-  assert pod.spec.subdomain == service.metadata.name == job.metadata.name == 'mnist-4'
+  assert pod.spec.subdomain == service.metadata.name == job.metadata.name == name
   assert service.spec.selector == pod.metadata.labels  # the Service finds the Job's pods
   assert pod.spec.volumes[0].persistent_volume_claim.claim_name == 'mpt-runs'
   container = pod.spec.containers[0]
@@ -259,14 +294,31 @@ def test_the_k8s_manifest_loads_and_gives_each_pod_its_tf_config(tmp_path):
   for index in range(4):  # what Kubernetes runs in pod `index` ($(VAR) expanded from its env)
     command = [a.replace('$(JOB_COMPLETION_INDEX)', str(index)) for a in container.command]
     assert command[:3] == ['python', 'launch.py', '--config=configs/mnist.py']
-    assert '--config.train.steps=500' in command and '--workdir=/runs/mnist-4' in command
+    assert '--config.train.steps=500' in command and f'--workdir=/runs/{name}' in command
     assert not any(a.startswith(('--k8s', '--workdir=runs')) for a in command)
     flags = dict(a[2:].split('=', 1) for a in command[2:])
     built = worker_tf_config(cluster.parse(flags['cluster']), int(flags['task_index']))
     assert built == {
-      'cluster': {'worker': [f'mnist-4-{i}.mnist-4:2222' for i in range(4)]},
+      'cluster': {'worker': [f'{name}-{i}.{name}:2222' for i in range(4)]},
       'task': {'type': 'worker', 'index': index},
     }
+
+
+def test_manifest_names_are_dns_1035_labels_distinct_per_workdir():
+  """runs/2026-11-28 was a Service '2026-11-28' (a digit first); exp/Run_A and other/run.a were
+  both 'run-a', one Job and one run folder; each change was silent."""
+  label = re.compile(r'[a-z]([-a-z0-9]*[a-z0-9])?')
+  workdirs = ['runs/2026-11-28', 'exp/Run_A', 'other/run.a', 'run-a', 'x' * 80, '/abs/run_a/']
+  names = {}
+  for workdir in workdirs:
+    name, note = k8s.name_for(workdir)
+    assert label.fullmatch(name) and len(f'{name}-999') <= 63, name
+    assert (note is None) == (name == workdir), (workdir, note)
+    if note:
+      assert f'{workdir!r} is no DNS-1035 label' in note and f'/runs/{name} are named' in note
+    names[workdir] = name
+  assert len(set(names.values())) == len(workdirs), names
+  assert names['exp/Run_A'].startswith('run-a-') and names['runs/2026-11-28'].startswith('run-2026')
 
 
 def test_a_tf_config_already_set_is_used_as_it_is(tmp_path):

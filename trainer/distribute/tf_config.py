@@ -23,6 +23,9 @@ import os
 from trainer.config import is_address
 from trainer.errors import UserError
 
+# In the run folder, written by the chief: {"workers": N, "addresses": [...]}; a resume with
+# another count is refused (trainer/launch/cluster.py).
+RECORD = 'cluster.json'
 _EXAMPLE = (
   '{"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", "index": 0}}'
 )

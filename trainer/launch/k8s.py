@@ -16,7 +16,9 @@ evicted or deleted) saves at the same step on every worker within the grace peri
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 
 PORT = 2222
@@ -25,15 +27,32 @@ INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-ind
 GRACE_SECONDS = 300  # SIGTERM to exit: the current loop, one checkpoint and the exit
 
 
-def name_for(text: str) -> str:
-  """A DNS-1123 label from a workdir or config name, short enough for `<name>-<index>`."""
-  name = re.sub(r'[^a-z0-9-]+', '-', text.lower()).strip('-')[:50].strip('-')
-  return name or 'mpt-workers'
+def name_for(workdir: str) -> tuple[str, str | None]:
+  """(name, note): a DNS-1035 label (a-z, 0-9 and '-', a letter first) short enough for
+  `<name>-<index>`, for the Service, the Job and the pods' run folder. A workdir that is such a
+  label already is the name; any other gets the label of its last folder plus a hash of the
+  whole workdir, so two workdirs never share a Job or a run folder (exp/Run_A and other/run.a
+  are run-a-<hash1> and run-a-<hash2>), and `note` says what it became."""
+  source = os.path.normpath(workdir)
+  if re.fullmatch(r'[a-z]([-a-z0-9]{0,48}[a-z0-9])?', source):
+    return source, None
+  base = re.sub(r'[^a-z0-9-]+', '-', os.path.basename(source).lower())
+  base = re.sub(r'-+', '-', base).strip('-')[:40].strip('-')
+  base = base if base[:1].isalpha() else f'run-{base}'.strip('-')
+  name = f'{base}-{hashlib.sha256(source.encode()).hexdigest()[:8]}'
+  return name, (
+    f'{workdir!r} is no DNS-1035 label (a-z, 0-9 and -, a letter first): the Service, the Job '
+    f'and the run folder {MOUNT}/{name} are named {name}'
+  )
 
 
-def manifest(workers: int, name: str, args: list[str], image: str, claim: str) -> str:
-  """The YAML stream (Service, then Job) for `workers` pods running launch.py `args`."""
-  return '---\n'.join(to_yaml(doc) for doc in documents(workers, name, args, image, claim))
+def manifest(
+  workers: int, name: str, args: list[str], image: str, claim: str, note: str | None = None
+) -> str:
+  """The YAML stream (Service, then Job) for `workers` pods running launch.py `args`; `note`
+  (a name that was changed) heads it as a comment."""
+  head = f'# {note}\n' if note else ''
+  return head + '---\n'.join(to_yaml(d) for d in documents(workers, name, args, image, claim))
 
 
 def documents(workers: int, name: str, args: list[str], image: str, claim: str) -> list[dict]:

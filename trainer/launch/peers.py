@@ -13,8 +13,7 @@ chief died), each a ~70-line traceback with exit code 1 (the delays: docs/guides
     same way, whatever TensorFlow is waiting for (a collective with no timeout, a rendezvous).
 
 Ending the process writes nothing half (checkpoints and records are renamed into place), so the
-same command resumes from the newest checkpoint named. The chief's watchdog also records the
-cluster in the run folder once the run has written its config record (trainer/launch/cluster.py).
+same command resumes from the newest checkpoint named.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import time
 
 from absl import app, logging
 
-from trainer.launch import cluster
 
 EXIT_PEER_LOST = 3
 POLL_SECONDS = 1.0
@@ -43,7 +41,6 @@ class Watch:
     self.addresses, self.index, self.workdir, self.timeout = addresses, index, workdir, timeout
     self.seen_up: set[int] = set()
     self.down_since: dict[int, float] = {}
-    self.recorded = index != 0 or workdir is None  # only the chief records the cluster
     self.done = False  # set at exit: a worker that finished first is not lost
 
   def lost(self) -> list[int]:
@@ -60,17 +57,8 @@ class Watch:
         self.down_since.pop(i, None)
       elif i in self.seen_up:
         self.down_since.setdefault(i, now)
-    self._record()
     late = [i for i, t in self.down_since.items() if now - t >= self.timeout]
     return min(late) if late else None
-
-  def _record(self) -> None:
-    if self.recorded or not os.path.exists(os.path.join(self.workdir or '', 'config.json')):
-      return
-    record = cluster.read_record(self.workdir or '')
-    if record is None or record.get('workers') != len(self.addresses):
-      cluster.write_record(self.workdir or '', self.addresses)
-    self.recorded = True
 
 
 def reachable(address: str, timeout: float = 2.0) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
+from trainer import config as config_lib
 from trainer.distribute import tf_config
 from trainer.errors import UserError
 from trainer.launch import cluster
@@ -46,8 +47,12 @@ def dispatch(flag_values, argv: list[str], config, default_workdir) -> None:
     sys.exit(2)
 
 
+def _trains(flag_values) -> bool:
+  return flag_values.mode == 'train' and not flag_values.audit and not flag_values.advise
+
+
 def _check_train_only(flag_values, flag: str) -> None:
-  if flag_values.mode != 'train' or flag_values.audit or flag_values.advise:
+  if not _trains(flag_values):
     other = f'--mode={flag_values.mode}' if flag_values.mode != 'train' else '--audit/--advise'
     raise UserError(f'{flag} trains; {other} runs in one process: leave {flag} out')
 
@@ -74,9 +79,18 @@ def _supervise(flag_values, argv: list[str], config, default_workdir) -> int:
     raise UserError(f'--workers={n} makes a TF_CONFIG per worker; unset the TF_CONFIG set here')
   _check_train_only(flag_values, f'--workers={n}')
   _use_multi_worker(config, f'--workers={n}')
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  if cores and n > cores:
+    print(
+      f'[launcher] warning: {n} workers on {cores} CPU cores: they share the cores (workers on '
+      'one host test a cluster; they do not make training faster than one process)',
+      file=sys.stderr,
+      flush=True,
+    )
+  config_lib.check_batch_split(config, n, 'workers')  # before N TensorFlow processes start
   workdir = os.path.abspath(flag_values.workdir or default_workdir())
+  cluster.check_record(workdir, n, config.train.accept_config_change)
   addresses = [f'{cluster.LOOPBACK}:{p}' for p in cluster.free_ports(n)]
-  cluster.check_record(workdir, addresses, config.train.accept_config_change)
   base = [sys.executable, argv[0], *argv[1:], '--workers=0', f'--workdir={workdir}']
   commands = [base + [f'--cluster={",".join(addresses)}', f'--task_index={i}'] for i in range(n)]
   print(f'[launcher] {n} workers on {", ".join(addresses)}; run folder {workdir}', flush=True)
@@ -95,11 +109,13 @@ def _join(flag_values, config) -> None:
   """A worker: TF_CONFIG from --cluster (or the one set), the checks, the peers' watchdog."""
   text = os.environ.get('TF_CONFIG', '')
   if flag_values.cluster is None and flag_values.task_index is None:
-    if config is None or config.distribute.strategy != 'multi_worker' or not text:
-      return  # not a worker; or TF_CONFIG missing, which the strategy names
-    task = tf_config.read(text)
-    if task is None:
-      return  # blank: the strategy names it
+    multi = config is not None and config.distribute.strategy == 'multi_worker'
+    task = tf_config.read(text) if multi else None
+    if task is None:  # not a worker; or TF_CONFIG missing or blank, which the strategy names
+      if not multi and config is not None and flag_values.workdir and _trains(flag_values):
+        workdir = os.path.abspath(flag_values.workdir)
+        cluster.check_record(workdir, 1, config.train.accept_config_change)
+      return
     addresses, index, who = task.addresses, task.position, f'TF_CONFIG (task {task.name})'
   else:
     if flag_values.cluster is None or flag_values.task_index is None:
@@ -111,10 +127,11 @@ def _join(flag_values, config) -> None:
     who = f'--task_index={index}'
     cluster.check_index(index, addresses)
     _use_multi_worker(config, '--cluster')
+  config_lib.check_batch_split(config, len(addresses), 'workers')
   cluster.check_port_free(addresses[index], who)
   workdir = os.path.abspath(flag_values.workdir) if flag_values.workdir else None
   if workdir:
-    cluster.check_record(workdir, addresses, config.train.accept_config_change)
+    cluster.check_record(workdir, len(addresses), config.train.accept_config_change)
   if not text:
     os.environ['TF_CONFIG'] = tf_config.for_worker(addresses, index)
   from trainer.launch import peers
@@ -130,8 +147,11 @@ def _manifest(flag_values, argv: list[str], config) -> str:
     raise UserError(f'--k8s_manifest={n} writes its own --cluster: leave out --workers/--cluster')
   _check_train_only(flag_values, f'--k8s_manifest={n}')
   _use_multi_worker(config, f'--k8s_manifest={n}')  # checked here; the pods set it themselves
+  config_lib.check_batch_split(config, n, 'workers')
   config_file = flag_values['config'].config_filename
   source = flag_values.workdir or os.path.splitext(os.path.basename(config_file))[0]
-  name = k8s.name_for(os.path.basename(os.path.normpath(source)))
+  name, note = k8s.name_for(source)
+  if note:
+    print(f'[launcher] {note}', file=sys.stderr)
   args = k8s.pod_args(argv[1:], OWN_FLAGS)
-  return k8s.manifest(n, name, args, flag_values.k8s_image, flag_values.k8s_claim)
+  return k8s.manifest(n, name, args, flag_values.k8s_image, flag_values.k8s_claim, note)

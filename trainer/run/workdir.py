@@ -7,6 +7,8 @@
                                       (the step of the last eval that completed) and policy.json
                                       (the precision policy the newest checkpoints trained in)
   <workdir>/tensorboard/              tf.summary events (train/..., eval/...)
+  <workdir>/cluster.json              the number of workers that train it (a run of one process
+                                      has none unless another count trained it before)
   <workdir>/train.lock                while a training process runs (trainer/run/lock.py)
 
 Two ways in:
@@ -42,14 +44,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from typing import Any
 from collections.abc import Callable
 
 import tensorflow as tf
 from absl import logging
 
-from trainer.run import async_copy, checkpoint_files, checkpoints
+from trainer.run import async_copy, checkpoint_files, checkpoints, preemption
 from trainer.run.config_record import (
   CONFIG,
   RESUMABLE,
@@ -62,6 +63,8 @@ from trainer.run.config_record import (
   saved_policy,
 )
 from trainer.distribute import strategy as distribute
+from trainer.distribute import tf_config
+from trainer.insight import files
 from trainer.step.eager_then_compiled import EagerThenCompiled
 from trainer.run import lock as workdir_lock
 from trainer.errors import ConfigError, UserError
@@ -92,8 +95,7 @@ def local_path(path: str, flag: str = '--workdir') -> str:
 
 def write_json(path: str, value: dict) -> None:
   """Writes `path` atomically without following a symlink (see the module docstring)."""
-  folder = os.path.dirname(path)
-  fd, tmp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}-', suffix='.tmp', dir=folder)
+  fd, tmp = files.temporary(path)
   try:
     with os.fdopen(fd, 'w') as f:
       json.dump(value, f, indent=2, sort_keys=True)
@@ -424,6 +426,7 @@ class Workdir:
       return
     try:
       self._record_config(resumed, step)
+      self._record_cluster()
     except OSError as e:
       raise ConfigError(
         f'workdir {self.path}: cannot write the config record ({e.strerror}); '
@@ -436,6 +439,19 @@ class Workdir:
       self.checkpoint, self.checkpoint_dir, max_to_keep=self.config.train.max_to_keep
     )
     self._writer = tf.summary.create_file_writer(os.path.join(self.path, TENSORBOARD))
+
+  def _record_cluster(self) -> None:
+    """cluster.json: how many workers train this run, which the launcher checks a resume
+    against (trainer/launch/cluster.py); a single process records only a change of count."""
+    path, count = os.path.join(self.path, tf_config.RECORD), preemption.workers(self.strategy)
+    try:
+      with open(path) as f:
+        recorded = json.load(f).get('workers')
+    except (OSError, ValueError):
+      recorded = None
+    if count != (recorded or 1) or (count > 1 and recorded is None):
+      task = tf_config.read() if count > 1 else None
+      write_json(path, {'workers': count, 'addresses': task.addresses if task else []})
 
   def _record_config(self, resumed: bool, step: int) -> None:
     current = json.loads(json.dumps(self.config.to_dict()))
