@@ -11,6 +11,8 @@ Exit statuses (docs/guides/troubleshooting.md#exit-statuses), each failure one `
   2    bad input: a mistake in the command, config, data or model code (trainer.errors.UserError)
   3    the run failed numerically: it collapsed, diverged, ended at chance or is not finite, or
        --mode=eval or export of a checkpoint whose eval loss is not finite (TrainingFailed)
+  75   a worker (multi_worker) stopped by SIGTERM or Ctrl-C before its last step, its
+       checkpoint saved: preempted, restart it (one process exits 0 then)
   130  a second Ctrl-C: stopped at once, nothing saved
 A mistake is one line naming the culprit; --traceback (or TRAINER_TRACEBACK=1) prints the
 Python traceback before it.
@@ -120,6 +122,17 @@ flags.DEFINE_string('k8s_image', 'mpt-trainer:latest', 'With --k8s_manifest: the
 flags.DEFINE_string(
   'k8s_claim', 'mpt-runs', 'With --k8s_manifest: the shared volume claim mounted at /runs.'
 )
+flags.DEFINE_string('k8s_cpu', '', "With --k8s_manifest: each pod's CPU request (e.g. 4, 500m).")
+flags.DEFINE_string('k8s_memory', '', "With --k8s_manifest: each pod's memory request (e.g. 16Gi).")
+flags.DEFINE_integer(
+  'k8s_gpus', 0, 'With --k8s_manifest: nvidia.com/gpu per pod (request and limit).', lower_bound=0
+)
+flags.DEFINE_string(
+  'k8s_data_claim',
+  '',
+  'With --k8s_manifest: a volume claim holding the data, mounted read-only at /data (point '
+  '--config.data.dir there).',
+)
 flags.register_multi_flags_validator(
   ['config', 'mode', 'forensics'],
   lambda f: f['config'] is not None or (f['mode'] == 'diagnose' and bool(f['forensics'])),
@@ -204,7 +217,7 @@ def main(argv):
     startup.import_keras()
     import models
     from trainer.errors import UserError
-    from trainer.run.preemption import Preempted
+    from trainer.run.preemption import EXIT_PREEMPTED, Preempted
 
   config = _CONFIG.value
   trainer = None
@@ -258,7 +271,8 @@ def main(argv):
     _fail('; '.join(filter(None, (str(e).rstrip('.'), _on_disk(trainer)))), e.exit_status)
   except Preempted as e:  # SIGTERM/SIGINT: a checkpoint was saved; not a failure
     print(str(e), file=sys.stderr)
-    exit_now(0, config)
+    # A worker's 0 would tell its scheduler the run is done: 75 asks for a restart.
+    exit_now(EXIT_PREEMPTED if config.distribute.strategy == 'multi_worker' else 0, config)
   except Exception as e:  # a bug in the model's code, say: its traceback, then what is on disk
     # An error an absl exception handler wants goes to it (trainer/launch/peers.py: a lost worker
     # is one line and exit status 3, with the checkpoint on disk named).

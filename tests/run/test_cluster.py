@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -268,6 +269,10 @@ def test_the_k8s_manifest_loads_and_gives_each_pod_its_tf_config(tmp_path):
     '--workdir=runs/MNIST_4',
     '--k8s_manifest=4',
     '--k8s_image=registry/mpt:1',
+    '--k8s_cpu=4',
+    '--k8s_memory=16Gi',
+    '--k8s_gpus=1',
+    '--k8s_data_claim=mnist-data',
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert not os.path.exists(os.path.join(ROOT, 'runs', 'MNIST_4'))  # nothing written
@@ -289,6 +294,24 @@ def test_the_k8s_manifest_loads_and_gives_each_pod_its_tf_config(tmp_path):
   container = pod.spec.containers[0]
   assert container.image == 'registry/mpt:1'
   assert container.volume_mounts[0].mount_path == '/runs'
+  assert container.resources.requests == {'cpu': '4', 'memory': '16Gi', 'nvidia.com/gpu': '1'}
+  assert container.resources.limits == {'nvidia.com/gpu': '1'}
+  (data,) = [m for m in container.volume_mounts if m.name == 'data']
+  assert data.mount_path == '/data' and data.read_only
+  (volume,) = [v for v in pod.spec.volumes if v.name == 'data']
+  assert volume.persistent_volume_claim.claim_name == 'mnist-data'
+  # Exit statuses as the Job controller treats them (the first matching rule applies; none:
+  # Count, against backoffLimit). A podFailurePolicy needs restartPolicy Never.
+  assert pod.spec.restart_policy == 'Never'
+  assert job.spec.backoff_limit == 24
+  assert [pod_failure(job, code) for code in (2, 75, 3, 1, 137)] == [
+    'FailJob',  # bad input: a retry meets it again
+    'Ignore',  # preempted after saving: replaced, not counted
+    'Count',  # a lost worker (or a run that failed numerically): retried up to backoffLimit
+    'Count',
+    'Count',
+  ]
+  assert pod_failure(job, 137, conditions=['DisruptionTarget']) == 'Ignore'  # evicted, drained
   (env,) = [e for e in container.env if e.name == 'JOB_COMPLETION_INDEX']
   assert env.value_from.field_ref.field_path == k8s.INDEX_ANNOTATION
   for index in range(4):  # what Kubernetes runs in pod `index` ($(VAR) expanded from its env)
@@ -302,6 +325,27 @@ def test_the_k8s_manifest_loads_and_gives_each_pod_its_tf_config(tmp_path):
       'cluster': {'worker': [f'{name}-{i}.{name}:2222' for i in range(4)]},
       'task': {'type': 'worker', 'index': index},
     }
+
+
+def pod_failure(job, exit_code: int, conditions=()) -> str:
+  """The action the Job controller takes for a failed pod of `job` whose worker container exited
+  with `exit_code` and which has `conditions` (status True): the first rule that matches, else
+  Count (Kubernetes' documented semantics of spec.podFailurePolicy)."""
+  for rule in job.spec.pod_failure_policy.rules:
+    codes = rule.on_exit_codes
+    if codes is not None and codes.container_name in (None, 'worker'):
+      if (exit_code in codes.values) == (codes.operator == 'In'):
+        return rule.action
+    for pattern in rule.on_pod_conditions or ():
+      if pattern.type in conditions and pattern.status == 'True':
+        return rule.action
+  return 'Count'
+
+
+def test_a_bad_resource_quantity_is_one_line(tmp_path):
+  proc = launch('--k8s_manifest=2', '--k8s_memory=16 GB', f'--workdir={tmp_path}')
+  assert '--k8s_memory=16 GB: not a Kubernetes quantity' in one_error_line(proc)
+  assert proc.stdout == ''
 
 
 def test_manifest_names_are_dns_1035_labels_distinct_per_workdir():
@@ -335,3 +379,83 @@ def test_a_tf_config_already_set_is_used_as_it_is(tmp_path):
     proc
   )
   assert not os.path.exists(tmp_path / 'run')
+
+
+# ---- faults -----------------------------------------------------------------------------------
+def test_a_second_launcher_on_a_busy_workdir_exits_2_with_nothing_read_or_written(tmp_path):
+  """It exited 3, and its worker 1 first resumed from the other run's checkpoint without the
+  lock. Here this test process holds the lock, as a running chief does."""
+  from trainer.run import lock as workdir_lock
+
+  run = tmp_path / 'run'
+  run.mkdir()
+  write_record(run, 2)
+  path = workdir_lock.acquire(str(run))
+  try:
+    before = {p: p.stat().st_mtime_ns for p in run.iterdir()}
+    proc = launch('--workers=2', f'--workdir={run}')
+    line = one_error_line(proc)
+    assert f'workdir {run} is in use by another training process (pid {os.getpid()}' in line
+    assert {p: p.stat().st_mtime_ns for p in run.iterdir()} == before
+    assert '[launcher] started' not in proc.stdout
+  finally:
+    workdir_lock.release(path)
+
+
+@pytest.mark.slow  # 3 processes importing TensorFlow
+def test_the_workers_end_when_their_launcher_is_killed(tmp_path):
+  """They sat in their own sessions and trained on, unseen, to the end of the run."""
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      'launch.py',
+      '--config=configs/mnist.py',
+      f'--config.data.dir={DATA}',
+      '--workers=2',
+      f'--workdir={tmp_path / "run"}',
+    ],
+    env=ENV,
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  for line in proc.stdout:
+    if line.startswith('[launcher] started'):
+      pids = [int(p) for p in re.findall(r'pid (\d+)', line)]
+      break
+  proc.kill()
+  proc.wait()
+  deadline = time.monotonic() + 60  # a worker still importing TensorFlow sets the signal after
+  while time.monotonic() < deadline and any(os.path.exists(f'/proc/{p}') for p in pids):
+    time.sleep(0.2)
+  alive = [p for p in pids if os.path.exists(f'/proc/{p}')]
+  for p in alive:
+    os.kill(p, 9)
+  assert alive == []
+
+
+def test_tensorflows_grpc_bind_failure_is_one_line_naming_the_port():
+  """A port taken after the worker's own check was a 25-line traceback
+  (UnknownError: Could not start gRPC server), exit 1."""
+  with socket.socket() as held:
+    held.bind(('', 0))
+    held.listen()
+    port = held.getsockname()[1]
+    code = (
+      'from trainer.distribute import strategy\n'
+      'from trainer.errors import UserError\n'
+      'try:\n'
+      '  strategy._multi_worker()\n'
+      'except UserError as e:\n'
+      '  print(e)\n'
+    )
+    env = {**ENV, 'TF_CONFIG': tf_config.for_worker([f'127.0.0.1:{port}'], 0)}
+    proc = subprocess.run(
+      [sys.executable, '-c', code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+  assert proc.stdout.strip() == (
+    f'TF_CONFIG task worker:0: TensorFlow could not listen on 127.0.0.1:{port} (port {port} '
+    'taken by another process since the launcher checked it?); free the port, or give this task '
+    'another one'
+  ), proc.stderr[-3000:]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -70,6 +71,23 @@ def reachable(address: str, timeout: float = 2.0) -> bool:
     return False
 
 
+LAUNCHER_PID = 'MPT_LAUNCHER_PID'  # set by `--workers` (trainer/launch/supervisor.py)
+
+
+def follow_launcher() -> None:
+  """A worker of `--workers` dies with its launcher, however that dies (kill -9 included):
+  Linux's parent-death signal, SIGKILL (nothing half-written: writes are atomic; the lock is
+  taken over as stale). It sits in its own session, which a terminal's hang-up does not reach."""
+  pid = os.environ.get(LAUNCHER_PID)
+  if not pid or not sys.platform.startswith('linux'):
+    return
+  import ctypes
+
+  ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+  if os.getppid() != int(pid):  # the launcher died before the signal was set
+    os._exit(128 + signal.SIGKILL)
+
+
 def install(addresses: list[str], index: int, workdir: str | None, timeout: float) -> Watch:
   """Starts the watchdog thread and the exception handler for worker `index`."""
   watch = Watch(addresses, index, workdir, timeout)
@@ -116,6 +134,7 @@ class _Handler(app.ExceptionHandler):
 
 def stop(watch: Watch, lost: int | None, why: str) -> None:
   """Prints the one line and ends this process with EXIT_PEER_LOST."""
+  from trainer.distribute import strategy as distribute
   from trainer.run import checkpoint_files
   from trainer.run import lock as workdir_lock
 
@@ -132,4 +151,5 @@ def stop(watch: Watch, lost: int | None, why: str) -> None:
   logging.flush()
   sys.stdout.flush()
   workdir_lock.release_all()  # os._exit skips atexit; a lock left behind would block the resume
+  distribute.remove_all_scratch()  # and a non-chief's scratch folder would stay in the temp dir
   os._exit(EXIT_PEER_LOST)

@@ -20,6 +20,7 @@ from trainer import config as config_lib
 from trainer.distribute import tf_config
 from trainer.errors import UserError
 from trainer.launch import cluster
+from trainer.run import lock as workdir_lock
 
 # launch.py flags the manifest and the workers' commands set themselves.
 OWN_FLAGS = (
@@ -30,6 +31,10 @@ OWN_FLAGS = (
   'k8s_manifest',
   'k8s_image',
   'k8s_claim',
+  'k8s_cpu',
+  'k8s_memory',
+  'k8s_gpus',
+  'k8s_data_claim',
 )
 
 
@@ -89,6 +94,7 @@ def _supervise(flag_values, argv: list[str], config, default_workdir) -> int:
     )
   config_lib.check_batch_split(config, n, 'workers')  # before N TensorFlow processes start
   workdir = os.path.abspath(flag_values.workdir or default_workdir())
+  workdir_lock.check_free(workdir)  # before any worker reads the run folder
   cluster.check_record(workdir, n, config.train.accept_config_change)
   addresses = [f'{cluster.LOOPBACK}:{p}' for p in cluster.free_ports(n)]
   base = [sys.executable, argv[0], *argv[1:], '--workers=0', f'--workdir={workdir}']
@@ -136,6 +142,7 @@ def _join(flag_values, config) -> None:
     os.environ['TF_CONFIG'] = tf_config.for_worker(addresses, index)
   from trainer.launch import peers
 
+  peers.follow_launcher()
   peers.install(addresses, index, workdir, flag_values.worker_timeout)
 
 
@@ -154,4 +161,10 @@ def _manifest(flag_values, argv: list[str], config) -> str:
   if note:
     print(f'[launcher] {note}', file=sys.stderr)
   args = k8s.pod_args(argv[1:], OWN_FLAGS)
-  return k8s.manifest(n, name, args, flag_values.k8s_image, flag_values.k8s_claim, note)
+  pod = {
+    'image': flag_values.k8s_image,
+    'claim': flag_values.k8s_claim,
+    'resources': k8s.resources(flag_values.k8s_cpu, flag_values.k8s_memory, flag_values.k8s_gpus),
+    'data_claim': flag_values.k8s_data_claim,
+  }
+  return k8s.manifest(n, name, args, pod, note)

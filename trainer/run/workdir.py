@@ -219,10 +219,11 @@ class Workdir:
     return restored
 
   def save(self, step: int, *, healthy: bool = False, loss: float | None = None) -> str:
-    """Saves the checkpoint as ckpt-<step>; returns its path (a non-chief: a removed scratch
-    path). Callers run their pre-save checks (Runner.save) first: nothing is written before this
-    call. `healthy` (trainer/run/health.py, with the training `loss`): it becomes the last healthy
-    checkpoint, which rotation never removes until a newer one is healthy.
+    """Saves the checkpoint as ckpt-<step>; returns its path (a non-chief: the chief's, as the
+    same command resumes from it). Callers run their pre-save checks (Runner.save) first:
+    nothing is written before this call. `healthy` (trainer/run/health.py, with the training
+    `loss`): it becomes the last healthy checkpoint, which rotation never removes until a newer
+    one is healthy.
 
     With config.train.async_checkpoint (CheckpointOptions(experimental_enable_async_checkpoint=
     True)) the variables are copied now and written by TensorFlow's background thread as a
@@ -246,9 +247,9 @@ class Workdir:
       path = checkpoints.save(manager, step, options=options)  # returns after the copy
     else:
       path = checkpoints.save(manager, step)  # a failed write: one line, partial files gone
-    if self.scratch:
+    if self.scratch:  # named as the chief saved it: the scratch copy is gone
       distribute.remove_scratch(self.scratch)
-      return path
+      return os.path.join(self.checkpoint_dir, os.path.basename(path))
     self._pending = (path, step, healthy, loss, keep, asynchronous)
     if not asynchronous:
       self.sync()
