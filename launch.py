@@ -94,8 +94,9 @@ _ADVISE_VALIDATE = flags.DEFINE_integer(
 flags.DEFINE_integer(
   'workers',
   0,
-  'Train with N worker processes on this host (loopback ports, a TF_CONFIG each); their lines '
-  'are prefixed with [worker i]; see docs/guides/distribution.md.',
+  'Train with N worker processes on this host (loopback ports, a TF_CONFIG each); '
+  "one log shows worker 0's lines and each other line of any worker once; see "
+  'docs/guides/distribution.md.',
   lower_bound=0,
 )
 flags.DEFINE_string(
@@ -109,6 +110,13 @@ flags.DEFINE_float(
   'worker_timeout',
   60.0,
   'Multi-worker: a worker unreachable this many seconds ends the others (exit code 3).',
+  lower_bound=1.0,
+)
+_EVALUATOR_TIMEOUT = flags.DEFINE_float(
+  'evaluator_timeout',
+  3600.0,
+  "TF_CONFIG's evaluator task: end after this many seconds without a new checkpoint (it ends "
+  "after the run's last step's checkpoint anyway).",
   lower_bound=1.0,
 )
 flags.DEFINE_integer(
@@ -211,7 +219,7 @@ def main(argv):
   with collector_paused():  # TensorFlow is imported (parse_flags); trainer.run here
     from trainer.launch import workers  # --workers, --cluster, --k8s_manifest: may exit here
 
-  workers.dispatch(flags.FLAGS, sys.argv, _CONFIG.value, _default_workdir)  # collector on
+  role = workers.dispatch(flags.FLAGS, sys.argv, _CONFIG.value, _default_workdir)  # collector on
   # Imported here so that --help and flag errors do not wait for TensorFlow.
   with collector_paused():
     startup.import_keras()
@@ -261,7 +269,9 @@ def main(argv):
       for kind, path in lifecycle.export(trainer, _EXPORT_DIR.value).items():
         print(f'{kind}: {path}')
       exit_now(0, config)
-    if _MODE.value == 'eval':
+    if role == 'evaluator':
+      metrics = lifecycle.evaluate_continuously(trainer, _EVALUATOR_TIMEOUT.value)
+    elif _MODE.value == 'eval':
       metrics = lifecycle.evaluate_checkpoint(trainer)
     else:
       metrics = trainer.train()

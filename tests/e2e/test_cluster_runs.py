@@ -7,6 +7,7 @@ Each run is 2 TensorFlow processes on the 2 shared cores: all slow."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -226,3 +227,60 @@ def test_kill_9_of_a_worker_ends_the_other_and_the_rerun_is_bit_identical(
     assert re.fullmatch(rf'{re.escape(str(workdir))}/checkpoints/ckpt-\d+', newest), last
     assert f'resumed from {newest}' in again.text
   assert_bit_identical(uninterrupted[0], workdir)
+
+
+def test_an_evaluator_beside_two_workers_evaluates_their_checkpoints_and_changes_nothing(
+  uninterrupted, tmp_path
+):
+  """TF_CONFIG's evaluator task trained as worker 0 of a run of its own (issue 59). Now it joins
+  nothing: the workers' final checkpoint is bit-identical to two workers alone; it evaluates
+  checkpoints once each, in order, up to the last step's, as --mode=eval does; it writes only
+  its records and events."""
+  from local_cluster import free_ports
+
+  workdir = tmp_path / 'run'
+  addresses = [f'127.0.0.1:{p}' for p in free_ports(3)]
+  spec = {'worker': addresses[:2], 'evaluator': addresses[2:]}
+  words = [a for a in doc_command() if a != '--workers=2']
+  argv = [sys.executable, 'launch.py', *words, *SHORT, f'--workdir={workdir}']
+  argv.append('--config.distribute.strategy=multi_worker')
+  procs = []
+  for kind, index in (('worker', 0), ('worker', 1), ('evaluator', 0)):
+    tf_config = json.dumps({'cluster': spec, 'task': {'type': kind, 'index': index}})
+    env = {**ENV, 'TF_CONFIG': tf_config}
+    procs.append(
+      subprocess.Popen(
+        argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+      )
+    )
+  logs = [p.communicate(timeout=900)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0, 0], logs[2][-4000:]
+  assert_bit_identical(uninterrupted[0], workdir)
+  evaluator = logs[2]
+  assert 'saved checkpoint' not in evaluator and 'training MnistCnnTrainer' not in evaluator
+  assert sorted(os.listdir(workdir)) == [
+    'checkpoints',
+    'cluster.json',
+    'config.json',
+    'evaluator',
+    'tensorboard',
+  ]
+  records = [json.loads(p.read_text()) for p in (workdir / 'evaluator').iterdir()]
+  steps = sorted(r['step'] for r in records)
+  assert steps[-1] == STEPS and set(steps) <= set(range(10, STEPS + 1, 10)), steps
+  order = [int(s) for s in re.findall(r'evaluator: ckpt-(\d+) ', evaluator)]
+  assert order == steps, evaluator[-4000:]  # in order, once each
+  assert os.listdir(workdir / 'tensorboard' / 'evaluator')
+  # The last record is the single-checkpoint eval of ckpt-60 (the newest).
+  one = subprocess.run(
+    [sys.executable, 'launch.py', *words, *SHORT, f'--workdir={workdir}', '--mode=eval'],
+    env=ENV,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert one.returncode == 0, one.stderr[-3000:]
+  last = next(r for r in records if r['step'] == STEPS)['metrics']
+  line = re.search(r'^final eval: (.+)$', one.stdout, re.M).group(1)
+  assert dict(m.split(' ') for m in line.split(', ')) == {k: f'{v:.4f}' for k, v in last.items()}

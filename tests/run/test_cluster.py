@@ -25,11 +25,19 @@ ENV = {k: v for k, v in os.environ.items() if k != 'TF_CONFIG'}
 ENV.update(TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT)
 
 
-def launch(*args, env=None):
+def launch(*args, env=None, cwd=ROOT):
+  """launch.py with configs/mnist.py; run in `cwd` (another folder: the paths made absolute)."""
+  where = '' if cwd == ROOT else ROOT + os.sep
   return subprocess.run(
-    [sys.executable, 'launch.py', '--config=configs/mnist.py', f'--config.data.dir={DATA}', *args],
+    [
+      sys.executable,
+      f'{where}launch.py',
+      f'--config={where}configs/mnist.py',
+      f'--config.data.dir={DATA}',
+      *args,
+    ],
     env=env or ENV,
-    cwd=ROOT,
+    cwd=cwd,
     capture_output=True,
     text=True,
     timeout=300,
@@ -67,23 +75,25 @@ def test_tf_config_roles_place_the_chief_first():
   assert tf_config.read('') is None and tf_config.read('  ') is None
 
 
-@pytest.mark.parametrize(
-  'kind, words',
-  [
-    ('evaluator', 'a side-car evaluator is not supported'),
-    ('ps', 'parameter servers are not supported'),
-  ],
-)
-def test_an_evaluator_or_ps_task_is_refused_never_made_a_worker(kind, words):
-  """Issue 56's case: an evaluator beside one worker was read as the worker at hostA."""
+def test_a_ps_task_is_refused_never_made_a_worker():
+  """Issue 56's case: a task beside one worker was read as the worker at hostA."""
   text = json.dumps(
     {
-      'cluster': {'worker': ['hostA:2222'], kind: ['hostB:2222']},
-      'task': {'type': kind, 'index': 0},
+      'cluster': {'worker': ['hostA:2222'], 'ps': ['hostB:2222']},
+      'task': {'type': 'ps', 'index': 0},
     }
   )
-  with pytest.raises(UserError, match=f"TF_CONFIG: task type '{kind}': {words}"):
+  with pytest.raises(UserError, match="TF_CONFIG: task type 'ps': parameter servers are not"):
     tf_config.read(text)
+
+
+def test_an_evaluator_task_is_outside_the_collective():
+  """It trained as worker 0 (issue 59): its place is -1, the collective the workers' alone."""
+  spec = {'chief': ['a:1'], 'worker': ['b:2'], 'evaluator': ['c:3']}
+  task = tf_config.read(json.dumps({'cluster': spec, 'task': {'type': 'evaluator', 'index': 0}}))
+  assert (task.type, task.position, task.addresses) == ('evaluator', -1, ['a:1', 'b:2'])
+  worker = tf_config.read(json.dumps({'cluster': spec, 'task': {'type': 'worker', 'index': 0}}))
+  assert (worker.position, worker.addresses) == (1, ['a:1', 'b:2'])
 
 
 @pytest.mark.parametrize(
@@ -100,17 +110,15 @@ def test_a_bad_tf_config_is_named(text, words):
     tf_config.read(text)
 
 
-def test_the_launcher_refuses_an_evaluator_task_in_one_line(tmp_path):
+def test_an_evaluator_needs_the_run_folder_and_writes_nothing_without_it(tmp_path):
   spec = {'worker': ['127.0.0.1:2001'], 'evaluator': ['127.0.0.1:2002']}
   env = {
     **ENV,
     'TF_CONFIG': json.dumps({'cluster': spec, 'task': {'type': 'evaluator', 'index': 0}}),
   }
-  proc = launch(
-    '--config.distribute.strategy=multi_worker', f'--workdir={tmp_path / "run"}', env=env
-  )
-  assert "TF_CONFIG: task type 'evaluator'" in one_error_line(proc)
-  assert not os.path.exists(tmp_path / 'run')  # it did not train as worker 0
+  proc = launch('--config.distribute.strategy=multi_worker', env=env, cwd=tmp_path)
+  assert 'TF_CONFIG task evaluator evaluates the checkpoints' in one_error_line(proc)
+  assert os.listdir(tmp_path) == []  # it did not train as worker 0
 
 
 @pytest.mark.parametrize(

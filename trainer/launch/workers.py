@@ -38,15 +38,16 @@ OWN_FLAGS = (
 )
 
 
-def dispatch(flag_values, argv: list[str], config, default_workdir) -> None:
-  """Returns when this process should go on to train (or run its mode); otherwise exits."""
+def dispatch(flag_values, argv: list[str], config, default_workdir) -> str | None:
+  """Returns when this process should go on to train (or run its mode), 'evaluator' when it is
+  an evaluator side-car; otherwise exits."""
   try:
     if flag_values.k8s_manifest:
       print(_manifest(flag_values, argv, config), end='')
       sys.exit(0)
     if flag_values.workers:
       sys.exit(_supervise(flag_values, argv, config, default_workdir))
-    _join(flag_values, config)
+    return _join(flag_values, config)
   except UserError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
@@ -111,8 +112,9 @@ def _newest(workdir: str) -> str | None:
   return next(iter(checkpoint_files.find(os.path.join(workdir, 'checkpoints'))), None)
 
 
-def _join(flag_values, config) -> None:
-  """A worker: TF_CONFIG from --cluster (or the one set), the checks, the peers' watchdog."""
+def _join(flag_values, config) -> str | None:
+  """A worker: TF_CONFIG from --cluster (or the one set), the checks, the peers' watchdog.
+  'evaluator' for TF_CONFIG's evaluator task, which joins nothing."""
   text = os.environ.get('TF_CONFIG', '')
   if flag_values.cluster is None and flag_values.task_index is None:
     multi = config is not None and config.distribute.strategy == 'multi_worker'
@@ -121,7 +123,9 @@ def _join(flag_values, config) -> None:
       if not multi and config is not None and flag_values.workdir and _trains(flag_values):
         workdir = os.path.abspath(flag_values.workdir)
         cluster.check_record(workdir, 1, config.train.accept_config_change)
-      return
+      return None
+    if task.type == 'evaluator':
+      return _evaluator(flag_values, config)
     addresses, index, who = task.addresses, task.position, f'TF_CONFIG (task {task.name})'
   else:
     if flag_values.cluster is None or flag_values.task_index is None:
@@ -144,6 +148,21 @@ def _join(flag_values, config) -> None:
 
   peers.follow_launcher()
   peers.install(addresses, index, workdir, flag_values.worker_timeout)
+  return None
+
+
+def _evaluator(flag_values, config) -> str:
+  """The side-car: one process, out of the collective (TF_CONFIG is dropped here, so that no
+  TensorFlow code joins the cluster), reading the run folder only."""
+  _check_train_only(flag_values, 'TF_CONFIG task evaluator')
+  if not flag_values.workdir:
+    raise UserError(
+      'TF_CONFIG task evaluator evaluates the checkpoints the chief writes into the run folder: '
+      'pass --workdir=<the run folder the workers share>'
+    )
+  config.distribute.strategy = 'default'
+  del os.environ['TF_CONFIG']
+  return 'evaluator'
 
 
 def _manifest(flag_values, argv: list[str], config) -> str:
