@@ -112,6 +112,12 @@ flags.DEFINE_float(
   'Multi-worker: a worker unreachable this many seconds ends the others (exit code 3).',
   lower_bound=1.0,
 )
+flags.DEFINE_bool(
+  'evaluator',
+  False,
+  'With --workers=N: also start an evaluator side-car that evaluates each checkpoint the chief '
+  "writes; with --cluster (no --task_index): be that cluster's evaluator.",
+)
 _EVALUATOR_TIMEOUT = flags.DEFINE_float(
   'evaluator_timeout',
   3600.0,

@@ -110,6 +110,12 @@ def test_a_bad_tf_config_is_named(text, words):
     tf_config.read(text)
 
 
+def test_evaluator_alone_is_refused_in_one_line(tmp_path):
+  proc = launch('--evaluator', f'--workdir={tmp_path / "run"}')
+  assert '--evaluator evaluates beside workers: add --workers=N' in one_error_line(proc)
+  assert not os.path.exists(tmp_path / 'run')
+
+
 def test_an_evaluator_needs_the_run_folder_and_writes_nothing_without_it(tmp_path):
   spec = {'worker': ['127.0.0.1:2001'], 'evaluator': ['127.0.0.1:2002']}
   env = {

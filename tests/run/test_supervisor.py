@@ -193,3 +193,28 @@ def test_every_lost_worker_is_named(capsys):
     'error: workers 0-1 were lost (worker 0 killed by SIGKILL, worker 1 killed by SIGKILL)'
     in (capsys.readouterr().err)
   )
+
+
+def test_an_evaluator_side_car_is_shown_by_name_and_never_a_lost_worker(capsys):
+  progress = (
+    'print("I1128 23:41:00.123456 1 lifecycle.py:1] evaluator: ckpt-10 (step 10)", file=sys.stderr)'
+  )
+  commands = [worker(TRAINING, 'time.sleep(0.5)') for _ in range(2)]
+  commands.append(worker(progress, 'sys.exit(1)'))  # a failed side-car does not end the run
+  code = supervisor.run(commands, {}, 60, lambda: 'w/ckpt-60', sidecar=True)
+  captured = capsys.readouterr()
+  assert code == 1 and 'was lost' not in captured.err, captured.err
+  assert '[evaluator] I1128' in captured.err and 'evaluator: ckpt-10' in captured.err
+  assert captured.err.splitlines()[-1] == (
+    '[launcher] 2 workers and the evaluator ended: workers 0-1 finished; evaluator exited with '
+    'code 1; exit status 1; the newest checkpoint is w/ckpt-60: the same command resumes from it'
+  )
+
+
+def test_a_side_car_waiting_for_a_checkpoint_that_will_not_come_is_ended(capsys):
+  commands = [worker(TRAINING, 'time.sleep(0.5)', 'sys.exit(75)') for _ in range(2)]
+  commands.append(worker('time.sleep(60)'))  # waits for the last step's checkpoint
+  start = time.monotonic()
+  code = supervisor.run(commands, {}, 60, lambda: 'w/ckpt-30', sidecar=True)
+  assert time.monotonic() - start < 10 and code == EXIT_PREEMPTED
+  assert 'evaluator stopped by the launcher' in capsys.readouterr().err.splitlines()[-1]

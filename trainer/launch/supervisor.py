@@ -56,8 +56,12 @@ def describe(returncode: int) -> str:
   return f'exited with code {returncode}'
 
 
-def span(workers) -> str:
-  """[0, 1, 2] -> 'workers 0-2'; [1] -> 'worker 1'; [0, 2] -> 'workers 0,2'."""
+def span(workers, sidecar: int | None = None) -> str:
+  """[0, 1, 2] -> 'workers 0-2'; [1] -> 'worker 1'; [0, 2] -> 'workers 0,2'; the `sidecar`
+  process (--evaluator) is 'evaluator'."""
+  if sidecar in workers:
+    rest = [w for w in workers if w != sidecar]
+    return f'{span(rest)}, evaluator' if rest else 'evaluator'
   ws = sorted(workers)
   if len(ws) == 1:
     return f'worker {ws[0]}'
@@ -70,8 +74,8 @@ class Log:
   """The one log of N workers (module docstring). `add` takes each line as it comes; `flush`
   shows the held lines that are due; `write` is where lines go (stream, text)."""
 
-  def __init__(self, workers: int, write=None):
-    self.workers = workers
+  def __init__(self, workers: int, write=None, sidecar: int | None = None):
+    self.workers, self.sidecar = workers, sidecar
     self.write = write or _write
     self.lock = threading.Lock()
     self.held: dict[str, list] = {}  # key -> [first line, workers, first seen]; in arrival order
@@ -88,8 +92,9 @@ class Log:
       self.started = self.started or bool(_TRAINING.match(text))
       self.reported.update(int(w) for w in _REPORTED.findall(text))
       if routine:
-        if worker == 0:
-          self.write(sys.stderr if stderr else sys.stdout, f'[worker 0] {line}')
+        if worker in (0, self.sidecar):
+          name = 'evaluator' if worker == self.sidecar else 'worker 0'
+          self.write(sys.stderr if stderr else sys.stdout, f'[{name}] {line}')
         return
       if text in self.shown:
         return  # a late copy of a line shown already
@@ -115,7 +120,7 @@ class Log:
           break
         del self.held[key]
         self.shown.add(key)
-        self.write(sys.stderr, f'[{span(workers)}] {line}')
+        self.write(sys.stderr, f'[{span(workers, self.sidecar)}] {line}')
 
 
 def _write(out, text: str) -> None:
@@ -124,15 +129,18 @@ def _write(out, text: str) -> None:
 
 
 class Supervisor:
-  def __init__(self, commands: list[list[str]], env: dict, timeout: float):
+  """`sidecar`: the last command is the evaluator (--evaluator): its end is no worker's loss."""
+
+  def __init__(self, commands: list[list[str]], env: dict, timeout: float, sidecar: bool = False):
     self.commands, self.env, self.timeout = commands, env, timeout
+    self.sidecar = len(commands) - 1 if sidecar else None
     self.procs: list[subprocess.Popen] = []
     self.signals = 0
     self.lost: tuple[int, int] | None = None  # (worker, returncode) of the first failure
     self.stopped: set[int] = set()  # workers this launcher killed
     self.early: int | None = None  # the status of a worker that ended before training began
     self.relays: list[threading.Thread] = []
-    self.log = Log(len(commands))
+    self.log = Log(len(commands), sidecar=self.sidecar)
 
   def start(self) -> None:
     for i, command in enumerate(self.commands):
@@ -176,7 +184,9 @@ class Supervisor:
     while any(p.poll() is None for p in self.procs):
       for i, proc in enumerate(self.procs):
         code = proc.poll()
-        if code not in (None, 0, EXIT_PREEMPTED) and self.lost is None and self.signals == 0:
+        if i == self.sidecar or self.lost is not None or self.signals:
+          continue
+        if code not in (None, 0, EXIT_PREEMPTED):
           self.lost = (i, code)
           deadline = time.monotonic() + self.timeout + GRACE_SECONDS
           if not self.log.started:  # the others wait in the rendezvous for it: end them now
@@ -188,6 +198,9 @@ class Supervisor:
               file=sys.stderr,
               flush=True,
             )
+      ended = [p.poll() for i, p in enumerate(self.procs) if i != self.sidecar]
+      if self.sidecar is not None and None not in ended and any(ended):
+        self._kill(self.sidecar)  # the run's last checkpoint will not come: no need to wait
       for w in self.log.named_lost():  # named lost by a survivor and still here: hung
         self._kill(w)
       if deadline is not None and time.monotonic() >= deadline:
@@ -197,7 +210,7 @@ class Supervisor:
       time.sleep(0.2)
     codes = [p.wait() for p in self.procs]
     if self.lost is None and self.signals == 0:  # every worker ended between two polls
-      self.lost = first_failure(codes)
+      self.lost = first_failure(codes[: self.sidecar])
     return codes
 
   def _kill(self, worker: int) -> None:
@@ -208,7 +221,7 @@ class Supervisor:
   def lost_workers(self, codes: list[int]) -> list[int]:
     """The workers really lost: those a survivor named (a hung one included) and those killed by
     a signal this launcher did not send; else the first failure."""
-    died = {i for i, c in enumerate(codes) if c < 0 and i not in self.stopped}
+    died = {i for i, c in enumerate(codes) if c < 0 and i not in self.stopped | {self.sidecar}}
     lost = sorted(self.log.named_lost() | died)
     return lost or ([self.lost[0]] if self.lost else [])
 
@@ -222,13 +235,21 @@ def first_failure(codes: list[int]) -> tuple[int, int] | None:
   return min(failed, key=lambda f: (f[1] >= 0, f[0]), default=None)
 
 
-def closing(codes: list[int], newest: str | None, stopped=(), status: int | None = None) -> str:
+def closing(
+  codes: list[int],
+  newest: str | None,
+  stopped=(),
+  status: int | None = None,
+  sidecar: int | None = None,
+) -> str:
   """The launcher's last line: how many workers ended and how (`stopped`: killed by this
   launcher), its exit `status` (default the worst code), and where the run stands."""
   how: dict[str, list[int]] = {}
   for i, code in enumerate(codes):
     how.setdefault('stopped by the launcher' if i in stopped else describe(code), []).append(i)
-  ended = '; '.join(f'{span(ws)} {what}' for what, ws in how.items())
+  ended = '; '.join(f'{span(ws, sidecar)} {what}' for what, ws in how.items())
+  workers = len(codes) - (sidecar is not None)
+  count = f'{workers} workers' + (' and the evaluator' if sidecar is not None else '')
   if not newest:
     where = 'no checkpoint is on disk'
   elif all(c == 0 for c in codes):
@@ -236,17 +257,20 @@ def closing(codes: list[int], newest: str | None, stopped=(), status: int | None
   else:
     where = f'the newest checkpoint is {newest}: the same command resumes from it'
   status = max(shell_code(c) for c in codes) if status is None else status
-  return f'[launcher] {len(codes)} workers ended: {ended}; exit status {status}; {where}'
+  return f'[launcher] {count} ended: {ended}; exit status {status}; {where}'
 
 
-def run(commands: list[list[str]], env: dict, timeout: float, newest_checkpoint) -> int:
+def run(
+  commands: list[list[str]], env: dict, timeout: float, newest_checkpoint, sidecar: bool = False
+) -> int:
   """Runs the workers to the end; returns the exit code for this process (module docstring).
-  `newest_checkpoint()` names the run folder's newest checkpoint (or None) at the end."""
-  sup = Supervisor(commands, env, timeout)
+  `newest_checkpoint()` names the run folder's newest checkpoint (or None) at the end;
+  `sidecar`: the last command is the evaluator."""
+  sup = Supervisor(commands, env, timeout, sidecar)
   previous = {s: signal.signal(s, sup.forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
     sup.start()
-    pids = ', '.join(f'worker {i} pid {p.pid}' for i, p in enumerate(sup.procs))
+    pids = ', '.join(f'{span([i], sup.sidecar)} pid {p.pid}' for i, p in enumerate(sup.procs))
     print(f'[launcher] started {pids}', flush=True)
     codes = sup.wait()
   finally:
@@ -256,7 +280,8 @@ def run(commands: list[list[str]], env: dict, timeout: float, newest_checkpoint)
     relay.join(timeout=5)
   sup.log.flush(time.monotonic(), final=True)
   newest = newest_checkpoint()
-  status = sup.early if sup.early is not None else max(shell_code(c) for c in codes)
+  counted = [c for i, c in enumerate(codes) if i != sup.sidecar or i not in sup.stopped]
+  status = sup.early if sup.early is not None else max(shell_code(c) for c in counted)
   if sup.lost is not None and sup.lost[1] not in (2, 130):  # 2: bad input, said by the workers
     lost = sup.lost_workers(codes)
     how = [('hung' if w in sup.stopped else describe(codes[w])) for w in lost]
@@ -269,7 +294,7 @@ def run(commands: list[list[str]], env: dict, timeout: float, newest_checkpoint)
       file=sys.stderr,
       flush=True,
     )
-  print(closing(codes, newest, sup.stopped, status), file=sys.stderr, flush=True)
+  print(closing(codes, newest, sup.stopped, status, sup.sidecar), file=sys.stderr, flush=True)
   return status
 
 

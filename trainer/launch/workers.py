@@ -5,6 +5,8 @@
   --cluster=... --task_index  be worker i of that cluster: TF_CONFIG is built here
   TF_CONFIG (already set)     used as it is (with config.distribute.strategy='multi_worker')
   --k8s_manifest=N            print a Kubernetes manifest for N workers (trainer/launch/k8s.py)
+  --evaluator                 with --workers: start an evaluator side-car beside them; with
+                              --cluster: be that cluster's (TF_CONFIG's task type 'evaluator')
 
 A worker (--cluster, or TF_CONFIG under multi_worker) is checked before TensorFlow starts and
 before the run folder is touched (trainer/launch/cluster.py), then watches the other workers
@@ -99,10 +101,17 @@ def _supervise(flag_values, argv: list[str], config, default_workdir) -> int:
   cluster.check_record(workdir, n, config.train.accept_config_change)
   addresses = [f'{cluster.LOOPBACK}:{p}' for p in cluster.free_ports(n)]
   base = [sys.executable, argv[0], *argv[1:], '--workers=0', f'--workdir={workdir}']
-  commands = [base + [f'--cluster={",".join(addresses)}', f'--task_index={i}'] for i in range(n)]
+  joined = f'--cluster={",".join(addresses)}'
+  commands = [base + [joined, f'--task_index={i}', '--noevaluator'] for i in range(n)]
+  if flag_values.evaluator:
+    commands.append(base + [joined, '--evaluator'])
   print(f'[launcher] {n} workers on {", ".join(addresses)}; run folder {workdir}', flush=True)
   return supervisor.run(
-    commands, supervisor.child_env(), flag_values.worker_timeout, lambda: _newest(workdir)
+    commands,
+    supervisor.child_env(),
+    flag_values.worker_timeout,
+    lambda: _newest(workdir),
+    sidecar=flag_values.evaluator,
   )
 
 
@@ -116,6 +125,8 @@ def _join(flag_values, config) -> str | None:
   """A worker: TF_CONFIG from --cluster (or the one set), the checks, the peers' watchdog.
   'evaluator' for TF_CONFIG's evaluator task, which joins nothing."""
   text = os.environ.get('TF_CONFIG', '')
+  if flag_values.evaluator and flag_values.cluster is None:
+    raise UserError('--evaluator evaluates beside workers: add --workers=N (or --cluster=...)')
   if flag_values.cluster is None and flag_values.task_index is None:
     multi = config is not None and config.distribute.strategy == 'multi_worker'
     task = tf_config.read(text) if multi else None
@@ -127,6 +138,10 @@ def _join(flag_values, config) -> str | None:
     if task.type == 'evaluator':
       return _evaluator(flag_values, config)
     addresses, index, who = task.addresses, task.position, f'TF_CONFIG (task {task.name})'
+  elif flag_values.evaluator:  # the side-car of --cluster's workers (--workers --evaluator)
+    if flag_values.task_index is not None or text:
+      raise UserError('--evaluator is no task of the collective: leave out --task_index/TF_CONFIG')
+    return _evaluator(flag_values, config, '--evaluator')
   else:
     if flag_values.cluster is None or flag_values.task_index is None:
       raise UserError('--cluster and --task_index go together: pass both (or a TF_CONFIG)')
@@ -151,17 +166,17 @@ def _join(flag_values, config) -> str | None:
   return None
 
 
-def _evaluator(flag_values, config) -> str:
+def _evaluator(flag_values, config, who: str = 'TF_CONFIG task evaluator') -> str:
   """The side-car: one process, out of the collective (TF_CONFIG is dropped here, so that no
   TensorFlow code joins the cluster), reading the run folder only."""
-  _check_train_only(flag_values, 'TF_CONFIG task evaluator')
+  _check_train_only(flag_values, who)
   if not flag_values.workdir:
     raise UserError(
-      'TF_CONFIG task evaluator evaluates the checkpoints the chief writes into the run folder: '
-      'pass --workdir=<the run folder the workers share>'
+      f'{who} evaluates the checkpoints the chief writes into the run folder: pass '
+      '--workdir=<the run folder the workers share>'
     )
   config.distribute.strategy = 'default'
-  del os.environ['TF_CONFIG']
+  os.environ.pop('TF_CONFIG', None)
   return 'evaluator'
 
 
@@ -172,6 +187,8 @@ def _manifest(flag_values, argv: list[str], config) -> str:
   if flag_values.workers or flag_values.cluster or flag_values.task_index is not None:
     raise UserError(f'--k8s_manifest={n} writes its own --cluster: leave out --workers/--cluster')
   _check_train_only(flag_values, f'--k8s_manifest={n}')
+  if flag_values.evaluator:
+    raise UserError(f'--k8s_manifest={n} writes no evaluator pod: leave --evaluator out')
   _use_multi_worker(config, f'--k8s_manifest={n}')  # checked here; the pods set it themselves
   config_lib.check_batch_split(config, n, 'workers')
   config_file = flag_values['config'].config_filename
