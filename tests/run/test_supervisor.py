@@ -5,6 +5,7 @@ closed'), where the final line was missing."""
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -218,3 +219,21 @@ def test_a_side_car_waiting_for_a_checkpoint_that_will_not_come_is_ended(capsys)
   code = supervisor.run(commands, {}, 60, lambda: 'w/ckpt-30', sidecar=True)
   assert time.monotonic() - start < 10 and code == EXIT_PREEMPTED
   assert 'evaluator stopped by the launcher' in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_killed_workers_scratch_folder_is_removed(tmp_path, monkeypatch):
+  """Killed while saving, a non-chief worker leaves its mpt-worker<i>-<pid>-* folder behind."""
+  monkeypatch.setenv('TMPDIR', str(tmp_path))
+  tempfile.tempdir = None  # read TMPDIR again
+  try:
+    saving = (
+      'import os, tempfile; os.makedirs(os.path.join(tempfile.gettempdir(), '
+      'f"mpt-worker1-{os.getpid()}-x", "ckpt-10_temp"))'
+    )
+    other = str(tmp_path / 'mpt-worker1-1-y')  # another process's: kept
+    os.makedirs(other)
+    commands = [worker(TRAINING, 'time.sleep(0.5)'), worker(saving, KILLED)]
+    supervisor.run(commands, {'TMPDIR': str(tmp_path)}, 60, lambda: None)
+  finally:
+    tempfile.tempdir = None
+  assert os.listdir(tmp_path) == ['mpt-worker1-1-y']

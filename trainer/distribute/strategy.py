@@ -26,6 +26,7 @@ removed right after (`scratch_dir`, `remove_scratch`).
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import socket
 import tempfile
@@ -272,7 +273,8 @@ _SCRATCH: set[str] = set()  # this process's scratch folders, removed at exit if
 def scratch_dir(strategy: tf.distribute.Strategy) -> str:
   """A new temporary folder for a non-chief worker's checkpoints; remove it after each save."""
   task_type, task_id = task(strategy)
-  path = tempfile.mkdtemp(prefix=f'mpt-{task_type}{task_id}-')
+  # The pid: a launcher removes the folder of a worker killed with it inside (SCRATCH_GLOB).
+  path = tempfile.mkdtemp(prefix=f'mpt-{task_type}{task_id}-{os.getpid()}-')
   if not _SCRATCH:
     atexit.register(remove_all_scratch)
   _SCRATCH.add(path)

@@ -27,6 +27,9 @@ from trainer.errors import UserError
 # In the run folder, written by the chief: {"workers": N, "addresses": [...]}; a resume with
 # another count is refused (trainer/launch/cluster.py).
 RECORD = 'cluster.json'
+# A non-chief worker's scratch checkpoint folders in the temporary directory (mpt-worker1-<pid>-
+# ...), by pid: a launcher removes those of a worker killed while saving.
+SCRATCH_GLOB = 'mpt-*-{pid}-*'
 _EXAMPLE = (
   '{"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", "index": 0}}'
 )

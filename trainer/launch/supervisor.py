@@ -19,14 +19,18 @@ launcher's own: how the workers ended and the checkpoint the same command resume
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+from trainer.distribute.tf_config import SCRATCH_GLOB
 from trainer.launch.peers import LAUNCHER_PID
 from trainer.run.preemption import EXIT_PREEMPTED
 
@@ -279,6 +283,11 @@ def run(
   for relay in sup.relays:  # the workers' last lines before ours
     relay.join(timeout=5)
   sup.log.flush(time.monotonic(), final=True)
+  for proc, code in zip(sup.procs, codes):
+    if code < 0:  # killed: its scratch folder, if it was saving, is left in the temp dir
+      pattern = SCRATCH_GLOB.format(pid=proc.pid)
+      for path in glob.glob(os.path.join(tempfile.gettempdir(), pattern)):
+        shutil.rmtree(path, ignore_errors=True)
   newest = newest_checkpoint()
   counted = [c for i, c in enumerate(codes) if i != sup.sidecar or i not in sup.stopped]
   status = sup.early if sup.early is not None else max(shell_code(c) for c in counted)
