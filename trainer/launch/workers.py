@@ -177,6 +177,9 @@ def _evaluator(flag_values, config, who: str = 'TF_CONFIG task evaluator') -> st
     )
   config.distribute.strategy = 'default'
   os.environ.pop('TF_CONFIG', None)
+  from trainer.launch import peers
+
+  peers.follow_launcher()  # under --workers --evaluator: it dies with its launcher too
   return 'evaluator'
 
 
