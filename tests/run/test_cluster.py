@@ -473,3 +473,46 @@ def test_tensorflows_grpc_bind_failure_is_one_line_naming_the_port():
     'taken by another process since the launcher checked it?); free the port, or give this task '
     'another one'
   ), proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # two processes starting TensorFlow's cluster
+def test_no_worker_reads_a_run_folder_whose_lock_another_process_holds(tmp_path):
+  """Worker 1 of a second cluster resumed from the other run's checkpoint without the lock. Now
+  the workers meet once the chief holds it; refused, the chief says why and the others stop."""
+  from local_cluster import free_ports
+
+  from trainer.run import lock as workdir_lock
+
+  run = tmp_path / 'run'
+  run.mkdir()
+  path = workdir_lock.acquire(str(run))
+  try:
+    spec = {'worker': [f'127.0.0.1:{p}' for p in free_ports(2)]}
+    procs = [
+      subprocess.Popen(
+        [
+          sys.executable,
+          'launch.py',
+          '--config=configs/mnist.py',
+          f'--config.data.dir={DATA}',
+          '--config.distribute.strategy=multi_worker',
+          f'--workdir={run}',
+        ],
+        env={
+          **ENV,
+          'TF_CONFIG': json.dumps({'cluster': spec, 'task': {'type': 'worker', 'index': i}}),
+        },
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+      )
+      for i in range(2)
+    ]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+  finally:
+    workdir_lock.release(path)
+  assert [p.returncode for p in procs] == [2, 2], errors[1][-3000:]
+  assert 'is in use by another training process' in errors[0]
+  assert f'worker 0 could not open the run folder {run}' in errors[1]
+  assert 'resumed from' not in errors[0] + errors[1]

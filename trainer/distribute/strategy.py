@@ -262,6 +262,20 @@ def task(strategy: tf.distribute.Strategy) -> tuple[str | None, int | None]:
   return resolver.task_type, resolver.task_id
 
 
+def all_agree(strategy: tf.distribute.Strategy, flag: bool) -> bool:
+  """True when `flag` is True on every worker: a collective under multi_worker (every worker
+  calls it at the same point), `flag` itself otherwise."""
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return flag
+
+  @tf.function
+  def total(value):  # ReduceOp has SUM and MEAN only: the workers that disagree are counted
+    per_replica = strategy.run(lambda: tf.identity(value))
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+  return float(total(tf.constant(0.0 if flag else 1.0)).numpy()) == 0
+
+
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
   """True for the one process that writes the workdir (always, without multi_worker)."""
   return bool(strategy.extended.should_checkpoint)

@@ -202,9 +202,22 @@ class Workdir:
   # ---- training --------------------------------------------------------------------------------
   def restore_for_training(self, init: Callable[[], object] | None = None) -> str | None:
     """Checks, locks, restores (calling `init()` when there is no checkpoint, e.g. init_from),
-    then opens the workdir for writing. Returns the restored checkpoint's path or None."""
-    self._check()
-    self._acquire()
+    then opens the workdir for writing. Returns the restored checkpoint's path or None. Under
+    multi_worker the other workers read the run folder only once the chief holds its lock."""
+    refused = None
+    if self.is_chief:
+      try:
+        self._check()
+        self._acquire()
+      except UserError as e:  # raised below, once the others know: they wait for it otherwise
+        refused = e
+    if not distribute.all_agree(self.strategy, refused is None):
+      raise refused or UserError(
+        f'worker 0 could not open the run folder {self.path} (its one line says why); this '
+        'worker read nothing from it'
+      )
+    if not self.is_chief:
+      self._check()
     try:
       restored = checkpoints.restore_newest_readable(self.items, self.checkpoint_dir)
       if restored is None and init is not None:
