@@ -10,7 +10,9 @@ Exit statuses (docs/guides/troubleshooting.md#exit-statuses), each failure one `
   1    a bug: an unexpected exception, with its traceback
   2    bad input: a mistake in the command, config, data or model code (trainer.errors.UserError)
   3    the run failed numerically: it collapsed, diverged, ended at chance or is not finite, or
-       --mode=eval of a checkpoint whose eval loss is not finite (trainer.errors.TrainingFailed)
+       --mode=eval or export of a checkpoint whose eval loss is not finite (TrainingFailed)
+  75   a worker (multi_worker) stopped by SIGTERM or Ctrl-C before its last step, its
+       checkpoint saved: preempted, restart it (one process exits 0 then)
   130  a second Ctrl-C: stopped at once, nothing saved
 A mistake is one line naming the culprit; --traceback (or TRAINER_TRACEBACK=1) prints the
 Python traceback before it.
@@ -100,8 +102,9 @@ _RACE = flags.DEFINE_integer(
 flags.DEFINE_integer(
   'workers',
   0,
-  'Train with N worker processes on this host (loopback ports, a TF_CONFIG each); their lines '
-  'are prefixed with [worker i]; see docs/guides/distribution.md.',
+  'Train with N worker processes on this host (loopback ports, a TF_CONFIG each); '
+  "one log shows worker 0's lines and each other line of any worker once; see "
+  'docs/guides/distribution.md.',
   lower_bound=0,
 )
 flags.DEFINE_string(
@@ -117,6 +120,19 @@ flags.DEFINE_float(
   'Multi-worker: a worker unreachable this many seconds ends the others (exit code 3).',
   lower_bound=1.0,
 )
+flags.DEFINE_bool(
+  'evaluator',
+  False,
+  'With --workers=N: also start an evaluator side-car that evaluates each checkpoint the chief '
+  "writes; with --cluster (no --task_index): be that cluster's evaluator.",
+)
+_EVALUATOR_TIMEOUT = flags.DEFINE_float(
+  'evaluator_timeout',
+  3600.0,
+  "TF_CONFIG's evaluator task: end after this many seconds without a new checkpoint (it ends "
+  "after the run's last step's checkpoint anyway).",
+  lower_bound=1.0,
+)
 flags.DEFINE_integer(
   'k8s_manifest',
   0,
@@ -127,6 +143,17 @@ flags.DEFINE_integer(
 flags.DEFINE_string('k8s_image', 'mpt-trainer:latest', 'With --k8s_manifest: the image.')
 flags.DEFINE_string(
   'k8s_claim', 'mpt-runs', 'With --k8s_manifest: the shared volume claim mounted at /runs.'
+)
+flags.DEFINE_string('k8s_cpu', '', "With --k8s_manifest: each pod's CPU request (e.g. 4, 500m).")
+flags.DEFINE_string('k8s_memory', '', "With --k8s_manifest: each pod's memory request (e.g. 16Gi).")
+flags.DEFINE_integer(
+  'k8s_gpus', 0, 'With --k8s_manifest: nvidia.com/gpu per pod (request and limit).', lower_bound=0
+)
+flags.DEFINE_string(
+  'k8s_data_claim',
+  '',
+  'With --k8s_manifest: a volume claim holding the data, mounted read-only at /data (point '
+  '--config.data.dir there).',
 )
 flags.register_multi_flags_validator(
   ['config', 'mode', 'forensics'],
@@ -206,13 +233,13 @@ def main(argv):
   with collector_paused():  # TensorFlow is imported (parse_flags); trainer.run here
     from trainer.launch import workers  # --workers, --cluster, --k8s_manifest: may exit here
 
-  workers.dispatch(flags.FLAGS, sys.argv, _CONFIG.value, _default_workdir)  # collector on
+  role = workers.dispatch(flags.FLAGS, sys.argv, _CONFIG.value, _default_workdir)  # collector on
   # Imported here so that --help and flag errors do not wait for TensorFlow.
   with collector_paused():
     startup.import_keras()
     import models
     from trainer.errors import UserError
-    from trainer.run.preemption import Preempted
+    from trainer.run.preemption import EXIT_PREEMPTED, Preempted
 
   config = _CONFIG.value
   trainer = None
@@ -268,7 +295,9 @@ def main(argv):
       for kind, path in lifecycle.export(trainer, _EXPORT_DIR.value).items():
         print(f'{kind}: {path}')
       exit_now(0, config)
-    if _MODE.value == 'eval':
+    if role == 'evaluator':
+      metrics = lifecycle.evaluate_continuously(trainer, _EVALUATOR_TIMEOUT.value)
+    elif _MODE.value == 'eval':
       metrics = lifecycle.evaluate_checkpoint(trainer)
     else:
       metrics = trainer.train()
@@ -278,7 +307,8 @@ def main(argv):
     _fail('; '.join(filter(None, (str(e).rstrip('.'), _on_disk(trainer)))), e.exit_status)
   except Preempted as e:  # SIGTERM/SIGINT: a checkpoint was saved; not a failure
     print(str(e), file=sys.stderr)
-    exit_now(0, config)
+    # A worker's 0 would tell its scheduler the run is done: 75 asks for a restart.
+    exit_now(EXIT_PREEMPTED if config.distribute.strategy == 'multi_worker' else 0, config)
   except Exception as e:  # a bug in the model's code, say: its traceback, then what is on disk
     # An error an absl exception handler wants goes to it (trainer/launch/peers.py: a lost worker
     # is one line and exit status 3, with the checkpoint on disk named).

@@ -632,6 +632,23 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return config
 
 
+def check_batch_split(config, parts: int, what: str) -> None:
+  """ConfigError when the global batch (and its gradient-accumulation slices) does not divide
+  into `parts` equal shares (`what`: 'replicas', or 'workers' for the launcher, which knows
+  the worker count before any TensorFlow process starts)."""
+  batch, k = int(config.train.batch_size), int(config.train.grad_accum_steps)
+  if batch % parts:
+    raise ConfigError(
+      f'config.train.batch_size={batch} does not divide among {parts} {what}; use a '
+      f'multiple of {parts} (e.g. {(batch // parts + 1) * parts}).'
+    )
+  if (batch // parts) % k:
+    raise ConfigError(
+      f'config.train.grad_accum_steps={k} does not divide the per-{what[:-1]} batch '
+      f'{batch // parts} (config.train.batch_size={batch} over {parts} {what}).'
+    )
+
+
 def check_master_weights_policy(config, policy: str) -> None:
   """ConfigError: master_weights is not float32 and `policy` (the config's, or what 'auto'
   resolved to) is not mixed_bfloat16."""

@@ -186,7 +186,7 @@ def test_a_run_that_ends_diverged_exits_3_with_one_line(tmp_path):
 @pytest.mark.slow
 def test_eval_names_its_checkpoint_and_a_collapsed_run_exits_3(tmp_path):
   """--mode=eval of a collapsed run evaluated its newest (finite, useless) checkpoint and exited
-  0 with 'final eval: loss nan'. The collapse itself exits 3 too."""
+  0 with 'final eval: loss nan'. The collapse itself exits 3 too, and so does its export."""
   assert launch_tiny(tmp_path, '--config.train.steps=20').returncode == 0
   healthy = launch_tiny(tmp_path, '--config.train.steps=20', '--mode=eval')
   assert healthy.returncode == 0, healthy.stderr[-3000:]
@@ -210,6 +210,11 @@ def test_eval_names_its_checkpoint_and_a_collapsed_run_exits_3(tmp_path):
     r'ckpt-20, step 20, loss [\d.]+\)\) gives eval loss nan',
     lines[0],
   ), lines[0]
+  # --mode=export of it exited 0 with no warning: refused the same way, nothing exported.
+  export = launch_tiny(tmp_path, '--config.train.steps=60', '--mode=export')
+  assert export.returncode == 3, export.stderr[-3000:]
+  assert error_lines(export) == [lines[0].replace('--mode=eval', '--mode=export')]
+  assert not os.path.exists(f'{tmp_path / "run"}-export')
 
 
 def _launch_python(*args, python_flags=(), prelude='pass'):

@@ -469,3 +469,23 @@ def test_scalar_writes_are_the_same_eager_and_compiled(tmp_path):
     for tag, v in zip(tags, [step + 0.1, -step / 3])
   }
   assert found == expected
+
+
+@pytest.mark.parametrize('umask', [0o022, 0o077])
+def test_the_run_records_follow_the_umask_as_checkpoints_do(tmp_path, umask):
+  """Under umask 022 the JSON records were 0600 (mkstemp's mode) while checkpoints were 0644."""
+  from trainer.insight import files
+  from trainer.run.workdir import write_json
+
+  previous = os.umask(umask)
+  try:
+    write_json(str(tmp_path / 'record.json'), {'a': 1})
+    files.write(str(tmp_path / 'advice.md'), 'text', 'test')
+    with open(tmp_path / 'plain', 'w'):
+      pass  # what the umask gives an ordinary new file, as TensorFlow's writes get
+  finally:
+    os.umask(previous)
+  plain = stat.S_IMODE(os.stat(tmp_path / 'plain').st_mode)
+  assert plain == 0o666 & ~umask
+  for name in ('record.json', 'advice.md'):
+    assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == plain, name

@@ -221,7 +221,15 @@ def test_multi_worker_two_processes_train_checkpoint_and_resume(tmp_path):
   assert os.path.exists(workdir / 'config.json')
   assert os.listdir(workdir / 'tensorboard')  # the chief's summaries
   assert other['scratch'] and not os.path.exists(other['scratch'])  # removed after saving
-  assert sorted(os.listdir(workdir)) == ['checkpoints', 'config.json', 'tensorboard']
+  assert sorted(os.listdir(workdir)) == [
+    'checkpoints',
+    'cluster.json',
+    'config.json',
+    'tensorboard',
+  ]
+  assert (
+    json.loads((workdir / 'cluster.json').read_text())['workers'] == 2
+  )  # for the resume's check
   assert chief['eval'] == other['eval']
   assert chief['eval_count'] == other['eval_count'] == 1000  # each test image once, in total
 

@@ -25,6 +25,8 @@ removed right after (`scratch_dir`, `remove_scratch`).
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import socket
 import tempfile
@@ -190,7 +192,17 @@ def _multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
     task.name,
     task.position,
   )
-  return tf.distribute.MultiWorkerMirroredStrategy()
+  try:
+    return tf.distribute.MultiWorkerMirroredStrategy()
+  except tf.errors.UnknownError as e:  # its gRPC server's bind, a 25-line traceback
+    if 'Could not start gRPC server' not in str(e):
+      raise
+    address = task.addresses[task.position]
+    raise UserError(
+      f'TF_CONFIG task {task.name}: TensorFlow could not listen on {address} (port '
+      f'{address.rpartition(":")[2]} taken by another process since the launcher checked it?); '
+      'free the port, or give this task another one'
+    ) from None
 
 
 def _tpu(tpu: str) -> tf.distribute.TPUStrategy:
@@ -250,16 +262,45 @@ def task(strategy: tf.distribute.Strategy) -> tuple[str | None, int | None]:
   return resolver.task_type, resolver.task_id
 
 
+def all_agree(strategy: tf.distribute.Strategy, flag: bool) -> bool:
+  """True when `flag` is True on every worker: a collective under multi_worker (every worker
+  calls it at the same point), `flag` itself otherwise."""
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return flag
+
+  @tf.function
+  def total(value):  # ReduceOp has SUM and MEAN only: the workers that disagree are counted
+    per_replica = strategy.run(lambda: tf.identity(value))
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+  return float(total(tf.constant(0.0 if flag else 1.0)).numpy()) == 0
+
+
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
   """True for the one process that writes the workdir (always, without multi_worker)."""
   return bool(strategy.extended.should_checkpoint)
 
 
+_SCRATCH: set[str] = set()  # this process's scratch folders, removed at exit if still there
+
+
 def scratch_dir(strategy: tf.distribute.Strategy) -> str:
   """A new temporary folder for a non-chief worker's checkpoints; remove it after each save."""
   task_type, task_id = task(strategy)
-  return tempfile.mkdtemp(prefix=f'mpt-{task_type}{task_id}-')
+  # The pid: a launcher removes the folder of a worker killed with it inside (SCRATCH_GLOB).
+  path = tempfile.mkdtemp(prefix=f'mpt-{task_type}{task_id}-{os.getpid()}-')
+  if not _SCRATCH:
+    atexit.register(remove_all_scratch)
+  _SCRATCH.add(path)
+  return path
 
 
 def remove_scratch(path: str) -> None:
   shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_all_scratch() -> None:
+  """Every scratch folder this process made (an exit before its first save left one)."""
+  for path in list(_SCRATCH):
+    remove_scratch(path)
+    _SCRATCH.discard(path)

@@ -8,9 +8,10 @@ TF_CONFIG is TensorFlow's description of a cluster and of this process's task in
 The roles, as MultiWorkerMirroredStrategy defines them:
   * `worker`: a member of the collective; worker 0 is the chief when the cluster has no `chief`;
   * `chief`: a member of the collective placed before every worker (it writes the run folder);
-  * `evaluator` and `ps` are refused in one line: taken for a worker, either would train a second,
-    separate run (an evaluator is no member of the collective, and none runs beside training
-    here: `--mode=eval` evaluates a checkpoint; Keras 3 has no ParameterServerStrategy).
+  * `evaluator`: no member of the collective; a side-car that evaluates the checkpoints the chief
+    writes (`position` -1; trainer/run/lifecycle.py's evaluate_continuously);
+  * `ps` is refused in one line: taken for a worker it would train a second, separate run
+    (Keras 3 has no ParameterServerStrategy).
 Every mistake is a UserError naming TF_CONFIG and the culprit. TensorFlow-free.
 """
 
@@ -23,14 +24,16 @@ import os
 from trainer.config import is_address
 from trainer.errors import UserError
 
+# In the run folder, written by the chief: {"workers": N, "addresses": [...]}; a resume with
+# another count is refused (trainer/launch/cluster.py).
+RECORD = 'cluster.json'
+# A non-chief worker's scratch checkpoint folders in the temporary directory (mpt-worker1-<pid>-
+# ...), by pid: a launcher removes those of a worker killed while saving.
+SCRATCH_GLOB = 'mpt-*-{pid}-*'
 _EXAMPLE = (
   '{"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", "index": 0}}'
 )
 _REFUSED = {
-  'evaluator': (
-    'a side-car evaluator is not supported: it would train as a worker of a separate run. '
-    'Start only the workers, and evaluate their checkpoints with --mode=eval --workdir=<the run>'
-  ),
   'ps': (
     'parameter servers are not supported (Keras 3 has no ParameterServerStrategy); the '
     "workers train with MultiWorkerMirroredStrategy: give the cluster 'worker' tasks only"
@@ -41,7 +44,8 @@ _REFUSED = {
 @dataclasses.dataclass(frozen=True)
 class Task:
   """This process's place in the collective: `addresses` of the chief (if any) and the workers,
-  in the collective's order, and `position`, this task's index in it (0 writes the run folder)."""
+  in the collective's order, and `position`, this task's index in it (0 writes the run folder;
+  -1: an evaluator, outside it)."""
 
   type: str
   index: int
@@ -73,8 +77,10 @@ def read(text: str | None = None) -> Task | None:
       f'TF_CONFIG: task type {kind!r} is not in the cluster (it has '
       f'{", ".join(map(repr, spec)) or "no task types"}); set task.type to one of them.'
     )
-  if kind not in ('chief', 'worker'):
-    raise UserError(f"TF_CONFIG: task type {kind!r} is not a role here; use 'worker' or 'chief'")
+  if kind not in ('chief', 'worker', 'evaluator'):
+    raise UserError(
+      f"TF_CONFIG: task type {kind!r} is not a role here; use 'worker', 'chief' or 'evaluator'"
+    )
   if not 0 <= index < len(spec[kind]):
     raise UserError(
       f'TF_CONFIG: task index {index} is not in the cluster: {kind!r} has '
@@ -88,7 +94,7 @@ def read(text: str | None = None) -> Task | None:
           '"host:port" with a port in [1, 65535], such as "10.0.0.2:2222".'
         )
   chief, workers = list(spec.get('chief', [])), list(spec.get('worker', []))
-  position = index if kind == 'chief' else len(chief) + index
+  position = {'chief': index, 'worker': len(chief) + index}.get(kind, -1)
   return Task(kind, index, chief + workers, position)
 
 

@@ -58,15 +58,35 @@ def folder(run: str, path: str, what: str) -> str:
   return path
 
 
+def temporary(path: str) -> tuple[int, str]:
+  """(fd, name) of a new file next to `path` (O_EXCL, never through a link) with the mode a
+  plain open() would give it: mkstemp's 0600 would make the records unreadable to the group
+  that reads the run's checkpoints (written under the umask)."""
+  fd, tmp = tempfile.mkstemp(
+    prefix=f'.{os.path.basename(path)}-', suffix='.tmp', dir=os.path.dirname(path)
+  )
+  os.fchmod(fd, 0o666 & ~_umask())
+  return fd, tmp
+
+
+def _umask() -> int:
+  """This process's umask, read without setting it (os.umask sets it for every thread)."""
+  try:
+    with open('/proc/self/status') as f:
+      return next(int(l.split()[1], 8) for l in f if l.startswith('Umask:'))
+  except (OSError, StopIteration, ValueError):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write(path: str, data: bytes | str, what: str) -> None:
   """Writes `path` atomically, never through a symlink (the module docstring)."""
   if isinstance(data, str):
     data = data.encode()
   tmp = None
   try:
-    fd, tmp = tempfile.mkstemp(
-      prefix=f'.{os.path.basename(path)}-', suffix='.tmp', dir=os.path.dirname(path)
-    )
+    fd, tmp = temporary(path)
     with os.fdopen(fd, 'wb') as f:
       f.write(data)
     if os.path.isdir(path) and not os.path.islink(path):

@@ -12,9 +12,10 @@ starts and before the run folder is touched:
   * a task index outside [0, number of workers);
   * this task's port already taken on this host (often the same command and --task_index,
     started twice);
-  * a worker count other than the run folder's record (cluster.json, written by the chief once
-    the run folder is set up), unless config.train.accept_config_change is set: each worker's
-    shard of every batch, and so the run, would change under the resume.
+  * a worker count other than the run folder's (cluster.json, written by the chief once the run
+    folder is set up; a run folder with checkpoints and no record was trained by one process),
+    unless config.train.accept_config_change is set: each worker's shard of every batch, and so
+    the run, would change under the resume.
 The same index on two *different* hosts cannot be seen from either host before the rendezvous;
 there TensorFlow's coordination service fails the run ("... unexpectedly tried to connect with a
 different incarnation"), an AbortedError that trainer/launch/peers.py reports in one line.
@@ -29,9 +30,9 @@ import os
 import socket
 
 from trainer.config import is_address
+from trainer.distribute import tf_config
 from trainer.errors import UserError
 
-RECORD = 'cluster.json'  # in the workdir: {"workers": N, "addresses": [...]}
 LOOPBACK = '127.0.0.1'
 
 
@@ -101,7 +102,7 @@ def free_ports(n: int) -> list[int]:
 
 # ---- the record in the run folder ------------------------------------------------------------
 def read_record(workdir: str) -> dict | None:
-  path = os.path.join(workdir, RECORD)
+  path = os.path.join(workdir, tf_config.RECORD)
   try:
     with open(path) as f:
       return json.load(f)
@@ -111,22 +112,26 @@ def read_record(workdir: str) -> dict | None:
     raise UserError(f'{path}: unreadable ({e}); remove it if the run folder is yours') from None
 
 
-def check_record(workdir: str, addresses: list[str], accept_change: bool) -> None:
-  """UserError when the run folder was trained by a cluster of another size (see the module
-  docstring). Other addresses with the same count are fine: a host replaced, new free ports."""
+def trained_by(workdir: str) -> int | None:
+  """How many workers trained the run folder: its record (trainer/run/workdir.py writes it),
+  else 1 when it holds a checkpoint (one process), else None (nothing to resume)."""
   record = read_record(workdir)
-  if record is None or record.get('workers') == len(addresses) or accept_change:
+  if record is not None:
+    return record.get('workers')
+  folder = os.path.join(workdir, 'checkpoints')
+  saved = os.path.isdir(folder) and any(n.endswith('.index') for n in os.listdir(folder))
+  return 1 if saved else None
+
+
+def check_record(workdir: str, workers: int, accept_change: bool) -> None:
+  """UserError when the run folder was trained by another number of workers (1 -> N included;
+  see the module docstring). Other addresses with the same count are fine: a host replaced, new
+  free ports."""
+  before = trained_by(workdir)
+  if before is None or before == workers or accept_change:
     return
   raise UserError(
-    f'{os.path.join(workdir, RECORD)}: this run was trained by {record.get("workers")} '
-    f'worker(s), this command starts {len(addresses)}: the data each worker reads would '
-    f'change under the resume. Start {record.get("workers")} workers, or pass '
+    f'{workdir}: this run was trained by {before} worker(s), this command starts {workers}: '
+    f'the data each worker reads would change under the resume. Start {before}, or pass '
     '--config.train.accept_config_change=true to resume with this cluster'
   )
-
-
-def write_record(workdir: str, addresses: list[str]) -> None:
-  """Records the cluster atomically (the chief, once the run folder is set up)."""
-  from trainer.run.workdir import write_json  # TensorFlow: not on the checks' path
-
-  write_json(os.path.join(workdir, RECORD), {'workers': len(addresses), 'addresses': addresses})

@@ -13,8 +13,7 @@ chief died), each a ~70-line traceback with exit code 1 (the delays: docs/guides
     same way, whatever TensorFlow is waiting for (a collective with no timeout, a rendezvous).
 
 Ending the process writes nothing half (checkpoints and records are renamed into place), so the
-same command resumes from the newest checkpoint named. The chief's watchdog also records the
-cluster in the run folder once the run has written its config record (trainer/launch/cluster.py).
+same command resumes from the newest checkpoint named.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -29,7 +29,6 @@ import time
 
 from absl import app, logging
 
-from trainer.launch import cluster
 
 EXIT_PEER_LOST = 3
 POLL_SECONDS = 1.0
@@ -43,7 +42,6 @@ class Watch:
     self.addresses, self.index, self.workdir, self.timeout = addresses, index, workdir, timeout
     self.seen_up: set[int] = set()
     self.down_since: dict[int, float] = {}
-    self.recorded = index != 0 or workdir is None  # only the chief records the cluster
     self.done = False  # set at exit: a worker that finished first is not lost
 
   def lost(self) -> list[int]:
@@ -60,17 +58,8 @@ class Watch:
         self.down_since.pop(i, None)
       elif i in self.seen_up:
         self.down_since.setdefault(i, now)
-    self._record()
     late = [i for i, t in self.down_since.items() if now - t >= self.timeout]
     return min(late) if late else None
-
-  def _record(self) -> None:
-    if self.recorded or not os.path.exists(os.path.join(self.workdir or '', 'config.json')):
-      return
-    record = cluster.read_record(self.workdir or '')
-    if record is None or record.get('workers') != len(self.addresses):
-      cluster.write_record(self.workdir or '', self.addresses)
-    self.recorded = True
 
 
 def reachable(address: str, timeout: float = 2.0) -> bool:
@@ -80,6 +69,23 @@ def reachable(address: str, timeout: float = 2.0) -> bool:
       return True
   except OSError:
     return False
+
+
+LAUNCHER_PID = 'MPT_LAUNCHER_PID'  # set by `--workers` (trainer/launch/supervisor.py)
+
+
+def follow_launcher() -> None:
+  """A worker of `--workers` dies with its launcher, however that dies (kill -9 included):
+  Linux's parent-death signal, SIGKILL (nothing half-written: writes are atomic; the lock is
+  taken over as stale). It sits in its own session, which a terminal's hang-up does not reach."""
+  pid = os.environ.get(LAUNCHER_PID)
+  if not pid or not sys.platform.startswith('linux'):
+    return
+  import ctypes
+
+  ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+  if os.getppid() != int(pid):  # the launcher died before the signal was set
+    os._exit(128 + signal.SIGKILL)
 
 
 def install(addresses: list[str], index: int, workdir: str | None, timeout: float) -> Watch:
@@ -128,6 +134,7 @@ class _Handler(app.ExceptionHandler):
 
 def stop(watch: Watch, lost: int | None, why: str) -> None:
   """Prints the one line and ends this process with EXIT_PEER_LOST."""
+  from trainer.distribute import strategy as distribute
   from trainer.run import checkpoint_files
   from trainer.run import lock as workdir_lock
 
@@ -144,4 +151,5 @@ def stop(watch: Watch, lost: int | None, why: str) -> None:
   logging.flush()
   sys.stdout.flush()
   workdir_lock.release_all()  # os._exit skips atexit; a lock left behind would block the resume
+  distribute.remove_all_scratch()  # and a non-chief's scratch folder would stay in the temp dir
   os._exit(EXIT_PEER_LOST)

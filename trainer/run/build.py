@@ -270,17 +270,8 @@ def check_config(c, *, replicas: int, policy: str, total_steps: int, train_examp
   of `train_examples`): one ConfigError naming the key, before the model is built. What needs a
   built object is checked where it is built: float32_layers' and float8_layers' names, the
   optimizer's low-precision state, early stopping's metric."""
-  batch, k, float8 = int(c.train.batch_size), int(c.train.grad_accum_steps), c.precision.float8
-  if batch % replicas:
-    raise ConfigError(
-      f'config.train.batch_size={batch} does not divide among {replicas} replicas; use a '
-      f'multiple of {replicas} (e.g. {(batch // replicas + 1) * replicas}).'
-    )
-  if (batch // replicas) % k:
-    raise ConfigError(
-      f'config.train.grad_accum_steps={k} does not divide the per-replica batch '
-      f'{batch // replicas} (config.train.batch_size={batch} over {replicas} replicas).'
-    )
+  float8 = c.precision.float8
+  config_lib.check_batch_split(c, replicas, 'replicas')
   config_lib.check_master_weights_policy(c, policy)
   recipe = RECIPES.get(float8)  # None: 'none', or 'delayed' (Keras's, under any policy)
   if policy == 'mixed_float16' and recipe is not None and not recipe.float16:
@@ -291,7 +282,8 @@ def check_config(c, *, replicas: int, policy: str, total_steps: int, train_examp
     )
   if not total_steps and train_examples:  # no train.steps, and an epoch of no batch
     raise ConfigError(
-      f'config.train.batch_size={batch} is larger than the {train_examples} training examples.'
+      f'config.train.batch_size={c.train.batch_size} is larger than the {train_examples} '
+      'training examples.'
     )
   if not total_steps:
     raise ConfigError(

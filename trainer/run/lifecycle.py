@@ -43,12 +43,12 @@ def _restore(trainer, what: str) -> tuple[int, str]:
   return int(trainer.global_step.numpy()), str(path)
 
 
-def evaluate_checkpoint(trainer) -> dict[str, float]:
+def evaluate_checkpoint(trainer, what: str = '--mode=eval') -> dict[str, float]:
   """Restores the workdir's latest checkpoint (read-only) and runs one pass over the eval set;
   says which checkpoint it read and whether it is the last healthy one (trainer/run/health.py).
   NonFiniteError (exit status 3) when the eval loss is not finite, naming the last healthy
   checkpoint."""
-  step, path = _restore(trainer, '--mode=eval')
+  step, path = _restore(trainer, what)
   record = trainer.runner.workdir.healthy_record()
   name = os.path.basename(path)
   which = (
@@ -67,9 +67,55 @@ def evaluate_checkpoint(trainer) -> dict[str, float]:
   )
   if not math.isfinite(metrics['loss']):
     raise NonFiniteError(
-      f'--mode=eval: {name} (step {step}, {which}) gives eval loss {metrics["loss"]}: the '
+      f'{what}: {name} (step {step}, {which}) gives eval loss {metrics["loss"]}: the '
       'model does not compute finite outputs'
     )
+  return metrics
+
+
+EVALUATOR = 'evaluator'  # in the run folder: the side-car's ckpt-N.json; tensorboard/evaluator
+
+
+def evaluate_continuously(trainer, idle_seconds: float) -> dict[str, float]:
+  """The evaluator side-car (TF_CONFIG task type 'evaluator'; Orbit's
+  Controller.evaluate_continuously is the model): evaluates each new checkpoint the chief writes,
+  once each and in order (tf.train.checkpoints_iterator yields the newest at each look, so one
+  that falls behind skips to the newest), as `evaluate_checkpoint` would. It writes none of the
+  run's files, only a record per checkpoint (<workdir>/evaluator/ckpt-N.json) and TensorBoard
+  events (<workdir>/tensorboard/evaluator, eval/<metric>). Ends after the checkpoint of the run's
+  last step, or after `idle_seconds` with no new checkpoint; returns the last metrics."""
+  workdir = trainer.runner.workdir
+  folder = os.path.join(workdir.path, EVALUATOR)
+  writer, metrics = None, {}
+  for path in tf.train.checkpoints_iterator(
+    workdir.checkpoint_dir, min_interval_secs=1, timeout=idle_seconds
+  ):
+    name, step = os.path.basename(path), checkpoint_files.step_of(path)
+    record = os.path.join(folder, f'{name}.json')
+    if not os.path.exists(record):  # evaluated by an earlier side-car of this run: not again
+      try:
+        checkpoints.restore(workdir.items, path)
+      except (tf.errors.NotFoundError, checkpoints.Mismatch) as e:  # rotated away meanwhile
+        logging.warning('evaluator: %s could not be read (%s); waiting for the next', path, e)
+        continue
+      metrics = trainer.evaluate()
+      logging.info(
+        'evaluator: %s (step %d): %s',
+        name,
+        step,
+        ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()),
+      )
+      os.makedirs(folder, exist_ok=True)
+      workdir_lib.write_json(record, {'checkpoint': name, 'step': step, 'metrics': metrics})
+      writer = writer or tf.summary.create_file_writer(
+        os.path.join(workdir.path, workdir_lib.TENSORBOARD, EVALUATOR)
+      )
+      with writer.as_default(step=step):
+        for key, value in metrics.items():
+          tf.summary.scalar(f'eval/{key}', value)
+      writer.flush()
+    if step >= trainer.total_steps:
+      break
   return metrics
 
 
@@ -82,8 +128,10 @@ def export(trainer, folder: str | None = None) -> dict[str, str]:
   """Writes the latest checkpoint's model as a SavedModel (signature `serve`) and a `.keras`
   file into `folder` (default `default_export_dir`); returns their paths (model.keras left out,
   with a warning, when Keras cannot serialize the model's config). Both compute in the
-  training policy."""
-  step = restore(trainer, '--mode=export')
+  training policy. The checkpoint is evaluated first, and one whose eval loss is not finite is
+  refused as --mode=eval refuses it (NonFiniteError): nothing is written."""
+  evaluate_checkpoint(trainer, '--mode=export')
+  step = int(trainer.global_step.numpy())
   folder = (
     workdir_lib.local_path(folder, '--export_dir')
     if folder

@@ -202,17 +202,33 @@ def acquire(workdir: str) -> str:
       )
       _remove_if(path, holder)
       continue
-    where = 'this host' if same_host else f'host {holder["host"]}'
-    hint = '' if same_host else f'; if that process is gone, delete {path}'
-    raise UserError(
-      f'workdir {workdir} is in use by another training process (pid '
-      f'{holder["pid"]} on {where}, since {holder.get("since", "?")}): wait for it '
-      f'to finish or stop it, or use another --workdir{hint}.'
-    )
+    raise _in_use(workdir, holder, same_host)
   raise UserError(
     f'could not take the lock {path}: other processes keep replacing it; if no '
     f'training runs on this workdir, delete {path}.'
   )
+
+
+def _in_use(workdir: str, holder: dict, same_host: bool) -> UserError:
+  path = os.path.join(workdir, NAME)
+  where = 'this host' if same_host else f'host {holder["host"]}'
+  hint = '' if same_host else f'; if that process is gone, delete {path}'
+  return UserError(
+    f'workdir {workdir} is in use by another training process (pid '
+    f'{holder["pid"]} on {where}, since {holder.get("since", "?")}): wait for it '
+    f'to finish or stop it, or use another --workdir{hint}.'
+  )
+
+
+def check_free(workdir: str) -> None:
+  """UserError (as `acquire` raises it) when a live process holds the workdir's lock; reads the
+  lock only. For a launcher, before it starts workers that would read the run folder."""
+  holder = _read(os.path.join(workdir, NAME))
+  if holder is None or 'unreadable' in holder:
+    return  # free, or a holder still writing or stale: the chief's `acquire` decides
+  same_host = holder['host'] == socket.gethostname()
+  if not same_host or _alive(int(holder['pid']), holder.get('start')):
+    raise _in_use(workdir, holder, same_host)
 
 
 def _remove_if(path: str, record: dict) -> None:

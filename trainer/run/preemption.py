@@ -3,11 +3,13 @@
 A scheduler's SIGTERM (or a first Ctrl-C) only sets a flag. At each loop boundary (between
 compiled `steps_per_loop` calls) the trainer asks `watcher.should_stop(strategy)`; when it says
 yes, every process saves a checkpoint at that same step and raises `Preempted`, and the launcher
-prints where it stopped and exits with code 0. The same command resumes from that checkpoint.
+prints where it stopped and exits with code 0 (a worker with EXIT_PREEMPTED). The same command
+resumes from that checkpoint.
 
 Several workers: the signal reaches one host, but all must stop at the same step (saving is a
 collective), so `should_stop` all-reduces the flag (one float per replica, SUM) at every loop
-boundary. TF's `tf.distribute.experimental.PreemptionCheckpointHandler` does the same job but owns
+boundary, and each worker exits with EXIT_PREEMPTED (a single process with 0). TF's
+`tf.distribute.experimental.PreemptionCheckpointHandler` does the same job but owns
 the checkpointing (it restores at construction, adds its own run counter to our checkpoint,
 replaces our SIGTERM handler, not Ctrl-C's, exits through its `exit_fn`, `sys.exit(42)` off Google
 Cloud, and agrees through the coordination service from watcher threads); our saves already
@@ -34,6 +36,10 @@ from trainer.run import lock as workdir_lock
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+# A worker (multi_worker) stopped by a signal before its last step, its checkpoint saved:
+# "preempted, restart me", for a scheduler (the manifest's podFailurePolicy restarts it). Not
+# 0, which would complete a Kubernetes Job's index before the run ended; sysexits' EX_TEMPFAIL.
+EXIT_PREEMPTED = 75
 _POLL_SECONDS = 0.2  # how often the waiting main thread runs pending signal handlers
 
 

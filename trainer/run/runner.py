@@ -508,7 +508,7 @@ class Runner:
     with self.clock.timing('checkpoint'):
       self.workdir.sync()  # a background write completes before the process ends
     raise preemption.Preempted(
-      watcher.reason, step, self.trainer.total_steps, path or self.workdir.latest_checkpoint
+      watcher.reason, step, self.trainer.total_steps, path or self.workdir.newest_for_resume
     )
 
   def _final_metrics(self, step: int) -> dict[str, float]:

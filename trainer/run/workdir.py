@@ -8,6 +8,8 @@
                                       (the precision policy the newest checkpoints trained in)
                                       and stopped.json (a requested stop's step and reason)
   <workdir>/tensorboard/              tf.summary events (train/..., eval/...)
+  <workdir>/cluster.json              the number of workers that train it (a run of one process
+                                      has none unless another count trained it before)
   <workdir>/train.lock                while a training process runs (trainer/run/lock.py)
 
 Two ways in:
@@ -43,14 +45,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from typing import Any
 from collections.abc import Callable
 
 import tensorflow as tf
 from absl import logging
 
-from trainer.run import async_copy, checkpoint_files, checkpoints
+from trainer.run import async_copy, checkpoint_files, checkpoints, preemption
 from trainer.run.config_record import (
   CONFIG,
   RESUMABLE,
@@ -63,6 +64,8 @@ from trainer.run.config_record import (
   saved_policy,
 )
 from trainer.distribute import strategy as distribute
+from trainer.distribute import tf_config
+from trainer.insight import files
 from trainer.step.eager_then_compiled import EagerThenCompiled
 from trainer.run import lock as workdir_lock
 from trainer.errors import ConfigError, UserError
@@ -94,8 +97,7 @@ def local_path(path: str, flag: str = '--workdir') -> str:
 
 def write_json(path: str, value: dict) -> None:
   """Writes `path` atomically without following a symlink (see the module docstring)."""
-  folder = os.path.dirname(path)
-  fd, tmp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}-', suffix='.tmp', dir=folder)
+  fd, tmp = files.temporary(path)
   try:
     with os.fdopen(fd, 'w') as f:
       json.dump(value, f, indent=2, sort_keys=True)
@@ -202,9 +204,22 @@ class Workdir:
   # ---- training --------------------------------------------------------------------------------
   def restore_for_training(self, init: Callable[[], object] | None = None) -> str | None:
     """Checks, locks, restores (calling `init()` when there is no checkpoint, e.g. init_from),
-    then opens the workdir for writing. Returns the restored checkpoint's path or None."""
-    self._check()
-    self._acquire()
+    then opens the workdir for writing. Returns the restored checkpoint's path or None. Under
+    multi_worker the other workers read the run folder only once the chief holds its lock."""
+    refused = None
+    if self.is_chief:
+      try:
+        self._check()
+        self._acquire()
+      except UserError as e:  # raised below, once the others know: they wait for it otherwise
+        refused = e
+    if not distribute.all_agree(self.strategy, refused is None):
+      raise refused or UserError(
+        f'worker 0 could not open the run folder {self.path} (its one line says why); this '
+        'worker read nothing from it'
+      )
+    if not self.is_chief:
+      self._check()
     try:
       restored = checkpoints.restore_newest_readable(self.items, self.checkpoint_dir)
       if restored is None and init is not None:
@@ -219,10 +234,11 @@ class Workdir:
     return restored
 
   def save(self, step: int, *, healthy: bool = False, loss: float | None = None) -> str:
-    """Saves the checkpoint as ckpt-<step>; returns its path (a non-chief: a removed scratch
-    path). Callers run their pre-save checks (Runner.save) first: nothing is written before this
-    call. `healthy` (trainer/run/health.py, with the training `loss`): it becomes the last healthy
-    checkpoint, which rotation never removes until a newer one is healthy.
+    """Saves the checkpoint as ckpt-<step>; returns its path (a non-chief: the chief's, as the
+    same command resumes from it). Callers run their pre-save checks (Runner.save) first:
+    nothing is written before this call. `healthy` (trainer/run/health.py, with the training
+    `loss`): it becomes the last healthy checkpoint, which rotation never removes until a newer
+    one is healthy.
 
     With config.train.async_checkpoint (CheckpointOptions(experimental_enable_async_checkpoint=
     True)) the variables are copied now and written by TensorFlow's background thread as a
@@ -246,9 +262,9 @@ class Workdir:
       path = checkpoints.save(manager, step, options=options)  # returns after the copy
     else:
       path = checkpoints.save(manager, step)  # a failed write: one line, partial files gone
-    if self.scratch:
+    if self.scratch:  # named as the chief saved it: the scratch copy is gone
       distribute.remove_scratch(self.scratch)
-      return path
+      return os.path.join(self.checkpoint_dir, os.path.basename(path))
     self._pending = (path, step, healthy, loss, keep, asynchronous)
     if not asynchronous:
       self.sync()
@@ -438,6 +454,7 @@ class Workdir:
       return
     try:
       self._record_config(resumed, step)
+      self._record_cluster()
     except OSError as e:
       raise ConfigError(
         f'workdir {self.path}: cannot write the config record ({e.strerror}); '
@@ -450,6 +467,19 @@ class Workdir:
       self.checkpoint, self.checkpoint_dir, max_to_keep=self.config.train.max_to_keep
     )
     self._writer = tf.summary.create_file_writer(os.path.join(self.path, TENSORBOARD))
+
+  def _record_cluster(self) -> None:
+    """cluster.json: how many workers train this run, which the launcher checks a resume
+    against (trainer/launch/cluster.py); a single process records only a change of count."""
+    path, count = os.path.join(self.path, tf_config.RECORD), preemption.workers(self.strategy)
+    try:
+      with open(path) as f:
+        recorded = json.load(f).get('workers')
+    except (OSError, ValueError):
+      recorded = None
+    if count != (recorded or 1) or (count > 1 and recorded is None):
+      task = tf_config.read() if count > 1 else None
+      write_json(path, {'workers': count, 'addresses': task.addresses if task else []})
 
   def _record_config(self, resumed: bool, step: int) -> None:
     current = json.loads(json.dumps(self.config.to_dict()))
