@@ -52,7 +52,7 @@ MODEL_DEFAULTS = dict(
   dropout=0.0,
   val_fraction=0.1,
   attention='auto',
-  attention_chunk=128,
+  attention_chunk=64,
 )
 
 
@@ -79,7 +79,7 @@ class TransformerBlock(keras.layers.Layer):
     dropout: float = 0.0,
     remat: bool = False,
     attention: str = 'auto',
-    attention_chunk: int = 128,
+    attention_chunk: int = 64,
     **kwargs,
   ):
     super().__init__(**kwargs)

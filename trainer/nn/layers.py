@@ -45,7 +45,7 @@ class CausalSelfAttention(keras.layers.Layer):
   FLOAT8_KERNELS = ('qkv_kernel', 'out_kernel')
 
   def __init__(
-    self, num_heads: int, dropout: float = 0.0, attention: str = 'auto', chunk: int = 128, **kwargs
+    self, num_heads: int, dropout: float = 0.0, attention: str = 'auto', chunk: int = 64, **kwargs
   ):
     super().__init__(**kwargs)
     self.num_heads = int(num_heads)
