@@ -4,6 +4,8 @@
   python -m benchmarks.peer_nanogpt --contenders=nanogpt,ours,nanogpt+load:2@19,ours+load:2@19 \\
       --precisions=float32 --rounds=2 --results_name=peer_nanogpt_full   # alone and loaded
   python -m benchmarks.peer_nanogpt --quick                          # checks that it runs
+  python -m benchmarks.peer_nanogpt --shape=shakespeare_large --steps=60 --rounds=2 \
+      --contenders=nanogpt_autocast,ours --precisions=float32,bfloat16   # the 16-bit speed
 
 Not a test. nanoGPT (karpathy/nanoGPT) is not part of this project: export its tree beside this
 repository (--nanogpt, default ../nanogpt), copy Tiny Shakespeare's input.txt into its
@@ -12,6 +14,8 @@ environment (--torch_python, default ../torchvenv/bin/python), never in TensorFl
 
 Contenders, each a fresh process, interleaved per precision and round (all see the same machine):
   nanogpt          its README's CPU recipe verbatim (RECIPE below), --dtype=<precision>
+  nanogpt_autocast the same with its autocast context on the CPU too (AUTOCAST below): bfloat16
+                   arithmetic as torch.autocast gives it; bfloat16 runs only
   nanogpt_compile  the same with --compile=True: torch.compile, inductor's CPU C++ backend; its
                    compilation is inside the whole-process figure and inside iteration 0
   ours             `launch.py --config=configs/nanogpt_cpu.py` (float32, or
@@ -61,6 +65,22 @@ RECIPE = (
   '--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --dropout=0.0'
 ).split()
 EVAL_INTERVAL = 250  # config/train_shakespeare_char.py
+# --shape=shakespeare_large: configs/shakespeare_large.py's model at the batch of 16 (its
+# memory's matmul-bound shape) against nanoGPT's at the same shape.
+LARGE = (
+  'config/train_shakespeare_char.py --device=cpu --eval_iters=1 --log_interval=1 '
+  '--block_size=256 --batch_size=16 --n_layer=4 --n_head=8 --n_embd=512 --dropout=0.0'
+).split()
+# nanogpt_autocast: nanoGPT's train.py with its autocast context on a CPU too. Its line
+# `ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(...)` loses its CPU case
+# when the script is read; nothing of nanoGPT is kept here.
+AUTOCAST = (
+  'import sys; src = open("train.py").read(); '
+  'old = "ctx = nullcontext() if device_type == \'cpu\' else "; '
+  'assert old in src, "nanoGPT changed: its autocast line was not found"; '
+  'sys.argv = ["train.py", *sys.argv[1:]]; '
+  'exec(compile(src.replace(old, "ctx = "), "train.py", "exec"), {"__name__": "__main__"})'
+)
 
 _NANOGPT = flags.DEFINE_string(
   'nanogpt', os.path.join(ROOT, '..', 'nanogpt'), "Folder of nanoGPT's exported tree."
@@ -78,6 +98,13 @@ _PRECISIONS = flags.DEFINE_list('precisions', list(POLICY), 'float32 and/or bflo
 _ROUNDS = flags.DEFINE_integer('rounds', 1, 'Interleaved rounds.')
 _STEPS = flags.DEFINE_integer('steps', 2000, 'Iterations (--max_iters; ours train.steps).')
 _QUICK = flags.DEFINE_bool('quick', False, '20 steps, one round: checks that it runs.')
+_SHAPE = flags.DEFINE_enum(
+  'shape',
+  'nanogpt_cpu',
+  ['nanogpt_cpu', 'shakespeare_large'],
+  "nanoGPT's CPU recipe (configs/nanogpt_cpu.py), or configs/shakespeare_large.py's model at "
+  'batch 16 and nanoGPT at the same shape (steady step only: a cut run).',
+)
 _OUT = flags.DEFINE_string(
   'out', '', "Folder for the table, peer_nanogpt.json and each run's output; '' = none."
 )
@@ -97,16 +124,22 @@ def split_load(contender: str) -> tuple[str, int, str]:
 
 def command(contender: str, precision: str, steps: int, out_dir: str):
   """(argv, cwd, environment variables to set) of one run of `contender` (no load word)."""
+  large = _SHAPE.value == 'shakespeare_large'
   if not contender.startswith('ours'):
-    argv = [_TORCH_PYTHON.value, 'train.py', *RECIPE, f'--compile={contender.endswith("compile")}']
+    script = ['-c', AUTOCAST] if contender == 'nanogpt_autocast' else ['train.py']
+    argv = [_TORCH_PYTHON.value, *script, *(LARGE if large else RECIPE)]
+    argv += [f'--compile={contender.endswith("compile")}']
     argv += [f'--max_iters={steps}', f'--lr_decay_iters={steps}', f'--dtype={precision}']
     return [*argv, f'--out_dir={out_dir}'], _NANOGPT.value, {}
   words = contender.split('+')[1:]  # 'ours', or 'ours+KEY=VALUE+env:NAME=VALUE+...'
   env = dict(w.removeprefix('env:').split('=', 1) for w in words if w.startswith('env:'))
-  argv = [sys.executable, 'launch.py', '--config=configs/nanogpt_cpu.py', f'--workdir={out_dir}']
+  config = 'configs/shakespeare_large.py' if large else 'configs/nanogpt_cpu.py'
+  argv = [sys.executable, 'launch.py', f'--config={config}', f'--workdir={out_dir}']
+  if large:
+    argv += ['--config.train.batch_size=16', '--config.train.eval_every=0']
   argv += [f'--config.data.dir={_DATA.value}', f'--config.precision.policy={POLICY[precision]}']
-  if steps != 2000:  # a cut run: its warm-up, log and checkpoint cadence fit in it
-    spl = min(100, steps)
+  if steps != 2000 or large:  # a cut run: its warm-up, log and checkpoint cadence fit in it
+    spl = min(10 if large else 100, steps)
     argv += [f'--config.train.steps={steps}', f'--config.train.checkpoint_every={steps}']
     argv += [f'--config.optimizer.warmup_steps={min(100, steps // 2)}']
     argv += [f'--config.train.steps_per_loop={spl}', f'--config.train.log_every={spl}']
@@ -250,7 +283,8 @@ NOTES = (
   'idle. Ours keeps its XLA programs in a compile cache that starts empty: a run that compiled '
   'none loaded them all, as the same command run again does. nanoGPT on a CPU computes in '
   "float32 whatever --dtype says (its autocast context is `nullcontext()` for device_type 'cpu'), "
-  'so its bfloat16 rows are float32 runs; ours under mixed_bfloat16 computes in bfloat16, which '
+  'so its bfloat16 rows are float32 runs, except nanogpt_autocast, whose autocast context is on '
+  'there too; ours under mixed_bfloat16 computes in bfloat16, which '
   "a CPU without AVX512-BF16 or AMX emulates (the header's flags)."
 )
 
@@ -266,7 +300,9 @@ def main(argv):
     for precision in _PRECISIONS.value
     for _ in range(rounds)
     for contender in _CONTENDERS.value
+    if precision != 'float32' or contender != 'nanogpt_autocast'  # the same run as nanogpt
   ]
+  section = 'peer_nanogpt' + ('' if _SHAPE.value == 'nanogpt_cpu' else f'_{_SHAPE.value}')
   results = []
   with tempfile.TemporaryDirectory(prefix='peer_nanogpt_xla_') as cache:  # ours' first compiles
     for precision, contender in plan:
@@ -278,7 +314,7 @@ def main(argv):
         f'{NOTES}{done}\n\n{table(results)}',
         results,
         page='peer_nanogpt',
-        section='peer_nanogpt',
+        section=section,
         started=started,
         quick=_QUICK.value,
       )
