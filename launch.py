@@ -257,33 +257,20 @@ def main(argv):
 
       print(diagnose.run(models.get_trainer_class, config, _WORKDIR.value, _FORENSICS.value))
       return
+    trainer_class = models.get_trainer_class(config.model)
+    workdir = _WORKDIR.value or _default_workdir()
     if _ADVISE.value:
       from trainer.insight import advisor
 
-      print(
-        advisor.report(
-          models.get_trainer_class(config.model),
-          config,
-          _WORKDIR.value or _default_workdir(),
-          steps=_ADVISE_STEPS.value,
-          validate_steps=_ADVISE_VALIDATE.value,
-        )
-      )
+      steps, validate = _ADVISE_STEPS.value, _ADVISE_VALIDATE.value
+      print(advisor.report(trainer_class, config, workdir, steps=steps, validate_steps=validate))
       return
     if _RACE.value:
       from trainer.run import race
 
-      print(
-        race.report(
-          models.get_trainer_class(config.model),
-          config,
-          _WORKDIR.value or _default_workdir(),
-          steps=_RACE.value,
-        )
-      )
+      print(race.report(trainer_class, config, workdir, steps=_RACE.value))
       return
-    trainer_class = models.get_trainer_class(config.model)
-    trainer = trainer_class(config, _WORKDIR.value or _default_workdir())
+    trainer = trainer_class(config, workdir)
     if _AUDIT.value:
       from trainer.insight import audit
 
