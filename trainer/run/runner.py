@@ -358,8 +358,7 @@ class Runner:
       'on' if onednn.enabled() else 'off',
       'on' if self._grappler else 'off',
     )
-    hint = onednn.hint()  # the kernels are off only because TensorFlow loaded first
-    if hint:
+    if hint := onednn.hint():  # the kernels are off only because TensorFlow loaded first
       logging.info(hint)
     if tr.jit_compile:
       logging.info(compile_cache.describe())
