@@ -47,9 +47,7 @@ else:
   _KerasOptimizer = object
 
 
-def _tf(variable: Any) -> tf.Variable:
-  """The tf.Variable behind a Keras variable (or the variable itself)."""
-  return variable.value if isinstance(variable, keras.Variable) else variable
+_tf = fused_optimizers._slot  # the tf.Variable behind a Keras variable (or the variable itself)
 
 
 def _low(variable: Any) -> bool:
