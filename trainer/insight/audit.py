@@ -336,8 +336,7 @@ def markdown(model: keras.Model, policy: str, rows: list[Row], hazards: list[Haz
     )
   lines += ['', f'{len(rows)} layers, {model.count_params():,} parameters.', '']
   if hazards:
-    lines.append(f'## {len(hazards)} hazard(s)')
-    lines.append('')
+    lines += [f'## {len(hazards)} hazard(s)', '']
     lines += [f'- **{h.layer}** ({h.kind}): {h.message}' for h in hazards]
   else:
     lines.append(

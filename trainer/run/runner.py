@@ -199,12 +199,12 @@ class Runner:
     # what only a save finds was written elsewhere, and no learning rate or loss scale fixes it.
     if set(bad) <= self.trainer.train_step.state.updated():
       cause = (
-        'the optimizer left them finite (checked after each compiled call), so something '
+        'The optimizer left them finite (checked after each compiled call), so something '
         'between the steps wrote them: an action, a callback or your own code; find that write'
       )
     else:
       cause = (
-        'not an optimizer update: the forward pass writes them (a layer state such as '
+        'Not an optimizer update: the forward pass writes them (a layer state such as '
         "BatchNormalization's moving statistics) or code between the steps does; check the "
         'input data'
         + (
@@ -217,8 +217,7 @@ class Runner:
       f'step {int(self.trainer.global_step.numpy())}: the training state is not finite '
       f'({checkpoints.describe_nonfinite(bad)}); not saved. '
       + (f'The newest checkpoint, {newest}, is finite. ' if newest else '')
-      + cause[0].upper()
-      + cause[1:]
+      + cause
     )
 
   def on_disk(self) -> str:
