@@ -249,9 +249,8 @@ class Runner:
     """One pass over the whole eval set; returns {'loss': ..., <metric>: ...}, or None when
     `stop()` (asked between batches) ended it. A long pass logs its progress."""
     t = self.trainer
-    dataset = t.strategy.experimental_distribute_dataset(t.datasets.eval)
     return self.eval_loop.evaluate(
-      dataset,
+      t.strategy.experimental_distribute_dataset(t.datasets.eval),
       stop=stop,
       batch_done=self._eval_progress(step),
       max_batches=int(self.config.train.eval_max_batches),
