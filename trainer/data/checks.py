@@ -5,6 +5,8 @@ what it returned and the fix, before the workdir is opened."""
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 from absl import logging
 
@@ -182,8 +184,7 @@ def first_eval_batch(datasets):
       f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
       'one example'
     )
-  try:
+  # A dataset that takes no attributes: nothing kept.
+  with contextlib.suppress(AttributeError, TypeError):
     setattr(datasets.eval, _FIRST_BATCH, (batch, iterator))
-  except (AttributeError, TypeError):  # a dataset that takes no attributes: nothing kept
-    pass
   return batch
