@@ -26,6 +26,7 @@ gives the folder and what it holds. TensorFlow-free.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import os
@@ -52,12 +53,9 @@ def _tensorflow_version() -> str:
 def _cpu() -> str:
   """The machine and a short digest of its CPU's model and feature flags."""
   text = platform.processor()
-  try:
-    with open('/proc/cpuinfo', encoding='utf-8') as f:
-      lines = f.read().split('\n\n', 1)[0].splitlines()  # the first core
+  with contextlib.suppress(OSError), open('/proc/cpuinfo', encoding='utf-8') as f:
+    lines = f.read().split('\n\n', 1)[0].splitlines()  # the first core
     text = '\n'.join(x for x in lines if x.startswith(('model name', 'flags', 'Features')))
-  except OSError:
-    pass
   return f'{platform.machine()}-{hashlib.sha256(text.encode()).hexdigest()[:10]}'
 
 
@@ -104,10 +102,8 @@ def prune(folder: str, limit: int) -> None:
   for _, size, name in sorted(programs):
     if total <= limit:
       break
-    try:
+    with contextlib.suppress(OSError):
       os.remove(os.path.join(folder, name))
-    except OSError:
-      pass
     total -= size
 
 

@@ -61,13 +61,11 @@ def _one_of(*choices):
 
 def _jit_setting(v):
   bad = [] if v in SWITCHES else [p for p in v.split(',') if p not in PRECISION_POLICIES]
+  if not bad:
+    return None
   return (
-    (
-      f'must be auto, true, false or policies from {", ".join(PRECISION_POLICIES)}, '
-      f'comma-separated (not {", ".join(map(repr, bad))})'
-    )
-    if bad
-    else None
+    f'must be auto, true, false or policies from {", ".join(PRECISION_POLICIES)}, '
+    f'comma-separated (not {", ".join(map(repr, bad))})'
   )
 
 
@@ -542,7 +540,6 @@ def _check_unknown(config) -> None:
         problems.append(f'config.{top} is a single value, not a section (config.{name})')
         continue
       guess = did_you_mean(name, known)
-      close = [guess] if guess else []
     else:
       close = difflib.get_close_matches(top, SECTIONS, n=1, cutoff=0.8)
       if not close and name in _LEAVES:  # e.g. config.learning_rate: a section left out
@@ -554,10 +551,10 @@ def _check_unknown(config) -> None:
         continue
       if not close:
         continue  # the model's own key
-      close = [name.replace(top, close[0], 1)]
+      guess = name.replace(top, close[0], 1)
     hint = (
-      f'did you mean config.{close[0]}?'
-      if close
+      f'did you mean config.{guess}?'
+      if guess
       else f'the keys of config.{top} are listed in configs/mnist.py.'
     )
     problems.append(f'config.{name} is not a config key; {hint}')

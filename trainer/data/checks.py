@@ -5,6 +5,8 @@ what it returned and the fix, before the workdir is opened."""
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 from absl import logging
 
@@ -14,6 +16,13 @@ from trainer.errors import ConfigError, UserError
 def shape_text(shape) -> str:
   """'[128, ?, 10]'."""
   return '[' + ', '.join('?' if d is None else str(d) for d in tf.TensorShape(shape)) + ']'
+
+
+# The batching each set needs (train: a fixed size, as the loss is divided by it).
+_BATCH = {
+  'train': '.batch(config.train.batch_size, drop_remainder=True)',
+  'eval': '.batch(config.train.batch_size)',
+}
 
 
 def _spec_summary(spec) -> str:
@@ -47,14 +56,9 @@ def check_datasets(datasets, batch_size: int | None = None, eval_max_batches: in
     # Every batched component has a leading batch axis; a rank-0 component (a single label)
     # means the dataset yields single examples.
     if any(s.shape.rank == 0 for s in specs):
-      batch = (
-        '.batch(config.train.batch_size, drop_remainder=True)'
-        if name == 'train'
-        else '.batch(config.train.batch_size)'
-      )
       raise UserError(
         f'build_datasets returned an unbatched Datasets.{name}: its elements are '
-        f'single examples ({_spec_summary(ds.element_spec)}); add {batch}'
+        f'single examples ({_spec_summary(ds.element_spec)}); add {_BATCH[name]}'
       )
   # A set whose elements are, in every component, the other's batches without their batch axis
   # is unbatched: sequences [T] against batches [B, T]. Not a multi-crop or two-view set (only
@@ -72,17 +76,15 @@ def check_datasets(datasets, batch_size: int | None = None, eval_max_batches: in
     and e.shape.rank is not None
   ]
   if pairs and len(train) == len(eval_):
-    for short, other, batch, unbatched in (
+    for short, other, unbatched in (
       (
         'eval',
         'train',
-        '.batch(config.train.batch_size)',
         all(e.rank + 1 == t.rank and e.is_compatible_with(t[1:]) for t, e in pairs),
       ),
       (
         'train',
         'eval',
-        '.batch(config.train.batch_size, drop_remainder=True)',
         all(
           t.rank + 1 == e.rank and t.is_compatible_with(e[1:]) and t[0] is not None
           for t, e in pairs
@@ -94,7 +96,7 @@ def check_datasets(datasets, batch_size: int | None = None, eval_max_batches: in
           f'build_datasets returned an unbatched Datasets.{short}: its elements '
           f'({_spec_summary(getattr(datasets, short).element_spec)}) have one '
           f'axis fewer than the {other} batches '
-          f'({_spec_summary(getattr(datasets, other).element_spec)}); add {batch} '
+          f'({_spec_summary(getattr(datasets, other).element_spec)}); add {_BATCH[short]} '
           f'to the {short} dataset'
         )
   _check_eval_ends(datasets.eval, eval_max_batches)
@@ -182,8 +184,7 @@ def first_eval_batch(datasets):
       f'{_spec_summary(datasets.eval.element_spec)}): the eval set needs at least '
       'one example'
     )
-  try:
+  # A dataset that takes no attributes: nothing kept.
+  with contextlib.suppress(AttributeError, TypeError):
     setattr(datasets.eval, _FIRST_BATCH, (batch, iterator))
-  except (AttributeError, TypeError):  # a dataset that takes no attributes: nothing kept
-    pass
   return batch

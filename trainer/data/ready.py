@@ -28,11 +28,8 @@ from trainer.data.datasets import Datasets
 def to_float(features, labels):
   """The default `prepare`: uint8/integer pixels to float32 in [0, 1], labels to int32
   (float features pass through as float32)."""
-  if features.dtype.is_integer:
-    features = tf.cast(features, tf.float32) / 255.0
-  else:
-    features = tf.cast(features, tf.float32)
-  return features, tf.cast(labels, tf.int32)
+  floats = tf.cast(features, tf.float32)
+  return floats / 255.0 if features.dtype.is_integer else floats, tf.cast(labels, tf.int32)
 
 
 def pixels_to_unit(images, labels):

@@ -67,19 +67,9 @@ def set_threads(config: ml_collections.ConfigDict) -> None:
   (0 = TensorFlow's choice, one thread per core for each pool). The pools are made when the
   runtime starts (the first op or device query), so this must run before: launch.py's Trainer
   does; in a process that already ran TensorFlow a changed value is a ConfigError."""
-  threading = tf.config.threading
-  for key, get, set_ in (
-    (
-      'intra_op_threads',
-      threading.get_intra_op_parallelism_threads,
-      threading.set_intra_op_parallelism_threads,
-    ),
-    (
-      'inter_op_threads',
-      threading.get_inter_op_parallelism_threads,
-      threading.set_inter_op_parallelism_threads,
-    ),
-  ):
+  for key in ('intra_op_threads', 'inter_op_threads'):
+    pool = key.replace('threads', 'parallelism_threads')  # tf.config.threading's name
+    get, set_ = (getattr(tf.config.threading, f'{verb}_{pool}') for verb in ('get', 'set'))
     wanted = int(config.train.get(key, 0))
     if wanted == 0 or get() == wanted:
       continue

@@ -67,9 +67,7 @@ class LayerStats:
 
   def headroom(self, value: float) -> float:
     limit = _finfo(self.compute_dtype)[0]
-    if limit is None:
-      return math.inf
-    return math.log2(limit / value) if value > 0 else math.inf
+    return math.log2(limit / value) if limit is not None and value > 0 else math.inf
 
   @property
   def rel_error(self) -> float:

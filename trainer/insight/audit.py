@@ -118,6 +118,7 @@ def audit(
   policy = policy or keras.mixed_precision.global_policy().name
   mixed = policy.startswith('mixed_')
   rows, hazards = [], []
+  add = lambda layer, kind, message: hazards.append(Hazard(layer, kind, message))
   seen: dict = {}  # id(layer): outputs of its first call in `run`
   inputs: dict = {}  # id(layer): the first argument of that call
   layers = dict(paths.walk(model))
@@ -149,38 +150,32 @@ def audit(
     var_dtypes = sorted({keras.backend.standardize_dtype(v.dtype) for v in variables})
     low_vars = [v.path for v in variables if keras.backend.standardize_dtype(v.dtype) in LOW]
     if low_vars:
-      hazards.append(
-        Hazard(
-          name,
-          'low-precision variables',
-          f'{len(low_vars)} variable(s) stored in '
-          f'{",".join(d for d in var_dtypes if d in LOW)} ({low_vars[0]}, ...): '
-          'the optimizer updates are rounded away; give the layer a mixed_* '
-          'policy (float32 variables) instead of dtype float16/bfloat16',
-        )
+      add(
+        name,
+        'low-precision variables',
+        f'{len(low_vars)} variable(s) stored in '
+        f'{",".join(d for d in var_dtypes if d in LOW)} ({low_vars[0]}, ...): '
+        'the optimizer updates are rounded away; give the layer a mixed_* '
+        'policy (float32 variables) instead of dtype float16/bfloat16',
       )
     # An Embedding does not autocast its ids, but a subclassed model casts its float inputs to
     # the compute dtype before its layers see them: float ids reach the lookup rounded.
     ids = _input_dtype(layer, inputs) or 'int32'
     exact = {'bfloat16': 256, 'float16': 2048}.get(ids, 2**24)  # the integers the dtype holds
     if isinstance(layer, keras.layers.Embedding) and ids in LOW and layer.input_dim > exact + 1:
-      hazards.append(
-        Hazard(
-          name,
-          'float token ids',
-          f'it looks up {ids} ids (the model cast '
-          f'its float inputs to {ids}): ids above {exact} of its '
-          f'{layer.input_dim} turn into other ids (257 -> 256 in bfloat16); '
-          'feed integer ids (tf.int32)',
-        )
+      add(
+        name,
+        'float token ids',
+        f'it looks up {ids} ids (the model cast '
+        f'its float inputs to {ids}): ids above {exact} of its '
+        f'{layer.input_dim} turn into other ids (257 -> 256 in bfloat16); '
+        'feed integer ids (tf.int32)',
       )
     # A softmax layer the recorded forward pass never called computes nothing (attention without
     # dropout computes its softmax in float32 in Keras's dot_product_attention instead).
     if _applies_softmax(layer) and compute in LOW and (not seen or id(layer) in seen):
       maker = name.rpartition('/')[0]
-      hazards.append(
-        Hazard(name, 'low-precision softmax', _softmax_fix(maker, layers.get(maker), compute))
-      )
+      add(name, 'low-precision softmax', _softmax_fix(maker, layers.get(maker), compute))
     # A functional model's InputLayer outputs what it is fed (float32): nothing it computes.
     if (
       mixed
@@ -188,16 +183,14 @@ def audit(
       and output == 'float32'
       and not isinstance(layer, keras.layers.InputLayer)
     ):
-      hazards.append(
-        Hazard(
-          name,
-          'not autocast',
-          f'compute dtype is {compute} but the output is float32: the layer '
-          'computes in float32 (weights Keras cannot autocast, e.g. '
-          'add_weight(autocast=False) or a raw tf.Variable, or an explicit '
-          'cast); cast inputs and weights to self.compute_dtype in call (see '
-          'trainer/nn/layers.py), or give the layer dtype="float32" if intended',
-        )
+      add(
+        name,
+        'not autocast',
+        f'compute dtype is {compute} but the output is float32: the layer '
+        'computes in float32 (weights Keras cannot autocast, e.g. '
+        'add_weight(autocast=False) or a raw tf.Variable, or an explicit '
+        'cast); cast inputs and weights to self.compute_dtype in call (see '
+        'trainer/nn/layers.py), or give the layer dtype="float32" if intended',
       )
   outputs = getattr(model, 'outputs', None) or [
     t for t in keras.tree.flatten(seen.get(id(model), [])) if hasattr(t, 'dtype')
@@ -336,8 +329,7 @@ def markdown(model: keras.Model, policy: str, rows: list[Row], hazards: list[Haz
     )
   lines += ['', f'{len(rows)} layers, {model.count_params():,} parameters.', '']
   if hazards:
-    lines.append(f'## {len(hazards)} hazard(s)')
-    lines.append('')
+    lines += [f'## {len(hazards)} hazard(s)', '']
     lines += [f'- **{h.layer}** ({h.kind}): {h.message}' for h in hazards]
   else:
     lines.append(

@@ -92,14 +92,12 @@ def write(path: str, data: bytes | str, what: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
       raise IsADirectoryError(21, 'a folder is in the way', path)
     os.replace(tmp, path)
-  except OSError as e:
+  except BaseException as e:
     if tmp and os.path.lexists(tmp):
       os.remove(tmp)
-    raise UserError(
-      f'{what}: cannot write {path} ({e.strerror}); pass --workdir=<a folder '
-      'you can write>; nothing half-written is left'
-    ) from None
-  except BaseException:
-    if tmp and os.path.lexists(tmp):
-      os.remove(tmp)
+    if isinstance(e, OSError):
+      raise UserError(
+        f'{what}: cannot write {path} ({e.strerror}); pass --workdir=<a folder '
+        'you can write>; nothing half-written is left'
+      ) from None
     raise

@@ -164,17 +164,13 @@ def max_abs(tensors) -> float:
   return max(values, default=0.0)
 
 
-def _call_layer(call: Call, args, kwargs):
-  return call.layer(*args, **kwargs)
-
-
 def _forward_report(call: Call, path: str, scale, loss=None) -> Report:
   layer = call.layer
-  run = lambda: _call_layer(call, call.args, call.kwargs)  # noqa: E731
+  run = lambda: layer(*call.args, **call.kwargs)
   _, ops = op_watch.watched(run)
   with float32(layer):
     outputs32, ops32 = op_watch.watched(
-      lambda: _call_layer(call, to_float32(call.args), to_float32(call.kwargs))
+      lambda: layer(*to_float32(call.args), **to_float32(call.kwargs))
     )
   op, value = op_watch.culprit(ops, ops32) or (op_watch.failing_op(run), None)
   return Report(
@@ -201,7 +197,7 @@ def _layer_vjp(call: Call, upstream, float32: bool):
   with tf.GradientTape() as tape:
     for t in inputs:
       tape.watch(t)
-    outputs = _call_layer(call, args, kwargs)
+    outputs = call.layer(*args, **kwargs)
   outs = float_leaves(outputs)
   ups = [
     tf.cast(u, o.dtype) if u is not None else tf.zeros_like(o)

@@ -274,11 +274,8 @@ class Probe:
     sums: dict[str, np.ndarray] = {}
     for row, layer in zip(rows.numpy().astype(np.float64), self.owners):
       name = self.name(layer) if layer is not None else '?'
-      if name not in sums:
-        sums[name] = np.zeros(6)
-      sums[name] = np.concatenate(
-        [[max(sums[name][GRAD_MAX], row[GRAD_MAX])], sums[name][1:] + row[1:]]
-      )
+      before = sums.get(name, np.zeros(6))
+      sums[name] = np.concatenate([[max(before[GRAD_MAX], row[GRAD_MAX])], before[1:] + row[1:]])
     for name, row in sums.items():
       if row[COUNT]:
         stats[name] = {

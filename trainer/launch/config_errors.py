@@ -9,6 +9,7 @@ functions turn each into the one line the launcher prints. The did-you-mean is t
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import re
 import traceback
@@ -82,13 +83,11 @@ def file_error(path: str) -> str | None:
 
 def _unquote(value: str, want: str) -> str:
   """'; write 3e-4 without quotes' when `value` is a quoted number the field's type reads."""
-  try:
+  with contextlib.suppress(ValueError, SyntaxError):
     text = ast.literal_eval(value)
     if isinstance(text, str) and want in ('int', 'float'):
       {'int': int, 'float': float}[want](text)
       return f'; write {text} without quotes'
-  except (ValueError, SyntaxError):
-    pass
   return ''
 
 

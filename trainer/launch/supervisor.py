@@ -173,10 +173,9 @@ class Supervisor:
     del frame
     self.signals += 1
     sent = signal.SIGTERM if self.signals == 1 else signal.SIGINT
-    print(
+    _write(
+      sys.stderr,
       f'[launcher] received {signal.Signals(signum).name}: sending {sent.name} to every worker',
-      file=sys.stderr,
-      flush=True,
     )
     for proc in self.procs:
       if proc.poll() is None:
@@ -196,11 +195,10 @@ class Supervisor:
           if not self.log.started:  # the others wait in the rendezvous for it: end them now
             self.early, deadline = shell_code(code), time.monotonic()
           else:
-            print(
+            _write(
+              sys.stderr,
               f'[launcher] worker {i} {describe(code)}; the others stop within '
               f'{self.timeout:g} s (--worker_timeout)',
-              file=sys.stderr,
-              flush=True,
             )
       ended = [p.poll() for i, p in enumerate(self.procs) if i != self.sidecar]
       if self.sidecar is not None and None not in ended and any(ended):
@@ -295,15 +293,13 @@ def run(
     lost = sup.lost_workers(codes)
     how = [('hung' if w in sup.stopped else describe(codes[w])) for w in lost]
     how = how if len(lost) == 1 else [f'worker {w} {h}' for w, h in zip(lost, how)]
-    print(
+    _write(
+      sys.stderr,
       f'error: {span(lost)} {"was" if len(lost) == 1 else "were"} lost ({", ".join(how)}); every '
-      f'worker '
-      f'stopped. The newest checkpoint is {newest or "none (nothing saved yet)"}; run the same '
-      'command to resume',
-      file=sys.stderr,
-      flush=True,
+      f'worker stopped. The newest checkpoint is {newest or "none (nothing saved yet)"}; run the '
+      'same command to resume',
     )
-  print(closing(codes, newest, sup.stopped, status, sup.sidecar), file=sys.stderr, flush=True)
+  _write(sys.stderr, closing(codes, newest, sup.stopped, status, sup.sidecar))
   return status
 
 

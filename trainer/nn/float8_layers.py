@@ -138,8 +138,7 @@ def _dense_call(layer, recipe):
   def call(inputs, training=None):
     dtype = layer.compute_dtype
     x, kernel = tf.cast(inputs, dtype), tf.cast(layer.kernel, dtype)
-    y = float8_gemm.dense(x, kernel, recipe, layer.path)
-    return _finish(layer, y)
+    return _finish(layer, float8_gemm.dense(x, kernel, recipe, layer.path))
 
   return call
 

@@ -47,9 +47,7 @@ else:
   _KerasOptimizer = object
 
 
-def _tf(variable: Any) -> tf.Variable:
-  """The tf.Variable behind a Keras variable (or the variable itself)."""
-  return variable.value if isinstance(variable, keras.Variable) else variable
+_tf = fused_optimizers._slot  # the tf.Variable behind a Keras variable (or the variable itself)
 
 
 def _low(variable: Any) -> bool:
@@ -227,7 +225,10 @@ class _LowPrecision(_KerasOptimizer):
   ) -> tuple:
     raise NotImplementedError
 
-  def _build_compensations(self, variables: list) -> None:
+  def _build_own(self, variables: list) -> None:
+    """Which variables this class updates, and the Kahan compensations of the bfloat16 ones."""
+    self._managed = [self._managed_variable(v) for v in variables]
+    self._low_managed = any(_low(v) for v in variables if self._managed_variable(v))
     self._comp_index = {}
     compensations: list = []
     if self.master_weights == 'bfloat16_kahan':
@@ -248,8 +249,6 @@ class _LowPrecisionAdam(_LowPrecision):
     if self.amsgrad:
       raise ValueError('amsgrad is not supported with 16-bit master weights or 8-bit state')
     keras.optimizers.Optimizer.build(self, variables)  # iterations, the variable index
-    self._managed = [self._managed_variable(v) for v in variables]
-    self._low_managed = any(_low(v) for v in variables if self._managed_variable(v))
     momentums: list = []
     velocities: list = []
     m_scales: list = []
@@ -275,7 +274,7 @@ class _LowPrecisionAdam(_LowPrecision):
         velocities.append(self.add_variable_from_reference(v, 'velocity'))
     self._momentums, self._velocities = momentums, velocities
     self._momentum_scales, self._velocity_scales = m_scales, v_scales
-    self._build_compensations(variables)
+    self._build_own(variables)
 
   def _state(self, index: int) -> tuple:
     """Per moment: (codes, absmax) with 8-bit state, else (slot,)."""
@@ -316,9 +315,7 @@ class _LowPrecisionSGD(_LowPrecision):
     if self.built:
       return
     super().build(variables)  # momentums in each variable's dtype
-    self._managed = [self._managed_variable(v) for v in variables]
-    self._low_managed = any(_low(v) for v in variables if self._managed_variable(v))
-    self._build_compensations(variables)
+    self._build_own(variables)
 
   def _state(self, index: int) -> tuple:
     return () if self.momentum == 0 else ((self.momentums[index],),)

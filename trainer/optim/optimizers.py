@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import keras
 import ml_collections
@@ -81,13 +81,7 @@ class ConfigSchedule(Schedule):
     return rate
 
   def get_config(self) -> dict:
-    return dict(
-      peak=self.peak,
-      floor=self.floor,
-      warmup=self.warmup,
-      kind=self.kind,
-      total_steps=self.total_steps,
-    )
+    return {k: getattr(self, k) for k in ('peak', 'floor', 'warmup', 'kind', 'total_steps')}
 
 
 def schedule(opt_config, total_steps: int) -> ConfigSchedule:
@@ -200,21 +194,14 @@ def build(
     return found(opt_config, learning_rate)
   from trainer.optim import low_precision  # pylint: disable=import-outside-toplevel
 
-  kwargs: dict[str, Any] = dict(
+  return low_precision.CLASSES[opt_config.name](
     learning_rate=learning_rate,
     master_weights=master_weights,
     state_bits=state_bits,
     seed=seed,
     step=step,
-    weight_decay=float(opt_config.weight_decay) or None,
+    **_options(opt_config, opt_config.name),
   )
-  if opt_config.name == 'sgd':
-    kwargs['momentum'] = opt_config.momentum
-  else:
-    kwargs.update(_moments(opt_config))
-  if opt_config.name == 'adamw':
-    kwargs['weight_decay'] = float(opt_config.weight_decay)
-  return low_precision.CLASSES[opt_config.name](**kwargs)
 
 
 def _classes(opt_config: ml_collections.ConfigDict) -> tuple[type, type, type]:
@@ -232,29 +219,27 @@ def _moments(opt_config: ml_collections.ConfigDict) -> dict:
   }
 
 
+def _options(opt_config: ml_collections.ConfigDict, name: str) -> dict:
+  """The keyword arguments of adam, adamw or sgd (`name`) beyond the learning rate: AdamW's
+  weight decay always, the others' only when set; Adam's moments or SGD's momentum."""
+  decay = float(opt_config.weight_decay)
+  own = {'momentum': opt_config.momentum} if name == 'sgd' else _moments(opt_config)
+  return {'weight_decay': decay if name == 'adamw' else decay or None, **own}
+
+
 def _adam(
   opt_config: ml_collections.ConfigDict, learning_rate: LearningRate
 ) -> keras.optimizers.Optimizer:
-  return _classes(opt_config)[0](
-    learning_rate=learning_rate,
-    weight_decay=float(opt_config.weight_decay) or None,
-    **_moments(opt_config),
-  )
+  return _classes(opt_config)[0](learning_rate=learning_rate, **_options(opt_config, 'adam'))
 
 
 def _adamw(
   opt_config: ml_collections.ConfigDict, learning_rate: LearningRate
 ) -> keras.optimizers.Optimizer:
-  return _classes(opt_config)[1](
-    learning_rate=learning_rate, weight_decay=float(opt_config.weight_decay), **_moments(opt_config)
-  )
+  return _classes(opt_config)[1](learning_rate=learning_rate, **_options(opt_config, 'adamw'))
 
 
 def _sgd(
   opt_config: ml_collections.ConfigDict, learning_rate: LearningRate
 ) -> keras.optimizers.Optimizer:
-  return _classes(opt_config)[2](
-    learning_rate=learning_rate,
-    momentum=opt_config.momentum,
-    weight_decay=float(opt_config.weight_decay) or None,
-  )
+  return _classes(opt_config)[2](learning_rate=learning_rate, **_options(opt_config, 'sgd'))

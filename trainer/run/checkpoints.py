@@ -17,6 +17,7 @@ files are removed and the previous checkpoint stays the newest one in the state 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -285,10 +286,8 @@ def remove(prefix: str) -> None:
 
 
 def _remove(path: str) -> None:
-  try:
+  with contextlib.suppress(OSError):
     os.remove(path)
-  except OSError:
-    pass
 
 
 def _reason(e: Exception) -> str:

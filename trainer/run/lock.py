@@ -150,10 +150,8 @@ def _takeover_guard(path: str):
     yield
     return
   try:
-    try:
+    with contextlib.suppress(OSError):
       fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:
-      pass
     yield
   finally:
     os.close(fd)  # releases the flock
@@ -233,13 +231,10 @@ def check_free(workdir: str) -> None:
 
 def _remove_if(path: str, record: dict) -> None:
   """Removes the lock at `path` if it still holds `record` (not a newer holder's)."""
-  try:
-    with _takeover_guard(path):
-      now = _read(path)
-      if now is not None and _same(now, record):
-        os.remove(path)
-  except (OSError, UserError):
-    pass
+  with contextlib.suppress(OSError, UserError), _takeover_guard(path):
+    now = _read(path)
+    if now is not None and _same(now, record):
+      os.remove(path)
 
 
 def _same(a: dict, b: dict) -> bool:

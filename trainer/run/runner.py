@@ -199,12 +199,12 @@ class Runner:
     # what only a save finds was written elsewhere, and no learning rate or loss scale fixes it.
     if set(bad) <= self.trainer.train_step.state.updated():
       cause = (
-        'the optimizer left them finite (checked after each compiled call), so something '
+        'The optimizer left them finite (checked after each compiled call), so something '
         'between the steps wrote them: an action, a callback or your own code; find that write'
       )
     else:
       cause = (
-        'not an optimizer update: the forward pass writes them (a layer state such as '
+        'Not an optimizer update: the forward pass writes them (a layer state such as '
         "BatchNormalization's moving statistics) or code between the steps does; check the "
         'input data'
         + (
@@ -217,8 +217,7 @@ class Runner:
       f'step {int(self.trainer.global_step.numpy())}: the training state is not finite '
       f'({checkpoints.describe_nonfinite(bad)}); not saved. '
       + (f'The newest checkpoint, {newest}, is finite. ' if newest else '')
-      + cause[0].upper()
-      + cause[1:]
+      + cause
     )
 
   def on_disk(self) -> str:
@@ -250,9 +249,8 @@ class Runner:
     """One pass over the whole eval set; returns {'loss': ..., <metric>: ...}, or None when
     `stop()` (asked between batches) ended it. A long pass logs its progress."""
     t = self.trainer
-    dataset = t.strategy.experimental_distribute_dataset(t.datasets.eval)
     return self.eval_loop.evaluate(
-      dataset,
+      t.strategy.experimental_distribute_dataset(t.datasets.eval),
       stop=stop,
       batch_done=self._eval_progress(step),
       max_batches=int(self.config.train.eval_max_batches),
@@ -358,8 +356,7 @@ class Runner:
       'on' if onednn.enabled() else 'off',
       'on' if self._grappler else 'off',
     )
-    hint = onednn.hint()  # the kernels are off only because TensorFlow loaded first
-    if hint:
+    if hint := onednn.hint():  # the kernels are off only because TensorFlow loaded first
       logging.info(hint)
     if tr.jit_compile:
       logging.info(compile_cache.describe())

@@ -104,16 +104,14 @@ def write_json(path: str, value: dict) -> None:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
-  except OSError as e:  # disk full, quota: nothing half-written stays behind
+  except BaseException as e:  # disk full, quota: nothing half-written stays behind
     if os.path.lexists(tmp):
       os.remove(tmp)
-    raise ConfigError(
-      f'could not write {path} ({e.strerror}); free disk space or pass '
-      '--workdir=<a folder you can write>.'
-    ) from None
-  except BaseException:
-    if os.path.lexists(tmp):
-      os.remove(tmp)
+    if isinstance(e, OSError):
+      raise ConfigError(
+        f'could not write {path} ({e.strerror}); free disk space or pass '
+        '--workdir=<a folder you can write>.'
+      ) from None
     raise
 
 

@@ -81,11 +81,8 @@ def check_hooks(trainer: object, base: type) -> None:
   later, with a traceback, some of them only at the first log line)."""
   cls = type(trainer)
   # A hook may also be an instance attribute set before super().__init__().
-  missing = [
-    n
-    for n in REQUIRED_HOOKS
-    if getattr(cls, n, None) is getattr(base, n) and n not in vars(trainer)
-  ]
+  inherited = lambda n: getattr(cls, n, None) is getattr(base, n) and n not in vars(trainer)
+  missing = [n for n in REQUIRED_HOOKS if inherited(n)]
   if missing:
     raise UserError(
       f'{cls.__name__} does not define {", ".join(missing)}: a Trainer subclass '
@@ -94,7 +91,7 @@ def check_hooks(trainer: object, base: type) -> None:
       + ' (README: "Write your own model")'
     )
   for name, (args, kwargs) in HOOK_CALLS.items():
-    if getattr(cls, name, None) is getattr(base, name) and name not in vars(trainer):
+    if inherited(name):
       continue
     hook = getattr(trainer, name)
     try:
@@ -178,9 +175,9 @@ def check_actions(actions: Iterable[object]) -> None:
       )
     try:
       inspect.signature(action).bind(None)
-    except (TypeError, ValueError) as e:
-      if isinstance(e, ValueError):  # no signature to read (a builtin): not checked
-        continue
+    except ValueError:  # no signature to read (a builtin): not checked
+      continue
+    except TypeError as e:
       raise UserError(
         f'build_actions: action {name} cannot be called with one event ({e}); '
         f'define it as `def {name}(event):` (a trainer.Event)'
@@ -245,24 +242,17 @@ def check_outputs(batch: Any, outputs: Any, stateful: Collection[str] = ()) -> d
         f'compute_loss returned {kind} as a scalar ({got}) for a batch of {b} '
         f'({batch_shapes}); {fix_scalar}'
       )
+    said = f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a batch of {b}'
     if b is not None and shape.rank == 2 and shape[0] == b and shape[1] == b and b > 1:
-      raise UserError(
-        f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
-        f'batch of {b}: two shapes broadcast against each other{hint_11}'
-      )
+      raise UserError(f'{said}: two shapes broadcast against each other{hint_11}')
     if shape.rank != 1:
       raise UserError(
-        f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
-        f'batch of {b} ({batch_shapes}); it must be [B]: reduce the other axes '
-        'per example (e.g. tf.reduce_mean(x, axis=-1)) or use a per-example '
-        'loss such as keras.losses.sparse_categorical_crossentropy'
+        f'{said} ({batch_shapes}); it must be [B]: reduce the other axes per example (e.g. '
+        'tf.reduce_mean(x, axis=-1)) or use a per-example loss such as '
+        'keras.losses.sparse_categorical_crossentropy'
       )
     if b is not None and shape[0] is not None and shape[0] != b:
-      raise UserError(
-        f'compute_loss returned {kind} of shape {_shape(shape)} ({got}) for a '
-        f'batch of {b} ({batch_shapes}); it must have one value per example, '
-        f'[{b}]'
-      )
+      raise UserError(f'{said} ({batch_shapes}); it must have one value per example, [{b}]')
 
   per_example(
     'the loss',
@@ -390,24 +380,16 @@ def _warn_nonfinite_loss(loss: Any, overflow: Callable[[], str | None]) -> None:
   bad = int((~np.isfinite(values)).sum())
   if bad:
     kinds = ', '.join(sorted({str(v) for v in values[~np.isfinite(values)]}))
-    if layer := overflow():
-      logging.warning(
-        'compute_loss returned a non-finite loss (%s) for %d of %d examples of the first eval '
-        'batch, at the initial weights: %s',
-        kinds,
-        bad,
-        values.size,
-        layer,
-      )
-      return
     logging.warning(
-      'compute_loss returned a non-finite loss (%s) for %d of %d examples of the '
-      'first eval batch, at the initial weights: every step with such an example '
-      'will be skipped; look for log(0), a division by zero or an overflow in the '
-      'loss (a log of a probability: use from_logits=True losses, or clip it)',
+      'compute_loss returned a non-finite loss (%s) for %d of %d examples of the first eval '
+      'batch, at the initial weights: %s',
       kinds,
       bad,
       values.size,
+      overflow()
+      or 'every step with such an example will be skipped; look for log(0), a division by '
+      'zero or an overflow in the loss (a log of a probability: use from_logits=True losses, '
+      'or clip it)',
     )
 
 

@@ -191,18 +191,13 @@ class LossScaler(tf.Module):
 
     # Both outcomes are a few scalar ops: select with tf.where rather than branch with tf.cond
     # (a cond per step costs more than the arithmetic on CPU).
-    scale, good, left = (tf.where(finite, x, y) for x, y in zip(on_finite(), on_nonfinite()))
+    state = (self.scale, self.good_steps, self.hysteresis_left)
+    new = [tf.where(finite, x, y) for x, y in zip(on_finite(), on_nonfinite())]
     if active is not True:
       active = tf.convert_to_tensor(active)
-      scale, good, left = (
-        tf.where(active, new, old)
-        for new, old in zip(
-          (scale, good, left), (self.scale, self.good_steps, self.hysteresis_left)
-        )
-      )
-    self.scale.assign(scale)
-    self.good_steps.assign(good)
-    self.hysteresis_left.assign(left)
+      new = [tf.where(active, value, old) for value, old in zip(new, state)]
+    for variable, value in zip(state, new):
+      variable.assign(value)
 
 
 def update_scalers(groups: Sequence[Any], flags: Sequence[tf.Tensor]) -> None:
