@@ -61,6 +61,17 @@ def test_missing_config_file_is_one_line(tmp_path):
   ]
 
 
+def test_race_with_workers_is_refused_in_one_line_before_any_worker_starts(tmp_path):
+  """--race (like --audit, --advise) runs in one process: under --workers each worker would race."""
+  workdir = tmp_path / 'work'
+  result = launch('--config=configs/mnist.py', '--workers=2', '--race=5', f'--workdir={workdir}')
+  assert result.returncode == 2 and 'Traceback' not in result.stderr
+  assert error_lines(result) == [
+    'error: --workers=2 trains; --audit/--advise/--race runs in one process: leave --workers=2 out'
+  ]
+  assert not workdir.exists()
+
+
 def test_config_file_whose_get_config_returns_none(tmp_path):
   """It said '--config is required', although --config was given."""
   path = tmp_path / 'no_return.py'

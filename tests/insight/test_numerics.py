@@ -167,6 +167,25 @@ def test_off_builds_nothing(tmp_path):
   assert trainer.runner.numerics.probe is None
 
 
+def test_a_failing_probe_is_one_line_and_turns_numerics_off(tmp_path):
+  """Diagnostics never end a run: the probe raising (here with an empty message) gives the
+  line naming the exception and numerics.every = 0 for the rest of the run."""
+  trainer = TinyTrainer(tiny_config(), str(tmp_path / 'w'))
+  recorder = trainer.runner.numerics
+
+  class Failing:
+    def measure(self):
+      raise RuntimeError()
+
+  recorder.probe = Failing()
+  out = recorder.record(3)
+  assert out['stats'] == {} and recorder.every == 0
+  assert out['line'] == (
+    'numerics at step 3: the statistics probe failed (RuntimeError: ); numerics.every is off '
+    'for this run'
+  )
+
+
 def test_probe_measures_one_micro_batch_as_the_step_computes_it(tmp_path):
   """With grad_accum_steps=4 a step's weight gradients each sum 8 of the 32 examples (loss /
   32): the probe measures those, not the whole batch's (4x larger, underflow under-reported)."""

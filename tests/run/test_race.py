@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from configs import shakespeare as shakespeare_config
 from conftest import DATA, ROOT
 from models.transformer_lm import TransformerLmTrainer
+from trainer.errors import UserError
 from trainer.run import race
 
 SETTINGS = [f'{p}, XLA {x}' for p in race.POLICIES for x in ('off', 'on')]
@@ -43,6 +46,12 @@ def test_race_on_the_lm_measures_every_setting_and_reports_a_plain_runs_loss(tmp
   assert logged[-1] == rows[0].loss
   text = race.markdown(rows, steps)
   assert all(f'| {s} |' in text for s in SETTINGS) and 'Use: --config.precision.policy=' in text
+
+
+def test_race_refuses_fewer_than_two_steps_before_building_anything():
+  """One step would leave the untimed call none: the timed one would trace and compile."""
+  with pytest.raises(UserError, match=r'--race=1: race at least 2 steps'):
+    race.race(None, None, steps=1)
 
 
 def test_choice_is_the_fastest_whose_loss_is_float32s():

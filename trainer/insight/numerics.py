@@ -391,7 +391,7 @@ class Recorder:
       self.every = 0
       line = (
         f'numerics at step {step}: the statistics probe failed ({type(e).__name__}: '
-        f'{str(e).strip().splitlines()[-1][:200]}); numerics.every is off for this run'
+        f'{(str(e).strip().splitlines() or [""])[-1][:200]}); numerics.every is off for this run'
       )
       logging.warning(line)
       return {'stats': {}, 'line': line}

@@ -56,12 +56,14 @@ def dispatch(flag_values, argv: list[str], config, default_workdir) -> str | Non
 
 
 def _trains(flag_values) -> bool:
-  return flag_values.mode == 'train' and not flag_values.audit and not flag_values.advise
+  one_process = flag_values.audit or flag_values.advise or flag_values.race
+  return flag_values.mode == 'train' and not one_process
 
 
 def _check_train_only(flag_values, flag: str) -> None:
   if not _trains(flag_values):
-    other = f'--mode={flag_values.mode}' if flag_values.mode != 'train' else '--audit/--advise'
+    mode = flag_values.mode
+    other = f'--mode={mode}' if mode != 'train' else '--audit/--advise/--race'
     raise UserError(f'{flag} trains; {other} runs in one process: leave {flag} out')
 
 

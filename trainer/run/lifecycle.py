@@ -314,7 +314,7 @@ def init_from(trainer, source: str) -> str:
   except AssertionError as e:
     raise ConfigError(
       f'config.train.init_from={source!r}: its model does not match this one '
-      f'({str(e).splitlines()[0][:200]})'
+      f'({(str(e).splitlines() or ["no detail"])[0][:200]})'
     ) from None
   # A damaged file surfaces as OpError (DataLoss, NotFound), ValueError, a protobuf
   # DecodeError ... (as in checkpoints.restore_newest_readable).

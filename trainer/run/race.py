@@ -29,6 +29,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
+from trainer.errors import UserError
 from trainer.insight import files
 from trainer.run import progress
 
@@ -78,6 +79,8 @@ def working_mib(call: Callable[[], Any]) -> float | None:
 
 def race(trainer_class, config, steps: int = 50, rounds: int = 4) -> list[Row]:
   """Trains each setting `steps` steps as the module docstring says; one Row per setting."""
+  if steps < 2:  # else the timed call would trace and compile
+    raise UserError(f'--race={steps}: race at least 2 steps (the first call is untimed)')
   first = max(1, steps // 5)
   rounds = max(1, min(rounds, steps - first))
   call = max(1, (steps - first) // rounds)
