@@ -6,8 +6,7 @@ activation. A function decorated with `kernel` is instead compiled by XLA into o
 (`tf.function(jit_compile=True)`), while the matmuls around it stay TensorFlow's (oneDNN's
 kernels, which at the Shakespeare shape beat XLA's: configs/shakespeare.py runs without XLA).
 Timed both ways (docs/references.md, "nanoGPT's own script"), GELU's forward and backward ran
-faster as one kernel, and so did the blocked attention's per-block softmax and dS;
-layer_norm's ran slower and the plain path's masked_softmax about the same, so those stay
+faster as one kernel; layer_norm's ran slower and masked_softmax's about the same, so those stay
 TensorFlow's ops. Inside a step XLA compiles whole, a kernel is simply part of that computation.
 
 Only while `kernels()` is active (the trainer's train and eval steps enter it while they trace);

@@ -149,9 +149,8 @@ def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
   q, k, v, the output and each row's float32 log-sum-exp, and recomputes one block's weights
   at a time from them: exp(s - lse), then dV += P^T dO, dS = P * (dO V^T - rowsum(dO * O)),
   dQ = dS K, dK += dS^T Q. The matmuls run in q's dtype as the plain path's do; statistics
-  and dS in float32, each block's as one XLA kernel inside the trainer's steps (trainer/nn/
-  fused.py). Nothing [batch, heads, time, time] is made or kept: transient memory is one
-  block's [batch, heads, chunk, <= time] scores."""
+  and dS in float32. Nothing [batch, heads, time, time] is made or kept: transient memory is
+  one block's [batch, heads, chunk, <= time] scores."""
   time = int(q.shape[2])
   blocks = [(start, min(start + chunk, time)) for start in range(0, time, chunk)]
 
@@ -167,33 +166,11 @@ def chunked_attention(q, k, v, chunk: int) -> tf.Tensor:
 # would otherwise run the independent blocks, or slice every block's keys, at once and hold them.
 
 
-def _masked32(s, start: int, end: int) -> tf.Tensor:
-  """Block [start, end)'s scores against keys [0, end) in float32, -inf where masked."""
+def _scores32(qi, kj, start: int, end: int) -> tf.Tensor:
+  """Block [start, end)'s float32 scores against keys [0, end), -inf where masked."""
+  s = tf.cast(tf.matmul(qi, kj, transpose_b=True), tf.float32)
   mask = tf.range(end)[None, :] <= tf.range(start, end)[:, None]  # [end - start, end]
-  return tf.where(mask, tf.cast(s, tf.float32), float('-inf'))
-
-
-# The element-wise work of a block, one XLA kernel each inside the trainer's steps (trainer/nn/
-# fused.py): each reads the block's 16-bit matmul outputs once and writes 16-bit results, where
-# as TensorFlow ops every cast, mask, exp and product is a pass over float32 copies.
-
-
-@fused.kernel
-def _block_softmax(s, start: int, end: int):
-  """(softmax of the masked scores in s's dtype, each row's float32 log-sum-exp)."""
-  s32 = _masked32(s, start, end)
-  m = tf.reduce_max(s32, axis=-1, keepdims=True)  # finite: the diagonal is never masked
-  e = tf.exp(s32 - m)
-  total = tf.reduce_sum(e, axis=-1, keepdims=True)
-  return tf.cast(e / total, s.dtype), m + tf.math.log(total)
-
-
-@fused.kernel
-def _block_grads(s, dp, lse, rowdot, start: int, end: int):
-  """(P = exp(s - lse), dS = P * (dP - rowdot)), both in s's dtype, computed in float32."""
-  p = tf.exp(_masked32(s, start, end) - lse)
-  ds = p * (tf.cast(dp, tf.float32) - rowdot)
-  return tf.cast(p, s.dtype), tf.cast(ds, s.dtype)
+  return tf.where(mask, s, float('-inf'))
 
 
 def _blocked_forward(q, k, v, blocks):
@@ -203,9 +180,12 @@ def _blocked_forward(q, k, v, blocks):
   for start, end in blocks:
     with tf.control_dependencies(outs[-1:]):
       qi, kj, vj = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-    p, lse = _block_softmax(tf.matmul(qi, kj, transpose_b=True), start, end)
-    outs.append(tf.matmul(p, vj))  # the softmax as the plain path's
-    lses.append(lse)
+    s = _scores32(qi, kj, start, end)
+    m = tf.reduce_max(s, axis=-1, keepdims=True)  # finite: the diagonal is never masked
+    e = tf.exp(s - m)
+    total = tf.reduce_sum(e, axis=-1, keepdims=True)
+    outs.append(tf.matmul(tf.cast(e / total, q.dtype), vj))  # the softmax as the plain path's
+    lses.append(m + tf.math.log(total))
   return tf.concat(outs, axis=2), lses
 
 
@@ -213,27 +193,27 @@ def _blocked_backward(q, k, v, out, lses, d_out, blocks):
   """(dQ, dK, dV): per block, P = exp(s - lse), dV += P^T dO, dS = P * (dO V^T - rowsum(dO *
   O)), dQ = dS K, dK += dS^T Q; dK and dV summed in float32 per key block over the query blocks
   that see it."""
-  rowdots = tf.reduce_sum(tf.cast(d_out, tf.float32) * tf.cast(out, tf.float32), -1, keepdims=True)
+  dtype = q.dtype
   dq: list[tf.Tensor] = []
   dk: list = [0.0] * len(blocks)
   dv: list = [0.0] * len(blocks)
   for i, ((start, end), lse) in enumerate(zip(blocks, lses)):
     with tf.control_dependencies(dq[-1:]):
       qi, kj, vj = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-      do = d_out[:, :, start:end]
-    s = tf.matmul(qi, kj, transpose_b=True)
-    dp = tf.matmul(do, vj, transpose_b=True)
-    p, ds = _block_grads(s, dp, lse, rowdots[:, :, start:end], start, end)
+      do, oi = d_out[:, :, start:end], out[:, :, start:end]
+    p = tf.exp(_scores32(qi, kj, start, end) - lse)  # this block's weights, float32
+    rowdot = tf.reduce_sum(tf.cast(do, tf.float32) * tf.cast(oi, tf.float32), -1, keepdims=True)
+    dp = tf.cast(tf.matmul(do, vj, transpose_b=True), tf.float32)
+    ds = tf.cast(p * (dp - rowdot), dtype)
     sizes = [b - a for a, b in blocks[: i + 1]]  # keys [0, end): key blocks 0..i
     for acc, part in (
-      (dv, tf.matmul(p, do, transpose_a=True)),
+      (dv, tf.matmul(tf.cast(p, dtype), do, transpose_a=True)),
       (dk, tf.matmul(ds, qi, transpose_a=True)),
     ):
       for j, piece in enumerate(tf.split(tf.cast(part, tf.float32), sizes, axis=2)):
         acc[j] += piece
     with tf.control_dependencies(dk[: i + 1] + dv[: i + 1]):  # summed before the next block
       dq.append(tf.matmul(ds, kj))
-  dtype = q.dtype
   return (
     tf.concat(dq, axis=2),
     tf.cast(tf.concat(dk, axis=2), dtype),
