@@ -4,8 +4,9 @@
   python -m benchmarks.peer_nanogpt --contenders=nanogpt,ours,nanogpt+load:2@19,ours+load:2@19 \\
       --precisions=float32 --rounds=2 --results_name=peer_nanogpt_full   # alone and loaded
   python -m benchmarks.peer_nanogpt --quick                          # checks that it runs
-  python -m benchmarks.peer_nanogpt --shape=shakespeare_large --steps=60 --rounds=2 \
-      --contenders=nanogpt_autocast,ours --precisions=float32,bfloat16   # the 16-bit speed
+  python -m benchmarks.peer_nanogpt --shape=shakespeare_large --steps=50 --rounds=3 \
+      --contenders=nanogpt_autocast,ours --precisions=float32,bfloat16 \
+      --results_name=peer_nanogpt_16bit_speed                        # the 16-bit speed
 
 Not a test. nanoGPT (karpathy/nanoGPT) is not part of this project: export its tree beside this
 repository (--nanogpt, default ../nanogpt), copy Tiny Shakespeare's input.txt into its
