@@ -41,3 +41,10 @@ class NonFiniteError(TrainingFailed):
 class DivergenceError(TrainingFailed):
   """The loss diverged: config.numerics.divergence_stop stopped the run, or it finished diverged
   or at chance (trainer/run/health.py's check_end)."""
+
+
+def message_line(e: BaseException, last: bool = False) -> str:
+  """The first (or, with `last`, the last) line of str(e), stripped; '' for an empty message (a
+  bare `raise ValueError()`), so that a one-line error quoting another never fails itself."""
+  lines = str(e).strip().splitlines()
+  return lines[-1 if last else 0] if lines else ''

@@ -40,6 +40,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
+from trainer.errors import message_line
 from trainer.insight import files, forensics
 from trainer.nn import paths
 
@@ -333,7 +334,7 @@ def validate(
       trainer.train()
     except Exception as e:  # pylint: disable=broad-except  (a non-finite final eval, say)
       # The error's first clause (its advice, after '; ', is for a run of its own).
-      first = (str(e).strip().splitlines() or [''])[0].split('; ')[0]
+      first = message_line(e).split('; ')[0]
       error = f'{type(e).__name__}: {first[:200]}'
     _, overall = numerics.Probe(trainer).measure()
     results.append(

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer.errors import UserError
+from trainer.errors import UserError, message_line
 from trainer.insight import files
 
 
@@ -145,7 +145,7 @@ class Forensics:
         os.path.join(self.folder, 'weights', 'ckpt')
       ).assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
-      first = (str(e).strip().splitlines() or [''])[0]
+      first = message_line(e)
       raise UserError(
         f'--forensics={self.folder}: its weights do not fit the model built from '
         f'the config ({type(e).__name__}: {first[:200]}); pass the --config of '
@@ -182,7 +182,7 @@ def load(folder: str) -> Forensics:
       bool(meta.get('skipped', False)),
     )
   except Exception as e:  # pylint: disable=broad-except  (any damage: one line)
-    first = (str(e).strip().splitlines() or [''])[0][:200]
+    first = message_line(e)[:200]
     raise UserError(
       f'--forensics={folder} is damaged ({type(e).__name__}: {first}); it is not '
       'a folder a skipped step wrote: record it again with --mode=diagnose '

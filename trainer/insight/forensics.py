@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from trainer.errors import UserError
+from trainer.errors import UserError, message_line
 from trainer.insight import op_watch
 from trainer.insight.forensic_folder import folder_for, load, save, write_report
 from trainer.insight.forensic_folder import Forensics, run_of  # noqa: F401  (re-exported)
@@ -365,7 +365,7 @@ def replay_folder(trainer, folder: str) -> Report:
       trainer.model, trainer.compute_loss, forensics.batch, loss_scale=forensics.loss_scale
     )
   except (ValueError, TypeError, KeyError, IndexError, tf.errors.InvalidArgumentError) as e:
-    first = (str(e).strip().splitlines() or [''])[0][:200]
+    first = message_line(e)[:200]
     raise UserError(
       f'--forensics={folder}: its batch does not fit the model built from the '
       f'config ({type(e).__name__}: {first}); pass the --config of the run that '
@@ -481,5 +481,5 @@ class ForensicStop:
         'step %d: the forensic replay failed (%s: %s); training goes on',
         step,
         type(e).__name__,
-        (str(e).strip().splitlines() or [''])[-1][:200],
+        message_line(e, last=True)[:200],
       )

@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from trainer.errors import message_line
 from trainer.insight import hooks
 from trainer.nn import paths
 from trainer.data import checks
@@ -391,7 +392,7 @@ class Recorder:
       self.every = 0
       line = (
         f'numerics at step {step}: the statistics probe failed ({type(e).__name__}: '
-        f'{(str(e).strip().splitlines() or [""])[-1][:200]}); numerics.every is off for this run'
+        f'{message_line(e, last=True)[:200]}); numerics.every is off for this run'
       )
       logging.warning(line)
       return {'stats': {}, 'line': line}

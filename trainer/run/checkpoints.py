@@ -29,7 +29,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from trainer.errors import UserError
+from trainer.errors import UserError, message_line
 from trainer.nn.paths import variable_name
 from trainer.run.checkpoint_files import find
 from trainer.step.eager_then_compiled import EagerThenCompiled
@@ -73,7 +73,7 @@ def restore(items: dict, path: str) -> None:
       # ValueError is a damaged file.
       if isinstance(e, ValueError) and 'incompatible tensor with shape' not in str(e):
         raise
-      first = (str(e).strip().splitlines() or [''])[0]
+      first = message_line(e)
       raise Mismatch(f"its {name!r} does not match this run's ({first[:160]})", name) from e
 
 
